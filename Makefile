@@ -1,0 +1,36 @@
+# Two commands do everything: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is installed first, on its own, so that CI and local machines can choose the build:
+#   make test TORCH_SPEC='torch'          # whatever pip resolves (a CUDA build on Linux from PyPI)
+#   make test TORCH_SPEC='torch==2.13.0'  # the default; on this project's machines a CPU wheel on local disk
+# The package itself only asks for torch>=2.4, so an installed build is kept.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev
+
+.PHONY: demo test venv lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) examples/core_demo.py
+
+test: venv
+	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check air_core lightning_air accelerate_air tests benchmarks examples
+
+bench: venv
+	$(PY) benchmarks/checkpoint_stall.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

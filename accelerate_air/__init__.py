@@ -1,0 +1,1 @@
+"""Accelerate adapter (issue 4)."""

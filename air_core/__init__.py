@@ -1,0 +1,28 @@
+"""air_core: asynchronous, staged, committed checkpoints for PyTorch, free of any training framework.
+
+The public names are exactly ``__all__``. Start with ``AsyncCheckpointer``; ``docs/design.md`` walks
+through the save pipeline (snapshot -> serialize -> stage -> upload -> commit -> retention).
+"""
+
+from .checkpointer import AsyncCheckpointer, SaveHandle
+from .errors import AirError, ConfigError, CorruptCheckpointError, SaveError, StorageError
+from .events import Event, Listener, PhaseEvent, RestoreRecord, SaveRecord
+from .manifest import CheckpointInfo, FileEntry, Manifest
+
+__all__ = [
+    "AirError",
+    "AsyncCheckpointer",
+    "CheckpointInfo",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "Event",
+    "FileEntry",
+    "Listener",
+    "Manifest",
+    "PhaseEvent",
+    "RestoreRecord",
+    "SaveError",
+    "SaveHandle",
+    "SaveRecord",
+    "StorageError",
+]

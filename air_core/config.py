@@ -1,0 +1,138 @@
+"""Every setting of the checkpointer, with its default, unit and validation.
+
+Nothing else in air_core reads raw user arguments: ``AsyncCheckpointer`` builds one frozen
+``CheckpointerConfig`` and the parts read from it. Whatever can be checked without I/O is checked
+here, at construction, so a mistake fails before any training step; checks that need I/O (is the
+staging directory writable, is the bucket reachable) run in ``AsyncCheckpointer.__init__``.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .errors import ConfigError
+
+WriterKind = Literal["thread", "process"]
+BusyPolicy = Literal["wait", "skip"]
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointerConfig:
+    """Settings of one ``AsyncCheckpointer``; see the README for what each one trades."""
+
+    root: str
+    """Destination URL or path (any fsspec URL: ``s3://b/p``, ``gs://``, ``abfs://``, ``file://``, a path)."""
+    staging_dir: str | None = None
+    """Local (NVMe) folder for staged files, spill and the local cache. None: a temporary folder
+    when the destination is remote; a local destination is then written directly, not staged twice."""
+    host_budget_bytes: int | None = None
+    """Most host memory the staging buffers may hold, in bytes. None: as much as the state needs.
+    State beyond the budget spills to ``staging_dir``."""
+    keep_last: int = 2
+    """Committed checkpoints to keep; older ones are deleted only after a newer one commits."""
+    max_in_flight: int = 1
+    """Saves that may be snapshotted but not yet committed. Each needs its own staging buffers."""
+    on_busy: BusyPolicy = "wait"
+    """When ``max_in_flight`` saves are pending: ``wait`` for the oldest, or ``skip`` this save."""
+    writer: WriterKind = "thread"
+    """Where serialization runs: a lower-priority ``thread`` or a writer ``process`` fed through
+    shared memory. ``benchmarks/checkpoint_stall.py`` measures both."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Passed to fsspec untouched (credentials, endpoint). Never logged or written to a manifest."""
+    rank: int = 0
+    """This process's rank; every rank writes its own part of each checkpoint."""
+    world_size: int = 1
+    """Ranks whose parts a checkpoint needs before it is committed."""
+    launch_id: str = ""
+    """The same string on every rank, new for each launch: it tells this launch's rank records from
+    those a crashed launch left behind. Generated when ``world_size`` is 1."""
+    max_transfers: int = 8
+    """Parallel file transfers (upload and download)."""
+    retries: int = 5
+    """Attempts after the first for a transient storage error."""
+    retry_backoff_seconds: float = 0.2
+    """First retry delay; doubles each attempt, with jitter."""
+    commit_timeout_seconds: float = 600.0
+    """How long rank 0 waits for the other ranks' parts before the save fails."""
+    close_timeout_seconds: float = 600.0
+    """Bound on ``close()`` waiting for in-flight saves."""
+
+    def __post_init__(self) -> None:
+        def bad(arg: str, value: object, why: str) -> ConfigError:
+            return ConfigError(f"AsyncCheckpointer({arg}={value!r}): {why}")
+
+        if not isinstance(self.root, str) or not self.root.strip():
+            raise bad("root", self.root, "root must be a non-empty path or URL, e.g. 's3://bucket/run1'.")
+        if self.staging_dir is not None and not isinstance(self.staging_dir, str):
+            raise bad("staging_dir", self.staging_dir, "staging_dir must be a local folder path (str) or None.")
+        if self.staging_dir is not None and "://" in self.staging_dir and not self.staging_dir.startswith(
+            "file://"
+        ):
+            raise bad(
+                "staging_dir",
+                self.staging_dir,
+                "staging_dir must be on a local disk (NVMe); pass a local folder, e.g. '/local_nvme/air'.",
+            )
+        _check_int("host_budget_bytes", self.host_budget_bytes, 1, optional=True)
+        if not _is_int(self.keep_last) or self.keep_last < 1:
+            raise bad(
+                "keep_last",
+                self.keep_last,
+                "keep_last must be at least 1, because the newest committed checkpoint is never "
+                "deleted. Pass keep_last=1 or more.",
+            )
+        _check_int("max_in_flight", self.max_in_flight, 1)
+        _check_choice("on_busy", self.on_busy, ("wait", "skip"))
+        _check_choice("writer", self.writer, ("thread", "process"))
+        if not isinstance(self.storage_options, dict):
+            raise bad("storage_options", "<hidden>", "storage_options must be a dict (or None).")
+        _check_int("world_size", self.world_size, 1)
+        _check_int("rank", self.rank, 0)
+        if self.rank >= self.world_size:
+            raise bad("rank", self.rank, f"rank must be below world_size={self.world_size}.")
+        if self.world_size > 1 and not self.launch_id:
+            raise bad(
+                "launch_id",
+                self.launch_id,
+                "with world_size > 1 every rank must pass the same launch_id, new for each launch "
+                "(e.g. a uuid4 broadcast from rank 0); the adapters do this for you.",
+            )
+        if not self.launch_id:
+            object.__setattr__(self, "launch_id", uuid.uuid4().hex)
+        _check_int("max_transfers", self.max_transfers, 1)
+        _check_int("retries", self.retries, 0)
+        for name in ("retry_backoff_seconds", "commit_timeout_seconds", "close_timeout_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise bad(name, value, f"{name} must be a number of seconds >= 0.")
+
+
+def check_name(name: str, *, what: str = "name") -> str:
+    """Return ``name`` if it is a safe checkpoint name (one path segment), else raise ``ConfigError``."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
+        raise ConfigError(
+            f"save({what}={name!r}): a checkpoint name must be one path segment of letters, digits "
+            "and . _ = + - (no '/', no leading dot), e.g. 'step-000100'."
+        )
+    return name
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(arg: str, value: object, minimum: int, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not _is_int(value) or value < minimum:  # type: ignore[operator]
+        raise ConfigError(f"AsyncCheckpointer({arg}={value!r}): {arg} must be an integer >= {minimum}.")
+
+
+def _check_choice(arg: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"AsyncCheckpointer({arg}={value!r}): {arg} must be one of {', '.join(allowed)}.")

@@ -1,0 +1,39 @@
+"""The exceptions air_core raises.
+
+Each one subclasses the builtin a caller would already catch (``ValueError`` for configuration,
+``OSError`` for storage), so existing ``except`` clauses keep working; none derives from
+``BaseException``. Messages name the call as written, what is wrong, why, and the fix.
+"""
+
+from __future__ import annotations
+
+
+class AirError(Exception):
+    """Base class of every error air_core raises on purpose."""
+
+
+class ConfigError(AirError, ValueError):
+    """A setting is invalid; raised before any checkpoint is written."""
+
+
+class StorageError(AirError, OSError):
+    """The destination or the staging directory cannot be used (after retries, if transient)."""
+
+
+class SaveError(AirError):
+    """A background save failed; raised once on the training side, ``from`` the original error."""
+
+    def __init__(self, message: str, *, step: int, phase: str, rank: int) -> None:
+        super().__init__(message)
+        self.step = step
+        self.phase = phase
+        self.rank = rank
+
+
+class CorruptCheckpointError(AirError):
+    """A checkpoint is not committed, or its files do not match its manifest."""
+
+    def __init__(self, message: str, *, path: str, reason: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.reason = reason

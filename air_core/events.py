@@ -1,0 +1,97 @@
+"""What the pipeline tells the outside: phase events and per-save / per-restore records.
+
+The pipeline never imports the metrics layer; it calls the ``Listener`` objects it was given. Phase
+events mark the moments a fault-injection test may kill the process at; records carry the figures
+the metrics layer logs. A listener that raises is logged once and ignored: metrics never fail a save.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, Protocol, Union
+
+logger = logging.getLogger(__name__)
+
+Phase = Literal[
+    "snapshot_start", "snapshot_done", "serialize_start", "staged", "upload_start", "uploaded",
+    "part_written", "commit_start", "committed", "retention_deleted", "failed",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PhaseEvent:
+    """One save reached ``phase`` (emitted on the thread doing that phase)."""
+
+    phase: Phase
+    name: str
+    step: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """The latency of one save, delivered once it committed (or failed: ``error`` is set)."""
+
+    name: str
+    step: int
+    rank: int
+    wait_seconds: float
+    """Time ``save`` waited for an earlier save to free a buffer (backpressure)."""
+    blocking_seconds: float
+    """Time ``save`` held the training thread, the wait included."""
+    staging_seconds: float
+    """Serialize + checksum + write to the staging folder (or straight to a local destination)."""
+    upload_seconds: float
+    commit_seconds: float
+    """From this rank's files uploaded to the manifest written (rank 0) or seen (other ranks)."""
+    total_seconds: float
+    """From ``save`` called to committed: the time until the checkpoint is durable."""
+    bytes: int
+    spilled_bytes: int
+    error: str = ""
+
+    @property
+    def throughput_bytes_per_second(self) -> float:
+        busy = self.staging_seconds + self.upload_seconds
+        return self.bytes / busy if busy > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class RestoreRecord:
+    """One load: how long it took and where the bytes came from."""
+
+    name: str
+    step: int
+    rank: int
+    seconds: float
+    source: Literal["local", "cache", "remote"]
+    bytes: int
+
+
+Event = Union[PhaseEvent, SaveRecord, RestoreRecord]
+
+
+class Listener(Protocol):
+    """Receives events. Called on the training thread (snapshot, restore) or the writer thread
+    (every later phase) of each rank; must return quickly and must not call back into the checkpointer."""
+
+    def on_event(self, event: Event) -> None: ...
+
+
+class Emitter:
+    """Fans events out to listeners, shielding the pipeline from their errors."""
+
+    def __init__(self, listeners: Iterable[Listener]) -> None:
+        self._listeners = list(listeners)
+        self._warned: set[int] = set()
+
+    def __call__(self, event: Event) -> None:
+        for listener in self._listeners:
+            try:
+                listener.on_event(event)
+            except Exception:
+                if id(listener) not in self._warned:
+                    self._warned.add(id(listener))
+                    logger.warning("listener %r failed; its later errors are ignored", listener, exc_info=True)

@@ -1,0 +1,318 @@
+"""Copy a state into reused host buffers, so training may go on mutating it.
+
+``take_snapshot`` pickles the state's structure with every tensor replaced by a reference (so any
+picklable object is copied at that moment, aliasing is kept, and no live object reaches the writer),
+then copies each distinct tensor storage into a ``HostBuffer`` that lives across saves: pinned
+(page-locked with ``cudaHostRegister``, never the power-of-two caching allocator) with copies queued on
+a side stream when tensors are on a GPU, plain or shared memory on CPU. What does not fit in the
+buffer spills to a file in the local staging folder, so the host budget is never exceeded.
+``materialize`` turns a snapshot back into the state, with tensors that view the buffer and the
+spill file; the writer serializes that. This module never writes the checkpoint itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import pickle
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+logger = logging.getLogger(__name__)
+_ALIGN = 64
+_BOUNCE_BYTES = 32 << 20
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class HostBuffer:
+    """One reusable staging buffer; grows (within its capacity) only when a state outgrows it.
+
+    Owned by the checkpointer; handed to one snapshot at a time (see ``BufferPool``).
+    """
+
+    def __init__(self, capacity_bytes: int | None, *, shared: bool) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.shared = shared
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        self.pinned = False
+        self.allocations = 0
+
+    def reserve(self, nbytes: int, *, pin: bool) -> int:
+        """Make the buffer hold ``min(nbytes, capacity)`` bytes; return that size."""
+        want = nbytes if self.capacity_bytes is None else min(nbytes, self.capacity_bytes)
+        if want > self.tensor.numel() or (pin and not self.pinned):
+            self.release()
+            # Allocate once (rounded up 1/8 to absorb small growth) and reuse it across saves.
+            size = want if self.capacity_bytes is None else min(self.capacity_bytes, want + want // 8)
+            size = max(size, self.tensor.numel())
+            tensor = torch.empty(size, dtype=torch.uint8)
+            if self.shared:
+                tensor.share_memory_()
+            if pin:
+                _cuda_check(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), size, 0), "pin")
+                self.pinned = True
+            self.tensor = tensor
+            self.allocations += 1
+        return min(want, self.tensor.numel())
+
+    def release(self) -> None:
+        if self.pinned:
+            _cuda_check(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr()), "unpin")
+            self.pinned = False
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+
+
+class BufferPool:
+    """``max_in_flight`` host buffers sharing the host budget; a snapshot waits for a free one."""
+
+    def __init__(self, budget_bytes: int | None, count: int, *, shared: bool) -> None:
+        per = None if budget_bytes is None else max(budget_bytes // count, 1)
+        self._free = [HostBuffer(per, shared=shared) for _ in range(count)]
+        self._all = list(self._free)
+        self._cond = threading.Condition()
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(b.tensor.numel() for b in self._all)
+
+    @property
+    def allocations(self) -> int:
+        return sum(b.allocations for b in self._all)
+
+    def has_free(self) -> bool:
+        with self._cond:
+            return bool(self._free)
+
+    def acquire(self) -> HostBuffer:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            return self._free.pop()
+
+    def give_back(self, buffer: HostBuffer) -> None:
+        with self._cond:
+            self._free.append(buffer)
+            self._cond.notify()
+
+    def close(self) -> None:
+        for b in self._all:
+            b.release()
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor of the state lives in the snapshot."""
+
+    slot: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    requires_grad: bool
+    is_parameter: bool
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One copied storage: ``nbytes`` at ``offset`` in the buffer, or in the spill file."""
+
+    spilled: bool
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class Snapshot:
+    """A copy of one state, detached from the caller's objects (once ``wait_copied`` returns)."""
+
+    skeleton: bytes
+    tensors: list[TensorRef]
+    slots: list[Slot]
+    buffer: HostBuffer
+    spill_path: str | None
+    nbytes: int
+    spilled_bytes: int
+    copy_event: Any = None
+    _sources: list[torch.UntypedStorage] = field(default_factory=list)
+
+    def wait_copied(self) -> None:
+        """Block until every device-to-host copy has landed; then the sources may change."""
+        if self.copy_event is not None:
+            self.copy_event.synchronize()
+        self._sources.clear()
+
+
+class _RefPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, seen: dict[int, int], found: list[torch.Tensor]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._seen = seen
+        self._found = found
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
+                raise ConfigError(
+                    f"save(state): a tensor with layout {obj.layout} on {obj.device} cannot be staged; "
+                    "convert it to a dense tensor (e.g. .to_dense()) on a real device before saving."
+                )
+            key = id(obj)
+            if key not in self._seen:
+                self._seen[key] = len(self._found)
+                self._found.append(obj)
+            return ("t", self._seen[key])
+        if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
+            raise ConfigError("save(state): bare storages cannot be staged; save the tensors that use them.")
+        return None
+
+
+class _RefUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file)
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._tensors[pid[1]]
+
+
+def take_snapshot(state: Any, buffer: HostBuffer, *, spill_dir: str, spill_name: str) -> Snapshot:
+    """Copy ``state`` into ``buffer`` (and a spill file beyond its capacity).
+
+    Called on the training thread. On return, CPU tensors are copied; GPU copies are queued on a
+    side stream and ``Snapshot.wait_copied`` must return before the caller mutates them.
+    """
+    found: list[torch.Tensor] = []
+    skel = io.BytesIO()
+    try:
+        _RefPickler(skel, {}, found).dump(state)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"save(state): the state cannot be pickled ({exc}); keep it to tensors, "
+                          "containers and picklable objects.") from exc  # fmt: skip
+
+    storages: dict[int, int] = {}
+    sources: list[torch.UntypedStorage] = []
+    tensors = []
+    for t in found:
+        storage = t.untyped_storage()
+        slot = storages.setdefault(storage._cdata, len(sources))
+        if slot == len(sources):
+            sources.append(storage)
+        tensors.append(
+            TensorRef(slot, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+                      t.requires_grad, isinstance(t, torch.nn.Parameter))  # fmt: skip
+        )
+
+    on_gpu = any(s.device.type == "cuda" for s in sources)
+    need = sum(_aligned(s.nbytes()) for s in sources)
+    bounce = min(_BOUNCE_BYTES, max((buffer.capacity_bytes or need) // 4, _ALIGN)) if on_gpu else 0
+    fits = buffer.reserve(need, pin=on_gpu and torch.cuda.is_available())
+    if fits < need and bounce:
+        fits = max(fits - bounce, 0)
+
+    slots, offset, spill_offset, pending_spill = [], 0, 0, []
+    for s in sources:
+        n = s.nbytes()
+        if offset + _aligned(n) <= fits:
+            slots.append(Slot(False, offset, n))
+            offset += _aligned(n)
+        else:
+            slots.append(Slot(True, spill_offset, n))
+            pending_spill.append(s)
+            spill_offset += _aligned(n)
+
+    event = None
+    stream = torch.cuda.Stream() if on_gpu else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for s, slot in zip(sources, slots):
+            if not slot.spilled and slot.nbytes:
+                dst = buffer.tensor[slot.offset : slot.offset + slot.nbytes]
+                dst.copy_(_bytes_view(s), non_blocking=s.device.type == "cuda")
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+
+    spill_path = None
+    if pending_spill:
+        os.makedirs(spill_dir, exist_ok=True)
+        spill_path = os.path.join(spill_dir, spill_name)
+        staging = buffer.tensor[fits : fits + bounce] if bounce else None
+        _write_spill(spill_path, pending_spill, staging)
+        logger.debug("snapshot spilled %d bytes to %s", spill_offset, spill_path)
+
+    snap = Snapshot(
+        skeleton=skel.getvalue(), tensors=tensors, slots=slots, buffer=buffer, spill_path=spill_path,
+        nbytes=sum(s.nbytes() for s in sources), spilled_bytes=spill_offset, copy_event=event,
+        _sources=sources if event is not None else [],
+    )  # fmt: skip
+    return snap
+
+
+def _write_spill(path: str, sources: list[torch.UntypedStorage], bounce: torch.Tensor | None) -> None:
+    with open(path, "wb", buffering=0) as f:
+        for s in sources:
+            src = _bytes_view(s)
+            n = src.numel()
+            if s.device.type == "cpu":
+                if n:
+                    f.write(memoryview(src.numpy()))
+            else:
+                assert bounce is not None and bounce.numel() > 0
+                step = bounce.numel()
+                for start in range(0, n, step):
+                    m = min(step, n - start)
+                    bounce[:m].copy_(src[start : start + m])  # synchronous: the bounce is reused
+                    f.write(memoryview(bounce[:m].numpy()))
+            pad = _aligned(n) - n
+            if pad:
+                f.write(b"\0" * pad)
+
+
+def materialize(snap: Snapshot) -> Any:
+    """Rebuild the state with tensors that view the snapshot's buffer and spill file (no copy)."""
+    return materialize_parts(snap.skeleton, snap.tensors, snap.slots, snap.buffer.tensor, snap.spill_path)
+
+
+def materialize_parts(
+    skeleton: bytes, refs: list[TensorRef], slots: list[Slot], buffer: torch.Tensor, spill_path: str | None
+) -> Any:
+    """``materialize`` from plain parts, so a writer process can do it from shared memory."""
+    spill = None
+    if spill_path is not None:
+        size = os.path.getsize(spill_path)
+        spill = torch.UntypedStorage.from_file(spill_path, True, size) if size else None
+    base = buffer.untyped_storage()
+    storages = []
+    for slot in slots:
+        src = spill if slot.spilled else base
+        storages.append(src[slot.offset : slot.offset + slot.nbytes] if slot.nbytes else torch.UntypedStorage(0))
+    tensors = []
+    for ref in refs:
+        t = torch.empty(0, dtype=ref.dtype).set_(storages[ref.slot], ref.offset, ref.size, ref.stride)
+        if ref.is_parameter:
+            t = torch.nn.Parameter(t, requires_grad=ref.requires_grad)
+        elif ref.requires_grad:
+            t.requires_grad_(True)
+        tensors.append(t)
+    return _RefUnpickler(io.BytesIO(skeleton), tensors).load()
+
+
+def _cuda_check(result: Any, what: str) -> None:
+    code = getattr(result, "value", result)
+    if code != 0:
+        raise RuntimeError(f"cudaHost{what} failed with CUDA error {code}")
+

@@ -1,0 +1,272 @@
+"""The destination: the only module that imports fsspec.
+
+Turns a root URL into a filesystem instance of our own (outside fsspec's instance cache, so two
+checkpointers never share settings), and gives the rest of the core a few verbs over paths relative
+to the root. Every verb places a file at its final name only when complete: on a POSIX filesystem by
+temp file, fsync, rename and fsync of the folder; on an object store by one completed PUT (a multipart
+upload is invisible until completed), never by rename. Transient errors (timeouts, throttling,
+dropped connections) are retried with exponential backoff and jitter; anything else raises
+``StorageError`` at once, naming the path and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import IO, Any, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from .errors import ConfigError, StorageError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "abfs": "azure", "az": "azure", "adl": "azure"}
+_TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.EIO, errno.EREMOTEIO}
+
+
+def redact(url: str) -> str:
+    """Drop user info and query strings (tokens) from a URL before it is logged or recorded."""
+    url = re.sub(r"^([a-zA-Z][\w+.-]*://)[^/@]*@", r"\1", url)
+    return url.split("?", 1)[0]
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is worth retrying: a timeout, a dropped connection, throttling or a 5xx."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError)):
+        return False
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        return True
+    # aiohttp/botocore errors that fsspec backends let through untranslated.
+    return type(exc).__name__ in {"ClientPayloadError", "ServerDisconnectedError", "ReadTimeoutError"}
+
+
+class Storage:
+    """Files under one root URL, addressed by relative POSIX paths.
+
+    Thread-safe for distinct paths; the writer orders operations on the same path. Each instance owns
+    its fsspec filesystem (``skip_instance_cache``) and re-lists before any recovery decision.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        storage_options: dict[str, Any],
+        retries: int,
+        retry_backoff_seconds: float,
+    ) -> None:
+        self.url = redact(root)
+        self._retries = retries
+        self._backoff = retry_backoff_seconds
+        try:
+            self.fs, base = fsspec.core.url_to_fs(root, skip_instance_cache=True, **storage_options)
+        except ImportError as exc:
+            scheme = root.split("://", 1)[0]
+            extra = _EXTRAS.get(scheme)
+            fix = f"pip install 'air-plugins[{extra}]'" if extra else f"install the fsspec backend for {scheme}"
+            raise ConfigError(
+                f"AsyncCheckpointer(root={self.url!r}): {scheme}:// URLs need a package that is not "
+                f"installed ({exc}). Install it: {fix}"
+            ) from exc
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(
+                f"AsyncCheckpointer(root={self.url!r}): fsspec cannot open this URL ({exc}). Use a local "
+                "path or a URL whose scheme fsspec knows (s3://, gs://, abfs://, file://, memory://), and "
+                "check storage_options."
+            ) from exc
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.base = os.path.abspath(base) if self.is_local else base.rstrip("/")
+
+    # -- addressing --------------------------------------------------------------------------
+    def path(self, rel: str) -> str:
+        """The backend path of ``rel``."""
+        return f"{self.base}/{rel}" if rel else self.base
+
+    def display(self, rel: str = "") -> str:
+        """``rel`` as a URL safe to show a user."""
+        return f"{self.url.rstrip('/')}/{rel}" if rel else self.url
+
+    # -- retries -----------------------------------------------------------------------------
+    def call(self, what: str, rel: str, fn: Callable[[], T]) -> T:
+        """Run ``fn``, retrying transient errors; raise ``StorageError`` naming ``what`` and the path."""
+        for attempt in range(self._retries + 1):
+            try:
+                return fn()
+            except Exception as exc:
+                if not is_transient(exc) or attempt == self._retries:
+                    if isinstance(exc, FileNotFoundError):
+                        raise
+                    raise StorageError(
+                        f"{what} {self.display(rel)} failed after {attempt + 1} attempt(s): "
+                        f"{type(exc).__name__}: {exc}. {_fix_for(exc)}"
+                    ) from exc
+                delay = self._backoff * (2**attempt) * (0.5 + random.random())
+                logger.warning(
+                    "%s %s: transient %s (%s); retry %d/%d in %.2fs",
+                    what, self.display(rel), type(exc).__name__, exc, attempt + 1, self._retries, delay,
+                )  # fmt: skip
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    # -- writes ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def open_atomic(self, rel: str) -> Iterator[IO[bytes]]:
+        """Yield a file that appears at ``rel`` only if the block completes (local roots only)."""
+        assert self.is_local, "open_atomic is for local destinations"
+        final = self.path(rel)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = _temp_name(final)
+        try:
+            with open(tmp, "wb", buffering=0) as f:
+                yield f
+                os.fsync(f.fileno())
+            _rename_durably(tmp, final)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def local_temp(self, rel: str) -> str:
+        """A temp path beside ``rel``'s final place (local roots), for ``place_local``."""
+        assert self.is_local, "local_temp is for local destinations"
+        final = self.path(rel)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        return _temp_name(final)
+
+    def place_local(self, tmp: str, rel: str) -> None:
+        """Rename an fsynced temp file to ``rel`` and fsync the folder (local roots)."""
+        self.call("place", rel, lambda: _rename_durably(tmp, self.path(rel)))
+
+    def put_file(self, local_path: str, rel: str) -> int:
+        """Upload ``local_path`` to ``rel`` (complete or not at all); return the size found there."""
+        size = os.path.getsize(local_path)
+
+        def put() -> int:
+            if self.is_local:
+                with open(local_path, "rb") as src, self.open_atomic(rel) as dst:
+                    shutil.copyfileobj(src, dst, 16 << 20)
+            else:
+                self.fs.put_file(local_path, self.path(rel))
+            found = int(self.fs.info(self.path(rel))["size"])
+            if found != size:
+                raise OSError(errno.EIO, f"uploaded {size} bytes but the destination holds {found}")
+            return found
+
+        return self.call("upload to", rel, put)
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write a small file atomically (records and manifests)."""
+
+        def write() -> None:
+            if self.is_local:
+                with self.open_atomic(rel) as f:
+                    f.write(data)
+            else:
+                self.fs.pipe_file(self.path(rel), data)
+
+        self.call("write", rel, write)
+
+    # -- reads -------------------------------------------------------------------------------
+    def read_bytes(self, rel: str) -> bytes:
+        """Read a whole (small) file; ``FileNotFoundError`` if absent."""
+        return self.call("read", rel, lambda: self.fs.cat_file(self.path(rel)))
+
+    def get_file(self, rel: str, local_path: str) -> None:
+        """Download ``rel`` to ``local_path``, which appears only when complete."""
+        os.makedirs(os.path.dirname(local_path), exist_ok=True)
+        tmp = _temp_name(local_path)
+
+        def get() -> None:
+            try:
+                self.fs.get_file(self.path(rel), tmp)
+                os.replace(tmp, local_path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+
+        self.call("download", rel, get)
+
+    def sizes(self, rel_dir: str = "") -> dict[str, int]:
+        """Every file below ``rel_dir`` with its size, keyed by path relative to the root (fresh listing)."""
+        self.fs.invalidate_cache()
+        top = self.path(rel_dir)
+
+        def find() -> dict[str, Any]:
+            try:
+                return self.fs.find(top, detail=True)
+            except FileNotFoundError:
+                return {}
+
+        found = self.call("list", rel_dir, find)
+        prefix = self.base.rstrip("/") + "/"
+        out = {}
+        for path, info in found.items():
+            path = path if not self.is_local else os.path.abspath(path)
+            if path.startswith(prefix) and info.get("type", "file") == "file":
+                out[path[len(prefix) :]] = int(info["size"])
+        return out
+
+    def exists(self, rel: str) -> bool:
+        return self.call("check", rel, lambda: self.fs.exists(self.path(rel)))
+
+    # -- deletes -----------------------------------------------------------------------------
+    def remove(self, rel: str) -> None:
+        """Remove a file or a folder tree; a missing one is not an error."""
+
+        def rm() -> None:
+            try:
+                self.fs.rm(self.path(rel), recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self.call("delete", rel, rm)
+        if self.is_local:  # keep the tree tidy: drop folders the delete left empty
+            parent = os.path.dirname(self.path(rel))
+            while parent.startswith(self.base + os.sep):
+                try:
+                    os.rmdir(parent)
+                except OSError:
+                    break
+                parent = os.path.dirname(parent)
+
+    def check_writable(self) -> None:
+        """Write and delete a probe under the root, so a bad URL or credential fails before training."""
+        rel = f".air/.probe-{uuid.uuid4().hex[:12]}"
+        self.write_bytes(rel, b"probe")
+        self.remove(rel)
+
+
+def _temp_name(final: str) -> str:
+    head, tail = os.path.split(final)
+    return os.path.join(head, f".{tail}.air-tmp-{uuid.uuid4().hex[:8]}")
+
+
+def _rename_durably(tmp: str, final: str) -> None:
+    os.replace(tmp, final)
+    fd = os.open(os.path.dirname(final) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fix_for(exc: BaseException) -> str:
+    if isinstance(exc, PermissionError) or "credential" in str(exc).lower() or "AccessDenied" in str(exc):
+        return "Check the credentials in storage_options or the environment, and the permissions of the root."
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return "The disk is full: free space or point the root elsewhere."
+    if "NoSuchBucket" in str(exc) or "bucket" in str(exc).lower():
+        return "Check that the bucket exists and the URL is spelled right."
+    return "Check the root URL, the network and storage_options."

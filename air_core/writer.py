@@ -1,0 +1,343 @@
+"""The background persist worker: serialize -> stage -> upload -> commit -> retention, one save at a time.
+
+One named, non-daemon thread per checkpointer takes jobs from a queue bounded by ``max_in_flight``
+and runs every write *and* every delete, so operations on the same path are ordered. Serialization
+(``torch.save`` format, CRC-32 computed while writing) runs either in this thread at a lower OS
+priority, or in a writer process that reads the snapshot from shared memory: a ``Serializer`` strategy
+chosen once. Every failure is caught at the thread boundary and stored on the save's handle, from
+where the training thread raises it; nothing is reported as success unless the manifest is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from . import commit
+from .config import CheckpointerConfig
+from .errors import SaveError
+from .events import Emitter, Phase, PhaseEvent, SaveRecord
+from .manifest import CheckpointInfo, FileEntry, Manifest, PartRecord, library_versions
+from .recovery import scan, write_cached_manifest
+from .snapshot import BufferPool, Snapshot, materialize, materialize_parts
+from .storage import Storage
+
+logger = logging.getLogger(__name__)
+
+
+class _CrcWriter(io.RawIOBase):
+    """A write-only file that checksums what passes through (zlib releases the GIL on big chunks)."""
+
+    def __init__(self, f: io.RawIOBase) -> None:
+        self._f = f
+        self.crc = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        written = 0
+        while written < len(view):
+            written += self._f.write(view[written:])
+        return written
+
+
+def serialize_file(state: Any, path: str, *, fsync: bool) -> tuple[int, int]:
+    """Write ``state`` in ``torch.save`` format to ``path``; return (size, crc32)."""
+    with open(path, "wb", buffering=0) as f:
+        w = _CrcWriter(f)
+        torch.save(state, w)
+        if fsync:
+            os.fsync(f.fileno())
+    return w.size, w.crc
+
+
+class Serializer(Protocol):
+    """Writes a snapshot to a local file. Called on the writer thread only, one call at a time."""
+
+    def write(self, snap: Snapshot, path: str, *, fsync: bool) -> tuple[int, int]: ...
+
+    def close(self) -> None: ...
+
+
+class ThreadSerializer:
+    """Serialize on the writer thread itself (its OS priority is lowered when the thread starts)."""
+
+    def write(self, snap: Snapshot, path: str, *, fsync: bool) -> tuple[int, int]:
+        return serialize_file(materialize(snap), path, fsync=fsync)
+
+    def close(self) -> None:
+        pass
+
+
+def _child_main(jobs: Any, results: Any) -> None:
+    """The writer process: rebuild each snapshot from shared memory and serialize it."""
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    torch.set_num_threads(1)
+    while (job := jobs.get()) is not None:
+        try:
+            state = materialize_parts(job["skeleton"], job["refs"], job["slots"], job["buffer"], job["spill"])
+            results.put(("ok", serialize_file(state, job["path"], fsync=job["fsync"])))
+        except BaseException as exc:  # handed to the parent, which raises SaveError
+            results.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        del job
+
+
+class ProcessSerializer:
+    """Serialize in a long-lived, lower-priority process fed through shared memory."""
+
+    def __init__(self) -> None:
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._jobs = ctx.Queue()
+        self._results = ctx.Queue()
+        self._proc = ctx.Process(target=_child_main, args=(self._jobs, self._results), name="air-writer-proc")
+        self._proc.start()
+
+    def write(self, snap: Snapshot, path: str, *, fsync: bool) -> tuple[int, int]:
+        self._jobs.put(
+            {"skeleton": snap.skeleton, "refs": snap.tensors, "slots": snap.slots, "buffer": snap.buffer.tensor,
+             "spill": snap.spill_path, "path": path, "fsync": fsync}  # fmt: skip
+        )
+        while True:
+            try:
+                status, value = self._results.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    raise RuntimeError(f"the writer process died (exit code {self._proc.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(f"the writer process failed: {value}")
+        return value
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            self._jobs.put(None)
+            self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._jobs.close()
+        self._results.close()
+
+
+@dataclass
+class SaveJob:
+    """One save between ``save()`` and its commit."""
+
+    name: str
+    step: int
+    filename: str
+    snapshot: Snapshot
+    called_at: float
+    wait_seconds: float
+    blocking_seconds: float
+    finish: Callable[[CheckpointInfo | None, SaveError | None], None]
+    released: bool = False
+
+
+class Writer:
+    """Runs save jobs and their retention in one ordered background thread (see module docstring)."""
+
+    def __init__(
+        self,
+        config: CheckpointerConfig,
+        storage: Storage,
+        cache_dir: str | None,
+        pool: BufferPool,
+        serializer: Serializer,
+        emit: Emitter,
+    ) -> None:
+        self._config = config
+        self._storage = storage
+        self._cache_dir = cache_dir
+        self._pool = pool
+        self._serializer = serializer
+        self._emit = emit
+        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self.busy: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name=f"air-writer-r{config.rank}", daemon=False)
+        self._thread.start()
+
+    def submit(self, job: SaveJob) -> None:
+        self.busy.add(job.name)
+        self._queue.put(job)
+
+    def stop(self, timeout_seconds: float) -> bool:
+        """Ask the thread to finish queued jobs and exit; return whether it did within the bound."""
+        self._queue.put(None)
+        self._thread.join(timeout_seconds)
+        return not self._thread.is_alive()
+
+    def _phase(self, job: SaveJob, phase: Phase) -> None:
+        self._emit(PhaseEvent(phase, job.name, job.step, self._config.rank))
+
+    def _run(self) -> None:
+        try:  # Linux: a thread has its own nice value; a lower priority keeps it off the training's cores.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (OSError, AttributeError):
+            logger.debug("could not lower the writer thread's priority", exc_info=True)
+        while (job := self._queue.get()) is not None:
+            self._process(job)
+
+    def _process(self, job: SaveJob) -> None:
+        cfg, storage = self._config, self._storage
+        times = {"staging": 0.0, "upload": 0.0, "commit": 0.0}
+        phase, size = "serialize", 0
+        tmp: str | None = None
+        staged: str | None = None
+        try:
+            # The intent names the file before it exists, so a crash leaves a partial that retention finds.
+            intent = FileEntry(job.filename, -1, 0, cfg.rank)
+            commit.write_part(storage, PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, (intent,), False))
+            self._phase(job, "serialize_start")
+            t0 = time.monotonic()
+            job.snapshot.wait_copied()
+            direct = self._cache_dir is None
+            if direct:
+                tmp = storage.local_temp(job.filename)
+            else:
+                staged = os.path.join(self._cache_dir, *job.filename.split("/"))
+                os.makedirs(os.path.dirname(staged), exist_ok=True)
+                tmp = f"{staged}.air-tmp"
+            size, crc = self._serializer.write(job.snapshot, tmp, fsync=direct)
+            self._release(job)
+            if direct:
+                storage.place_local(tmp, job.filename)
+            else:
+                os.replace(tmp, staged)
+            tmp = None
+            times["staging"] = time.monotonic() - t0
+            self._phase(job, "staged")
+
+            if not direct:
+                phase = "upload"
+                self._phase(job, "upload_start")
+                t0 = time.monotonic()
+                storage.put_file(staged, job.filename)
+                times["upload"] = time.monotonic() - t0
+                self._phase(job, "uploaded")
+
+            phase = "commit"
+            t0 = time.monotonic()
+            entry = FileEntry(job.filename, size, crc, cfg.rank)
+            manifest = self._commit(job, entry)
+            times["commit"] = time.monotonic() - t0
+            self._phase(job, "committed")
+            logger.info(
+                "rank %d committed checkpoint %s (step %d, %d bytes) in %.2fs",
+                cfg.rank, job.name, job.step, size, time.monotonic() - job.called_at,
+            )  # fmt: skip
+            info = CheckpointInfo(job.name, job.step, "committed", "", manifest)
+            self._record(job, times, size)
+            self.busy.discard(job.name)
+            job.finish(info, None)
+        except Exception as exc:
+            self._release(job)
+            for leftover in (tmp, staged):
+                if leftover is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(leftover)
+            self.busy.discard(job.name)
+            error = SaveError(
+                f"rank {cfg.rank}: saving checkpoint {job.name!r} (step {job.step}) failed during {phase}: "
+                f"{type(exc).__name__}: {exc}. The previous committed checkpoint is untouched.",
+                step=job.step, phase=phase, rank=cfg.rank,
+            )  # fmt: skip
+            error.__cause__ = exc
+            self._phase(job, "failed")
+            self._record(job, times, size, error=str(error))
+            job.finish(None, error)
+            return
+        try:
+            self._retain()
+        except Exception:
+            logger.warning("rank %d: retention after %s failed; will retry after the next commit",
+                           cfg.rank, job.name, exc_info=True)  # fmt: skip
+
+    def _release(self, job: SaveJob) -> None:
+        """Hand the snapshot's buffer back (once) and drop its spill file."""
+        snap = job.snapshot
+        if job.released:
+            return
+        job.released = True
+        snap.wait_copied()
+        self._pool.give_back(snap.buffer)
+        if snap.spill_path:
+            with contextlib.suppress(OSError):
+                os.unlink(snap.spill_path)
+
+    def _commit(self, job: SaveJob, entry: FileEntry) -> Manifest:
+        cfg, storage = self._config, self._storage
+        part = PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, (entry,), complete=True)
+        if cfg.world_size > 1:
+            commit.write_part(storage, part)
+            self._phase(job, "part_written")
+        if cfg.rank == 0:
+            self._phase(job, "commit_start")
+            parts = [part]
+            if cfg.world_size > 1:
+                parts = commit.wait_for_parts(
+                    storage, name=job.name, step=job.step, launch_id=cfg.launch_id,
+                    world_size=cfg.world_size, timeout_seconds=cfg.commit_timeout_seconds,
+                )  # fmt: skip
+            manifest = Manifest(
+                name=job.name, step=job.step, time=time.time(), world_size=cfg.world_size,
+                launch_id=cfg.launch_id, files=tuple(f for p in parts for f in p.files),
+                versions=library_versions(),
+            )  # fmt: skip
+            commit.write_manifest(storage, manifest)
+        else:
+            manifest = commit.wait_for_manifest(
+                storage, name=job.name, launch_id=cfg.launch_id, timeout_seconds=cfg.commit_timeout_seconds
+            )
+        if self._cache_dir is not None:
+            write_cached_manifest(self._cache_dir, manifest)
+        return manifest
+
+    def _retain(self) -> None:
+        if self._config.rank == 0:
+            for info in commit.retention_victims(
+                scan(self._storage), keep_last=self._config.keep_last, busy=self.busy
+            ):
+                commit.delete_checkpoint(self._storage, info)
+                self._emit(PhaseEvent("retention_deleted", info.name, info.step, self._config.rank))
+        if self._cache_dir is not None:
+            _trim_cache(self._cache_dir, self._config.keep_last)
+
+    def _record(self, job: SaveJob, times: dict[str, float], size: int, error: str = "") -> None:
+        self._emit(
+            SaveRecord(
+                name=job.name, step=job.step, rank=self._config.rank, wait_seconds=job.wait_seconds,
+                blocking_seconds=job.blocking_seconds, staging_seconds=times["staging"],
+                upload_seconds=times["upload"], commit_seconds=times["commit"],
+                total_seconds=time.monotonic() - job.called_at, bytes=size,
+                spilled_bytes=job.snapshot.spilled_bytes, error=error,
+            )  # fmt: skip
+        )
+
+
+def _trim_cache(cache_dir: str, keep_last: int) -> None:
+    """Keep the local cache to the newest ``keep_last`` committed checkpoints it holds."""
+    cached = Storage(cache_dir, storage_options={}, retries=0, retry_backoff_seconds=0.0)
+    for info in commit.retention_victims(scan(cached), keep_last=keep_last, busy=set()):
+        if info.status == "committed":
+            commit.delete_checkpoint(cached, info)
+

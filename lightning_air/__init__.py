@@ -1,0 +1,1 @@
+"""Lightning adapter (issue 3)."""
