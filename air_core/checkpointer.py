@@ -124,7 +124,7 @@ class AsyncCheckpointer:
         self.config = CheckpointerConfig(
             root=root, staging_dir=staging_dir, host_budget_bytes=host_budget_bytes, keep_last=keep_last,
             max_in_flight=max_in_flight, on_busy=on_busy, writer=writer,
-            storage_options=dict(storage_options or {}), rank=rank, world_size=world_size,
+            storage_options={} if storage_options is None else storage_options, rank=rank, world_size=world_size,
             launch_id=launch_id, max_transfers=max_transfers, retries=retries,
             retry_backoff_seconds=retry_backoff_seconds, commit_timeout_seconds=commit_timeout_seconds,
             close_timeout_seconds=close_timeout_seconds,

@@ -27,9 +27,9 @@ import torch
 
 from . import commit
 from .config import CheckpointerConfig
-from .errors import SaveError
+from .errors import SaveError, StorageError
 from .events import Emitter, Phase, PhaseEvent, SaveRecord
-from .manifest import CheckpointInfo, FileEntry, Manifest, PartRecord, library_versions
+from .manifest import CheckpointInfo, FileEntry, Manifest, PartRecord, library_versions, manifest_path
 from .recovery import scan, write_cached_manifest
 from .snapshot import BufferPool, Snapshot, materialize, materialize_parts
 from .storage import Storage
@@ -204,6 +204,11 @@ class Writer:
         tmp: str | None = None
         staged: str | None = None
         try:
+            if storage.exists(manifest_path(job.name)):  # checked before any byte is written
+                raise StorageError(
+                    f"checkpoint {job.name!r} is already committed at {storage.display(job.name)}; a "
+                    "committed location is never written again. Save under a new name."
+                )
             # The intent names the file before it exists, so a crash leaves a partial that retention finds.
             intent = FileEntry(job.filename, -1, 0, cfg.rank)
             commit.write_part(storage, PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, (intent,), False))
@@ -218,7 +223,7 @@ class Writer:
                 os.makedirs(os.path.dirname(staged), exist_ok=True)
                 tmp = f"{staged}.air-tmp"
             size, crc = self._serializer.write(job.snapshot, tmp, fsync=direct)
-            self._release(job)
+            _remove_spill(job.snapshot)
             if direct:
                 storage.place_local(tmp, job.filename)
             else:
@@ -247,15 +252,13 @@ class Writer:
             )  # fmt: skip
             info = CheckpointInfo(job.name, job.step, "committed", "", manifest)
             self._record(job, times, size)
-            self.busy.discard(job.name)
+            self._release(job)
             job.finish(info, None)
         except Exception as exc:
-            self._release(job)
             for leftover in (tmp, staged):
                 if leftover is not None:
                     with contextlib.suppress(OSError):
                         os.unlink(leftover)
-            self.busy.discard(job.name)
             error = SaveError(
                 f"rank {cfg.rank}: saving checkpoint {job.name!r} (step {job.step}) failed during {phase}: "
                 f"{type(exc).__name__}: {exc}. The previous committed checkpoint is untouched.",
@@ -264,6 +267,7 @@ class Writer:
             error.__cause__ = exc
             self._phase(job, "failed")
             self._record(job, times, size, error=str(error))
+            self._release(job)
             job.finish(None, error)
             return
         try:
@@ -273,16 +277,13 @@ class Writer:
                            cfg.rank, job.name, exc_info=True)  # fmt: skip
 
     def _release(self, job: SaveJob) -> None:
-        """Hand the snapshot's buffer back (once) and drop its spill file."""
-        snap = job.snapshot
-        if job.released:
-            return
-        job.released = True
-        snap.wait_copied()
-        self._pool.give_back(snap.buffer)
-        if snap.spill_path:
-            with contextlib.suppress(OSError):
-                os.unlink(snap.spill_path)
+        """End the save's claim: its buffer goes back to the pool (so the next save may snapshot)."""
+        if not job.released:
+            job.released = True
+            job.snapshot.wait_copied()
+            _remove_spill(job.snapshot)
+            self.busy.discard(job.name)
+            self._pool.give_back(job.snapshot.buffer)
 
     def _commit(self, job: SaveJob, entry: FileEntry) -> Manifest:
         cfg, storage = self._config, self._storage
@@ -332,6 +333,12 @@ class Writer:
                 spilled_bytes=job.snapshot.spilled_bytes, error=error,
             )  # fmt: skip
         )
+
+
+def _remove_spill(snap: Snapshot) -> None:
+    if snap.spill_path:
+        with contextlib.suppress(OSError):
+            os.unlink(snap.spill_path)
 
 
 def _trim_cache(cache_dir: str, keep_last: int) -> None:

@@ -1,0 +1,61 @@
+"""Shared fixtures: real servers on 127.0.0.1 (port 0), stopped at teardown."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class S3Root:
+    """A fresh bucket on the moto S3 server: the URL and the storage_options that reach it."""
+
+    url: str
+    endpoint: str
+    storage_options: dict[str, Any]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's threaded S3 server on 127.0.0.1, started once per test run."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_root(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3Root:
+    """A new bucket per test, with fake credentials in the environment."""
+    import boto3
+
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    bucket = f"air-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
+    return S3Root(url=f"s3://{bucket}/run", endpoint=s3_endpoint, storage_options=options)
+
+
+def run_python(code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with the repo importable; return the finished process."""
+    full_env = {**os.environ, "PYTHONPATH": REPO, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=full_env
+    )

@@ -1,0 +1,254 @@
+"""AsyncCheckpointer end to end on real storage: local, memory:// and S3 (moto on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+
+import pytest
+import torch
+
+import tests.faultfs  # noqa: F401  (registers flaky://)
+from air_core import AsyncCheckpointer, CorruptCheckpointError, PhaseEvent, RestoreRecord, SaveError, SaveRecord
+
+
+class Recorder:
+    def __init__(self, on_phase=None):
+        self.events = []
+        self._on_phase = on_phase
+
+    def on_event(self, event):
+        self.events.append(event)
+        if self._on_phase and isinstance(event, PhaseEvent):
+            self._on_phase(event)
+
+    def of(self, kind):
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(128, 128, generator=g), "opt": [torch.randn(128, generator=g)], "step": step}
+
+
+def _assert_state_equal(loaded: dict, expected: dict) -> None:
+    assert loaded["step"] == expected["step"]
+    assert torch.equal(loaded["w"], expected["w"]), "weights must load bitwise equal"
+    assert torch.equal(loaded["opt"][0], expected["opt"][0])
+
+
+def test_local_destination_is_written_directly_not_staged_twice(tmp_path):
+    with AsyncCheckpointer(str(tmp_path / "dst")) as ckpt:
+        info = ckpt.save(_state(1), step=1).result(timeout=60)
+    assert (tmp_path / "dst" / info.manifest.files[0].path).is_file()
+    assert ckpt._cache_dir is None, "a local root without staging_dir must not stage"
+
+
+def test_explicit_staging_dir_stages_a_local_destination_too(tmp_path):
+    rec = Recorder()
+    with AsyncCheckpointer(str(tmp_path / "dst"), staging_dir=str(tmp_path / "stage"), listeners=[rec]) as ckpt:
+        info = ckpt.save(_state(1), step=1).result(timeout=60)
+    rel = info.manifest.files[0].path
+    staged = [p for p in (tmp_path / "stage").rglob(os.path.basename(rel)) if p.is_file()]
+    assert staged and (tmp_path / "dst" / rel).is_file(), "staged copy and destination copy must both exist"
+    phases = [e.phase for e in rec.of(PhaseEvent)]
+    assert phases.index("staged") < phases.index("upload_start") < phases.index("committed")
+
+
+@pytest.mark.parametrize("where", ["memory", "s3"])
+def test_roundtrip_through_remote_storage_is_bitwise(tmp_path, request, where):
+    if where == "s3":
+        s3 = request.getfixturevalue("s3_root")
+        root, opts = s3.url, s3.storage_options
+    else:
+        root, opts = f"memory://rt-{uuid.uuid4().hex[:8]}", {}
+    with AsyncCheckpointer(root, staging_dir=str(tmp_path / "a"), storage_options=opts, keep_last=2) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(_state(step), step=step)
+        ckpt.flush()
+        assert ckpt.latest().step == 3
+    # A new process on another machine: empty staging dir, so the bytes come from the remote.
+    rec = Recorder()
+    with AsyncCheckpointer(root, staging_dir=str(tmp_path / "b"), storage_options=opts, listeners=[rec]) as fresh:
+        infos = fresh.list()
+        assert [(i.step, i.status) for i in infos] == [(2, "committed"), (3, "committed")], "keep_last=2"
+        _assert_state_equal(fresh.load(), _state(3))
+        _assert_state_equal(fresh.load(infos[0]), _state(2))
+    assert [r.source for r in rec.of(RestoreRecord)] == ["remote", "remote"]
+
+
+def test_load_prefers_the_local_cache_when_its_manifest_matches(tmp_path):
+    root = f"memory://cache-{uuid.uuid4().hex[:8]}"
+    rec = Recorder()
+    with AsyncCheckpointer(root, staging_dir=str(tmp_path), listeners=[rec]) as ckpt:
+        ckpt.save(_state(5), step=5).result(timeout=60)
+        _assert_state_equal(ckpt.load(), _state(5))
+        # A cache whose manifest no longer matches the committed one is not trusted.
+        cached = next(tmp_path.rglob("manifest.json"))
+        cached.write_bytes(cached.read_bytes().replace(b'"step": 5', b'"step": 6'))
+        _assert_state_equal(ckpt.load(), _state(5))
+    assert [r.source for r in rec.of(RestoreRecord)] == ["cache", "remote"]
+
+
+def test_retention_keeps_newest_and_deletes_only_after_a_newer_commit(tmp_path):
+    dst = tmp_path / "dst"
+    seen_before_commit = {}
+
+    def check(event):  # runs on the writer thread, before step N's manifest exists
+        if event.phase == "upload_start":
+            seen_before_commit[event.step] = sorted(os.listdir(dst / ".air")) if (dst / ".air").exists() else []
+
+    with AsyncCheckpointer(str(dst), staging_dir=str(tmp_path / "s"), keep_last=1,
+                           listeners=[Recorder(check)]) as ckpt:  # fmt: skip
+        for step in (1, 2, 3):
+            ckpt.save(_state(step), step=step).result(timeout=60)
+    assert "step-000000001" in seen_before_commit[2], "step 1 must survive until step 2 commits"
+    assert "step-000000002" in seen_before_commit[3]
+    assert sorted(os.listdir(dst / ".air")) == ["step-000000003"]
+    assert sorted(p.name for p in dst.iterdir()) == [".air", "step-000000003"], "old files are deleted too"
+
+
+def test_backpressure_waits_for_the_save_in_flight(tmp_path):
+    gate = threading.Event()
+
+    def hold(event):
+        if event.phase == "upload_start" and event.step == 1:
+            gate.wait(30)
+
+    rec = Recorder(hold)
+    with AsyncCheckpointer(f"memory://bp-{uuid.uuid4().hex[:8]}", staging_dir=str(tmp_path),
+                           listeners=[rec]) as ckpt:  # fmt: skip
+        ckpt.save(_state(1), step=1)
+        threading.Timer(0.3, gate.set).start()
+        ckpt.save(_state(2), step=2).result(timeout=60)
+    order = [(e.phase, e.step) for e in rec.of(PhaseEvent)]
+    assert order.index(("committed", 1)) < order.index(("snapshot_done", 2)), "one save in flight by default"
+    second = [r for r in rec.of(SaveRecord) if r.step == 2][0]
+    assert second.wait_seconds > 0 and second.blocking_seconds >= second.wait_seconds, "the wait is recorded"
+
+
+def test_skip_policy_drops_a_save_while_one_is_in_flight(tmp_path):
+    gate = threading.Event()
+    rec = Recorder(lambda e: gate.wait(30) if e.phase == "upload_start" else None)
+    with AsyncCheckpointer(f"memory://sk-{uuid.uuid4().hex[:8]}", staging_dir=str(tmp_path), on_busy="skip",
+                           listeners=[rec]) as ckpt:  # fmt: skip
+        first = ckpt.save(_state(1), step=1)
+        skipped = ckpt.save(_state(2), step=2)
+        gate.set()
+        assert skipped.skipped and skipped.result() is None
+        assert first.result(timeout=60).step == 1
+    assert [r.step for r in rec.of(SaveRecord)] == [1]
+
+
+def test_failed_save_is_raised_once_at_next_save_and_previous_commit_is_untouched(tmp_path):
+    ckpt = AsyncCheckpointer(f"flaky://f-{uuid.uuid4().hex[:8]}", staging_dir=str(tmp_path))
+    ckpt.save(_state(1), step=1).result(timeout=60)
+    ckpt._storage.fs.permanent_error = "denied"  # the bucket policy changes under us
+    ckpt._storage.fs.fail_on = "put"
+    handle = ckpt.save(_state(2), step=2)
+    while not handle.done():
+        handle._finished.wait(0.05)
+    with pytest.raises(SaveError) as info:
+        ckpt.save(_state(3), step=3)
+    assert info.value.step == 2 and info.value.phase == "upload"
+    statuses = {i.step: i.status for i in ckpt.list()}
+    assert statuses == {1: "committed", 2: "partial"}, "the failed save stays uncommitted"
+    _assert_state_equal(ckpt.load(), _state(1))
+    ckpt._storage.fs.permanent_error = ""
+    ckpt.save(_state(4), step=4).result(timeout=60)  # raised once: the next save goes through
+    ckpt.close()
+    assert {i.step: i.status for i in ckpt.list()} == {1: "committed", 4: "committed"}, (
+        "retention removes the stale partial once a newer checkpoint commits"
+    )
+
+
+def test_close_never_masks_an_exception_already_propagating(tmp_path, caplog):
+    ckpt = AsyncCheckpointer(f"flaky://m-{uuid.uuid4().hex[:8]}", staging_dir=str(tmp_path),
+                             storage_options={"permanent_error": "denied", "fail_on": "put"})  # fmt: skip
+    with pytest.raises(KeyError, match="user bug"), caplog.at_level(logging.ERROR):
+        with ckpt:
+            ckpt.save(_state(1), step=1)
+            raise KeyError("user bug")
+    assert "failed during upload" in caplog.text, "the save error is logged, not lost"
+
+
+def test_close_raises_an_unreported_failed_save(tmp_path):
+    ckpt = AsyncCheckpointer(f"flaky://c-{uuid.uuid4().hex[:8]}", staging_dir=str(tmp_path),
+                             storage_options={"permanent_error": "denied", "fail_on": "put"})  # fmt: skip
+    ckpt.save(_state(7), step=7)
+    with pytest.raises(SaveError, match="step 7"):
+        ckpt.close()
+    ckpt.close()  # idempotent
+
+
+def test_one_changed_byte_is_detected_and_load_falls_back_to_the_previous(tmp_path, caplog):
+    with AsyncCheckpointer(str(tmp_path), keep_last=3) as ckpt:
+        for step in (1, 2):
+            ckpt.save(_state(step), step=step).result(timeout=60)
+        newest = ckpt.latest()
+        path = tmp_path / newest.manifest.files[0].path
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+        assert "does not match its manifest" in ckpt.verify(newest)
+        with pytest.raises(CorruptCheckpointError):
+            ckpt.load(newest)
+        with caplog.at_level(logging.WARNING):
+            _assert_state_equal(ckpt.load(), _state(1))
+        assert "skipping checkpoint step-000000002" in caplog.text
+
+
+def test_truncated_file_makes_the_checkpoint_corrupt_and_latest_skips_it(tmp_path):
+    with AsyncCheckpointer(str(tmp_path), keep_last=3) as ckpt:
+        for step in (1, 2):
+            ckpt.save(_state(step), step=step).result(timeout=60)
+        path = tmp_path / ckpt.latest().manifest.files[0].path
+        path.write_bytes(path.read_bytes()[:100])
+        assert [i.status for i in ckpt.list()] == ["committed", "corrupt"]
+        assert ckpt.latest().step == 1
+
+
+def test_committed_location_is_never_written_again(tmp_path):
+    with AsyncCheckpointer(str(tmp_path), keep_last=3) as ckpt:
+        ckpt.save(_state(1), step=1, name="best").result(timeout=60)
+        before = (tmp_path / "best/rank-00000.pt").read_bytes()
+        with pytest.raises(SaveError, match="already committed"):
+            ckpt.save(_state(2), step=2, name="best").result(timeout=60)
+        assert (tmp_path / "best/rank-00000.pt").read_bytes() == before
+
+
+def test_no_checkpoint_yet_differs_from_none_usable(tmp_path):
+    with AsyncCheckpointer(str(tmp_path)) as ckpt:
+        assert ckpt.latest() is None
+        with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
+            ckpt.load()
+
+
+def test_every_save_delivers_a_latency_record(tmp_path):
+    rec = Recorder()
+    with AsyncCheckpointer(f"memory://lat-{uuid.uuid4().hex[:8]}", staging_dir=str(tmp_path),
+                           listeners=[rec]) as ckpt:  # fmt: skip
+        ckpt.save(_state(1), step=1).result(timeout=60)
+    (record,) = rec.of(SaveRecord)
+    assert record.error == "" and record.bytes > 128 * 128 * 4
+    assert record.total_seconds >= record.staging_seconds + record.upload_seconds
+    assert record.throughput_bytes_per_second > 0
+
+
+def test_process_writer_saves_the_same_bytes_as_the_thread_writer(tmp_path):
+    infos = {}
+    for kind in ("thread", "process"):
+        with AsyncCheckpointer(str(tmp_path / kind), writer=kind, host_budget_bytes=40_000) as ckpt:
+            infos[kind] = ckpt.save(_state(3), step=3).result(timeout=120)
+            _assert_state_equal(ckpt.load(), _state(3))
+    assert infos["thread"].manifest.files[0].crc32 == infos["process"].manifest.files[0].crc32
+
+
+def test_core_imports_no_training_framework():
+    from tests.conftest import run_python
+
+    out = run_python("import sys, air_core; print(sorted(m for m in ('lightning','accelerate','mlflow') if m in sys.modules))")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

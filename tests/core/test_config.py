@@ -1,0 +1,59 @@
+"""Bad settings fail at construction, naming the argument and the fix, before any I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from air_core import AsyncCheckpointer, ConfigError
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"keep_last": 0}, "keep_last must be at least 1"),
+        ({"keep_last": "3"}, "keep_last"),
+        ({"max_in_flight": 0}, "max_in_flight must be an integer >= 1"),
+        ({"host_budget_bytes": 0}, "host_budget_bytes must be an integer >= 1"),
+        ({"on_busy": "drop"}, "on_busy must be one of wait, skip"),
+        ({"writer": "fork"}, "writer must be one of thread, process"),
+        ({"world_size": 2, "rank": 2, "launch_id": "x"}, "rank must be below world_size=2"),
+        ({"world_size": 2, "rank": 1}, "launch_id"),
+        ({"retries": -1}, "retries must be an integer >= 0"),
+        ({"commit_timeout_seconds": -1.0}, "commit_timeout_seconds must be a number of seconds"),
+        ({"staging_dir": "s3://bucket/stage"}, "staging_dir must be on a local disk"),
+        ({"storage_options": ["key"]}, "storage_options must be a dict"),
+    ],
+)
+def test_invalid_setting_names_argument_and_fix(tmp_path, kwargs, expected):
+    with pytest.raises(ConfigError) as info:
+        AsyncCheckpointer(str(tmp_path), **kwargs)
+    assert expected in str(info.value), f"expected {expected!r} in {info.value}"
+    arg = "launch_id" if "launch_id" in expected else ("rank" if "rank must" in expected else next(iter(kwargs)))
+    assert f"AsyncCheckpointer({arg}=" in str(info.value), f"the message must name {arg}: {info.value}"
+    assert not list(tmp_path.iterdir()), "nothing may be written before the settings are valid"
+
+
+def test_unknown_url_scheme_is_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="fsspec cannot open this URL"):
+        AsyncCheckpointer("nosuchscheme://bucket/run", staging_dir=str(tmp_path))
+
+
+def test_staging_dir_that_is_a_file_fails_before_training(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(ConfigError, match="staging_dir="):
+        AsyncCheckpointer("memory://cfg-test", staging_dir=str(not_a_dir))
+
+
+def test_storage_options_never_appear_in_errors(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        AsyncCheckpointer(str(tmp_path), storage_options=["secret-token"])  # type: ignore[arg-type]
+    assert "secret-token" not in str(info.value)
+
+
+def test_bad_save_name_and_step_are_refused(tmp_path):
+    with AsyncCheckpointer(str(tmp_path)) as ckpt:
+        with pytest.raises(ConfigError, match="one path segment"):
+            ckpt.save({}, step=1, name="../escape")
+        with pytest.raises(ConfigError, match="step must be an integer"):
+            ckpt.save({}, step=-1)

@@ -1,0 +1,70 @@
+"""The destination: atomic placement, retries of transient errors, clear errors for the rest."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import uuid
+
+import pytest
+import torch
+
+import tests.faultfs  # noqa: F401  (registers flaky://)
+from air_core import AsyncCheckpointer, ConfigError, SaveError, StorageError
+from air_core.storage import Storage, redact
+
+
+def _flaky_root() -> str:
+    return f"flaky://t-{uuid.uuid4().hex[:8]}"
+
+
+def test_transient_errors_are_retried_until_the_upload_lands(tmp_path):
+    opts = {"transient_failures": 3, "fail_on": "put"}
+    with AsyncCheckpointer(_flaky_root(), staging_dir=str(tmp_path), storage_options=opts,
+                           retry_backoff_seconds=0.01) as ckpt:  # fmt: skip
+        info = ckpt.save({"w": torch.arange(4.0)}, step=1).result(timeout=60)
+        assert info is not None and info.status == "committed"
+        assert ckpt._storage.fs.calls == 4, "three throttled uploads, then the fourth succeeds"
+        assert torch.equal(ckpt.load()["w"], torch.arange(4.0))
+
+
+def test_permanent_error_fails_the_save_with_its_step_and_phase(tmp_path):
+    opts = {"permanent_error": "denied", "fail_on": "put"}
+    ckpt = AsyncCheckpointer(_flaky_root(), staging_dir=str(tmp_path), storage_options=opts)
+    handle = ckpt.save({"w": torch.ones(2)}, step=42)
+    with pytest.raises(SaveError) as info:
+        handle.result(timeout=60)
+    err = info.value
+    assert (err.step, err.phase, err.rank) == (42, "upload", 0)
+    assert "Access Denied" in str(err) and "credentials" in str(err), "the message names the cause and the fix"
+    assert isinstance(err.__cause__, StorageError)
+    assert ckpt.latest() is None, "a failed save never commits"
+    ckpt.close()  # already reported through result(): not raised again
+
+
+def test_probe_fails_before_training_when_destination_refuses_writes(tmp_path):
+    opts = {"permanent_error": "full", "fail_on": "pipe"}
+    with pytest.raises(StorageError, match="disk is full"):
+        AsyncCheckpointer(_flaky_root(), staging_dir=str(tmp_path), storage_options=opts)
+
+
+def test_missing_backend_names_the_extra_to_install(tmp_path, monkeypatch):
+    registry = importlib.import_module("fsspec.registry")  # as if gcsfs were not installed
+    monkeypatch.setitem(registry.known_implementations, "gs",
+                        {"class": "gcsfs_not_installed.GCSFileSystem", "err": "Install gcsfs"})  # fmt: skip
+    monkeypatch.delitem(registry._registry, "gs", raising=False)
+    with pytest.raises(ConfigError, match=r"pip install 'air-plugins\[gcs\]'"):
+        AsyncCheckpointer("gs://bucket/run", staging_dir=str(tmp_path))
+
+
+def test_local_put_leaves_no_partial_file_at_the_final_name(tmp_path):
+    storage = Storage(str(tmp_path / "dst"), storage_options={}, retries=0, retry_backoff_seconds=0)
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(1 << 20))
+    assert storage.put_file(str(src), "a/b.bin") == 1 << 20
+    assert (tmp_path / "dst/a/b.bin").read_bytes() == src.read_bytes()
+    assert [p.name for p in (tmp_path / "dst/a").iterdir()] == ["b.bin"], "no temp file may remain"
+
+
+def test_redact_drops_credentials_and_tokens():
+    assert redact("s3://KEY:SECRET@bucket/p?token=abc") == "s3://bucket/p"
