@@ -1,0 +1,58 @@
+"""One rank of a 2-process gloo job that saves through AsyncCheckpointer (run as a script by tests).
+
+Usage: python tests/dist_worker.py RANK WORLD ROOT INIT_FILE SCENARIO
+SCENARIO: ``ok`` (two saves), ``slow`` (rank 1 uploads its part late), ``die`` (rank 1 is SIGKILLed
+before its part of the second save).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from air_core import AsyncCheckpointer, PhaseEvent
+
+
+def rank_state(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return {"rank": rank, "step": step, "w": torch.randn(64, 64, generator=g)}
+
+
+class Fault:
+    def __init__(self, rank: int, scenario: str) -> None:
+        self.rank, self.scenario = rank, scenario
+
+    def on_event(self, event) -> None:
+        if not isinstance(event, PhaseEvent) or self.rank != 1 or event.phase != "serialize_start":
+            return
+        if self.scenario == "slow":
+            time.sleep(1.0)
+        if self.scenario == "die" and event.step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    rank, world, root, init_file, scenario = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6]
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    launch = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(launch, src=0)  # on the training thread, as the adapters do
+    ckpt = AsyncCheckpointer(root, rank=rank, world_size=world, launch_id=launch[0], keep_last=5,
+                             commit_timeout_seconds=5.0, listeners=[Fault(rank, scenario)])  # fmt: skip
+    info = ckpt.save(rank_state(rank, 1), step=1).result(timeout=60)
+    print(f"rank {rank} committed step 1 with {len(info.manifest.files)} files", flush=True)
+    try:
+        ckpt.save(rank_state(rank, 2), step=2).result(timeout=60)
+        print(f"rank {rank} committed step 2", flush=True)
+    except Exception as exc:
+        print(f"rank {rank} step 2 failed: {type(exc).__name__}: {exc}", flush=True)
+    ckpt.close()
+
+
+if __name__ == "__main__":
+    main()
