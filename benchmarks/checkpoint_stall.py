@@ -1,0 +1,302 @@
+"""How long does a checkpoint stall training? air_core against the usual ways, side by side, in one run.
+
+Saves the same state (a model plus its Adam state, ``--size-mib`` in all) with each method, each in a
+fresh process, and prints per method:
+
+- blocking s:   how long the save call held the training thread;
+- durable s:    from the call until the bytes are on disk (fsynced where the method fsyncs);
+- step slowdown: median training-step time while the save runs in the background / idle median;
+- extra MiB:    peak anonymous + shared-memory resident bytes (writer processes included) above
+                the level before the first save; page cache is left out.
+
+Each method saves once to warm up (allocations, process start), then ``--repeats`` timed saves, and
+the medians are printed; the memory column covers all saves. Ratios are against ``torch.save``.
+
+    python benchmarks/checkpoint_stall.py                 # 768 MiB state on CPU, all methods
+    python benchmarks/checkpoint_stall.py --size-mib 256 --json
+    python benchmarks/checkpoint_stall.py --device cuda --size-mib 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+METHODS = ["torch.save", "lightning_async", "dcp_async_save", "air_thread", "air_process", "air_budget"]
+LABELS = {
+    "torch.save": "torch.save (+fsync)",
+    "lightning_async": "Lightning AsyncCheckpointIO",
+    "dcp_async_save": "DCP async_save",
+    "air_thread": "air_core (thread writer)",
+    "air_process": "air_core (process writer)",
+    "air_budget": "air_core (thread, budget 1/4)",
+}
+
+
+def _rss(pid: int) -> tuple[int, int]:
+    """(anonymous, shared-memory) resident bytes of ``pid``, from cheap kernel counters."""
+    anon = shmem = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    anon = int(line.split()[1]) * 1024
+                elif line.startswith("RssShmem:"):
+                    shmem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return anon, shmem
+
+
+def _tree_memory() -> int:
+    """Anonymous memory of this process and its children plus their largest shared-memory mapping
+    (a writer process maps the same segment: counted once). Page cache is reclaimable without swap
+    and is left out for every method alike."""
+    pids = [os.getpid()]
+    try:
+        for tid in os.listdir(f"/proc/{os.getpid()}/task"):
+            with open(f"/proc/{os.getpid()}/task/{tid}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    sizes = [_rss(p) for p in pids]
+    return sum(a for a, _ in sizes) + max(s for _, s in sizes)
+
+
+class PeakMemory:
+    """Samples the memory of this process and its children every few milliseconds."""
+
+    def __init__(self) -> None:
+        self.baseline = _tree_memory()
+        self.peak = self.baseline
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _tree_memory())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak - self.baseline
+
+
+def build_state(size_mib: int, device: str):
+    import torch
+
+    # Adam keeps two moments per parameter: parameters are a third of the state.
+    params = size_mib * (1 << 20) // 4 // 3
+    width = 4096
+    layers = max(1, round(params / (width * width)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(device)
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return model, opt
+
+
+def make_step(device: str) -> Callable[[], None]:
+    """A small training step (about 20 ms on one CPU core): what a background writer competes with."""
+    import torch
+
+    net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU()) for _ in range(8)])
+    net = net.to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    x = torch.randn(128, 512, device=device)
+
+    def step() -> None:
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return step
+
+
+def timed_steps(step: Callable[[], None], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def worker(method: str, size_mib: int, device: str, workdir: str, repeats: int) -> dict:
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    model, opt = build_state(size_mib, device)
+    step = make_step(device)
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    state_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+
+    def state() -> dict:
+        return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+    save, cleanup = _method(method, workdir, state_bytes)
+    mem = PeakMemory()
+    results = []
+    for i in range(1 + repeats):  # the first save warms up (allocations, process start) and is not timed
+        if i == 1:
+            os.sync()
+            timed_steps(step, 10)
+            idle = statistics.median(timed_steps(step, 40))
+        path = os.path.join(workdir, f"ckpt-{i}")
+        os.sync()  # every save starts with no dirty pages queued: earlier writes must not bill this one
+        t0 = time.perf_counter()
+        durable_check = save(state(), path, i)
+        blocking = time.perf_counter() - t0
+        during = []
+        while not durable_check():
+            during += timed_steps(step, 1)
+        durable = time.perf_counter() - t0
+        if i:
+            results.append((blocking, durable, during))
+    extra = mem.stop()
+    cleanup()
+    during = [t for r in results for t in r[2]]
+    return {
+        "method": method,
+        "state_mib": state_bytes / (1 << 20),
+        "repeats": repeats,
+        "blocking_seconds": statistics.median(r[0] for r in results),
+        "durable_seconds": statistics.median(r[1] for r in results),
+        "idle_step_seconds": idle,
+        "steps_during_save": len(during),
+        "step_slowdown": (statistics.median(during) / idle) if during else None,
+        "peak_extra_mib": extra / (1 << 20),
+        "budget_mib": state_bytes / 4 / (1 << 20) if method == "air_budget" else None,
+    }
+
+
+def _method(method: str, workdir: str, state_bytes: int):
+    """Return (save(state, path, i) -> is_durable callable, cleanup)."""
+    import torch
+
+    if method == "torch.save":
+
+        def save(state, path, i):
+            with open(path, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            return lambda: True
+
+        return save, lambda: None
+
+    if method == "lightning_async":
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+        plugin = AsyncCheckpointIO(TorchCheckpointIO())
+
+        def save(state, path, i):
+            plugin.save_checkpoint(state, path + ".ckpt")
+            marker = plugin._executor.submit(lambda: None)  # FIFO, one worker: done after the save
+            return marker.done
+
+        return save, plugin.teardown
+
+    if method == "dcp_async_save":
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/pg", rank=0, world_size=1)
+
+        def save(state, path, i):
+            future = dcp.async_save(state, checkpoint_id=path)
+            return future.done
+
+        return save, dist.destroy_process_group
+
+    from air_core import AsyncCheckpointer
+
+    kind = "process" if method == "air_process" else "thread"
+    budget = state_bytes // 4 if method == "air_budget" else None
+    ckpt = AsyncCheckpointer(os.path.join(workdir, "air"), writer=kind, host_budget_bytes=budget, keep_last=16,
+                             staging_dir=os.path.join(workdir, "stage") if budget else None)  # fmt: skip
+
+    def save(state, path, i):
+        handle = ckpt.save(state, step=i)
+        handle.wait_snapshot()
+        return handle.done
+
+    return save, ckpt.close
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: dict[str, dict]) -> None:
+    base = rows.get("torch.save")
+    size = next(iter(rows.values()))["state_mib"]
+    idle_ms = statistics.median(r["idle_step_seconds"] for r in rows.values()) * 1e3
+    print(f"\nstate: {size:.0f} MiB (model + Adam), {os.cpu_count()} CPUs, idle step {idle_ms:.1f} ms\n")
+    head = f"{'method':32} {'blocking s':>10} {'durable s':>10} {'step slowdown':>14} {'extra MiB':>10}"
+    if base:
+        head += f" {'blocking/torch.save':>20} {'durable/torch.save':>19}"
+    print(head)
+    for method, r in rows.items():
+        line = (f"{LABELS[method]:32} {r['blocking_seconds']:10.3f} {r['durable_seconds']:10.3f} "
+                f"{_fmt(r['step_slowdown'], '13.2f')}x {r['peak_extra_mib']:10.0f}")  # fmt: skip
+        if base:
+            line += (f" {r['blocking_seconds'] / base['blocking_seconds']:20.3f}"
+                     f" {r['durable_seconds'] / base['durable_seconds']:19.2f}")  # fmt: skip
+        if r.get("budget_mib"):
+            line += f"   (budget {r['budget_mib']:.0f} MiB)"
+        print(line)
+    print("\nstep slowdown: '-' means no step could run: the save blocked until durable.")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=int, default=768, help="state size in MiB (default 768)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    parser.add_argument("--repeats", type=int, default=3, help="timed saves per method after a warm-up (default 3)")
+    parser.add_argument("--dir", default=None, help="folder for the checkpoints (default: a temp folder)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object keyed by method")
+    parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.size_mib, args.device, args.dir, args.repeats)))
+        return 0
+    rows = {}
+    for method in args.methods:
+        workdir = tempfile.mkdtemp(prefix="air-bench-", dir=args.dir)
+        try:
+            cmd = [sys.executable, __file__, "--worker", method, "--size-mib", str(args.size_mib),
+                   "--device", args.device, "--dir", workdir, "--repeats", str(args.repeats)]  # fmt: skip
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                print(f"{method} failed:\n{out.stderr}", file=sys.stderr)
+                return 1
+            rows[method] = json.loads(out.stdout.strip().splitlines()[-1])
+            if not args.json:
+                print(f"measured {LABELS[method]}", file=sys.stderr, flush=True)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
