@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# GPU check, run on a CUDA machine from the repository root: bash benchmarks/gpu_check.sh [SIZE_MIB]
+# 1. measures pinned device-to-host bandwidth (cudaHostRegister'd host memory, as air_core pins it);
+# 2. runs benchmarks/checkpoint_stall.py on the GPU with a multi-GB state (default 8192 MiB);
+# 3. prints the blocking time next to the bound state size / pinned bandwidth.
+# Output also lands in $OUT (if set) as gpu_check.json and gpu_check.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SIZE_MIB="${1:-8192}"
+PY="${PYTHON:-python3}"
+OUT_DIR="${OUT:-/tmp}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+"$PY" - <<'PYEOF' | tee "$OUT_DIR/gpu_check.txt"
+import torch, time
+assert torch.cuda.is_available(), "no CUDA device"
+n = 1 << 30
+src = torch.empty(n, dtype=torch.uint8, device="cuda")
+host = torch.empty(n, dtype=torch.uint8)
+torch.cuda.cudart().cudaHostRegister(host.data_ptr(), n, 0)
+for _ in range(2):
+    host.copy_(src, non_blocking=True)
+torch.cuda.synchronize()
+t = time.perf_counter()
+for _ in range(5):
+    host.copy_(src, non_blocking=True)
+torch.cuda.synchronize()
+bw = 5 * n / (time.perf_counter() - t)
+print(f"device: {torch.cuda.get_device_name()}")
+print(f"pinned D2H bandwidth: {bw / 1e9:.1f} GB/s")
+open("/tmp/air_d2h_bw", "w").write(str(bw))
+PYEOF
+"$PY" benchmarks/checkpoint_stall.py --device cuda --size-mib "$SIZE_MIB" --dir "${BENCH_DIR:-/tmp}" \
+    --methods torch.save lightning_async dcp_async_save air_thread air_process --json > "$OUT_DIR/gpu_check.json"
+"$PY" - "$OUT_DIR/gpu_check.json" <<'PYEOF' | tee -a "$OUT_DIR/gpu_check.txt"
+import json, sys
+rows = json.load(open(sys.argv[1]))
+bw = float(open("/tmp/air_d2h_bw").read())
+sys.path.insert(0, "benchmarks")
+from checkpoint_stall import print_table
+print_table(rows)
+for method in ("air_thread", "air_process"):
+    r = rows[method]
+    bound = r["state_mib"] * (1 << 20) / bw
+    print(f"{method}: blocking {r['blocking_seconds']:.3f} s; state / pinned D2H bandwidth = {bound:.3f} s "
+          f"({r['blocking_seconds'] / bound:.2f}x the bound)")
+PYEOF
