@@ -122,27 +122,46 @@ class AsyncCheckpointer:
             StorageError: the root or the staging folder cannot be written.
         """
         self.config = CheckpointerConfig(
-            root=root, staging_dir=staging_dir, host_budget_bytes=host_budget_bytes, keep_last=keep_last,
-            max_in_flight=max_in_flight, on_busy=on_busy, writer=writer,
-            storage_options={} if storage_options is None else storage_options, rank=rank, world_size=world_size,
-            launch_id=launch_id, max_transfers=max_transfers, retries=retries,
-            retry_backoff_seconds=retry_backoff_seconds, commit_timeout_seconds=commit_timeout_seconds,
+            root=root,
+            staging_dir=staging_dir,
+            host_budget_bytes=host_budget_bytes,
+            keep_last=keep_last,
+            max_in_flight=max_in_flight,
+            on_busy=on_busy,
+            writer=writer,
+            storage_options={} if storage_options is None else storage_options,
+            rank=rank,
+            world_size=world_size,
+            launch_id=launch_id,
+            max_transfers=max_transfers,
+            retries=retries,
+            retry_backoff_seconds=retry_backoff_seconds,
+            commit_timeout_seconds=commit_timeout_seconds,
             close_timeout_seconds=close_timeout_seconds,
-        )  # fmt: skip
+        )
         cfg = self.config
         self._closed = True  # until fully built, so close() from a failed __init__ is a no-op
         self._storage = Storage(
-            cfg.root, storage_options=cfg.storage_options, retries=cfg.retries,
+            cfg.root,
+            storage_options=cfg.storage_options,
+            retries=cfg.retries,
             retry_backoff_seconds=cfg.retry_backoff_seconds,
-        )  # fmt: skip
+        )
         key = hashlib.sha1(self._storage.url.encode()).hexdigest()[:16]
         if cfg.staging_dir is None and self._storage.is_local:
             self._cache_dir: str | None = None  # write the destination directly: never stage twice
             self._spill_dir = os.path.join(tempfile.gettempdir(), "air-spill", key)
         else:
-            staging = _local_dir(cfg.staging_dir) if cfg.staging_dir else os.path.join(tempfile.gettempdir(), "air-staging")
+            staging = (
+                _local_dir(cfg.staging_dir)
+                if cfg.staging_dir
+                else os.path.join(tempfile.gettempdir(), "air-staging")
+            )
             if cfg.staging_dir is None:
-                logger.info("no staging_dir given: staging in %s (pass staging_dir= to use a local NVMe disk)", staging)
+                logger.info(
+                    "no staging_dir given: staging in %s (pass staging_dir= to use a local NVMe disk)",
+                    staging,
+                )
             self._cache_dir = os.path.join(staging, key)
             self._spill_dir = os.path.join(self._cache_dir, ".spill")
         _check_local_dir(self._cache_dir or self._spill_dir, "staging_dir", cfg.staging_dir)
@@ -156,7 +175,9 @@ class AsyncCheckpointer:
         self._closed = False
 
     # -- saving ------------------------------------------------------------------------------
-    def save(self, state: Any, *, step: int, name: str | None = None, filename: str | None = None) -> SaveHandle:
+    def save(
+        self, state: Any, *, step: int, name: str | None = None, filename: str | None = None
+    ) -> SaveHandle:
         """Snapshot ``state`` and persist it in the background.
 
         Returns once every CPU tensor is copied into staging buffers (GPU copies are queued: call
@@ -183,13 +204,19 @@ class AsyncCheckpointer:
         called = time.monotonic()
         self._emit(PhaseEvent("snapshot_start", name, step, self.config.rank))
         if self.config.on_busy == "skip" and not self._pool.has_free():
-            logger.info("rank %d: skipped checkpoint %s: the previous save is still in flight", self.config.rank, name)
+            logger.info(
+                "rank %d: skipped checkpoint %s: the previous save is still in flight", self.config.rank, name
+            )
             return SaveHandle(name, step, skipped=True)
         buffer = self._pool.acquire()
         waited = time.monotonic() - called
         try:
-            snap = take_snapshot(state, buffer, spill_dir=self._spill_dir,
-                                 spill_name=f"{name}-r{self.config.rank}-{uuid.uuid4().hex[:6]}.spill")  # fmt: skip
+            snap = take_snapshot(
+                state,
+                buffer,
+                spill_dir=self._spill_dir,
+                spill_name=f"{name}-r{self.config.rank}-{uuid.uuid4().hex[:6]}.spill",
+            )
         except BaseException:
             self._pool.give_back(buffer)
             raise
@@ -264,9 +291,11 @@ class AsyncCheckpointer:
         for cand in candidates:
             if cand.manifest is None:
                 raise CorruptCheckpointError(
-                    f"load({cand.name!r}): {cand.status} checkpoint ({cand.reason}); only committed ones load.",
-                    path=self._storage.display(cand.name), reason=cand.reason or cand.status,
-                )  # fmt: skip
+                    f"load({cand.name!r}): {cand.status} checkpoint ({cand.reason}); only committed "
+                    "checkpoints load.",
+                    path=self._storage.display(cand.name),
+                    reason=cand.reason or cand.status,
+                )
             entries = cand.manifest.files_of(self.config.rank)
             if len(entries) != 1:
                 raise ConfigError(
@@ -275,8 +304,13 @@ class AsyncCheckpointer:
                     "resume with the world size it was saved with."
                 )
             try:
-                paths, source = fetch(self._storage, self._cache_dir, cand.manifest, entries,
-                                      max_transfers=self.config.max_transfers)  # fmt: skip
+                paths, source = fetch(
+                    self._storage,
+                    self._cache_dir,
+                    cand.manifest,
+                    entries,
+                    max_transfers=self.config.max_transfers,
+                )
             except CorruptCheckpointError as exc:
                 if info is not None:
                     raise
@@ -285,14 +319,23 @@ class AsyncCheckpointer:
                 continue
             state = _torch_load(paths[entries[0].path], map_location, weights_only, cand.name)
             seconds = time.monotonic() - started
-            self._emit(RestoreRecord(cand.name, cand.step, self.config.rank, seconds, source, entries[0].size))
-            logger.info("rank %d restored %s (step %d) from %s in %.2fs",
-                        self.config.rank, cand.name, cand.step, source, seconds)  # fmt: skip
+            self._emit(
+                RestoreRecord(cand.name, cand.step, self.config.rank, seconds, source, entries[0].size)
+            )
+            logger.info(
+                "rank %d restored %s (step %d) from %s in %.2fs",
+                self.config.rank,
+                cand.name,
+                cand.step,
+                source,
+                seconds,
+            )
             return state
         raise CorruptCheckpointError(
             f"no committed checkpoint under {self._storage.display()} verifies: {'; '.join(problems)}",
-            path=self._storage.display(), reason="all corrupt",
-        )  # fmt: skip
+            path=self._storage.display(),
+            reason="all corrupt",
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -318,23 +361,32 @@ class AsyncCheckpointer:
             self.flush(self.config.close_timeout_seconds)
         finally:
             if not self._writer.stop(self.config.close_timeout_seconds):
-                logger.error("rank %d: the writer did not stop within %ss", self.config.rank,
-                             self.config.close_timeout_seconds)  # fmt: skip
+                logger.error(
+                    "rank %d: the writer did not stop within %ss",
+                    self.config.rank,
+                    self.config.close_timeout_seconds,
+                )
             self._serializer.close()
             self._pool.close()
 
     def __enter__(self) -> AsyncCheckpointer:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc is None:
             self.close()
             return
         try:  # never mask the exception already propagating
             self.close()
         except (AirError, TimeoutError) as err:
-            logger.error("rank %d: while handling %s, closing the checkpointer failed: %s",
-                         self.config.rank, type(exc).__name__, err)  # fmt: skip
+            logger.error(
+                "rank %d: while handling %s, closing the checkpointer failed: %s",
+                self.config.rank,
+                type(exc).__name__,
+                err,
+            )
 
     def _check_open(self, what: str) -> None:
         if self._closed:

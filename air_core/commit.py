@@ -85,7 +85,9 @@ def write_manifest(storage: Storage, manifest: Manifest) -> None:
         )
     paths = [f.path for f in manifest.files]
     if len(paths) != len(set(paths)):
-        raise StorageError(f"checkpoint {manifest.name!r}: two ranks wrote the same file path: {sorted(paths)}")
+        raise StorageError(
+            f"checkpoint {manifest.name!r}: two ranks wrote the same file path: {sorted(paths)}"
+        )
     storage.write_bytes(rel, manifest.to_json())
 
 

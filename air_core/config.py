@@ -69,9 +69,13 @@ class CheckpointerConfig:
         if not isinstance(self.root, str) or not self.root.strip():
             raise bad("root", self.root, "root must be a non-empty path or URL, e.g. 's3://bucket/run1'.")
         if self.staging_dir is not None and not isinstance(self.staging_dir, str):
-            raise bad("staging_dir", self.staging_dir, "staging_dir must be a local folder path (str) or None.")
-        if self.staging_dir is not None and "://" in self.staging_dir and not self.staging_dir.startswith(
-            "file://"
+            raise bad(
+                "staging_dir", self.staging_dir, "staging_dir must be a local folder path (str) or None."
+            )
+        if (
+            self.staging_dir is not None
+            and "://" in self.staging_dir
+            and not self.staging_dir.startswith("file://")
         ):
             raise bad(
                 "staging_dir",

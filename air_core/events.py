@@ -10,14 +10,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol, Union
+from typing import Literal, Protocol
 
 logger = logging.getLogger(__name__)
 
 Phase = Literal[
-    "snapshot_start", "snapshot_done", "serialize_start", "staged", "upload_start", "uploaded",
-    "part_written", "commit_start", "committed", "retention_deleted", "failed",
-]  # fmt: skip
+    "snapshot_start",
+    "snapshot_done",
+    "serialize_start",
+    "staged",
+    "upload_start",
+    "uploaded",
+    "part_written",
+    "commit_start",
+    "committed",
+    "retention_deleted",
+    "failed",
+]
 
 
 @dataclass(frozen=True)
@@ -70,7 +79,7 @@ class RestoreRecord:
     bytes: int
 
 
-Event = Union[PhaseEvent, SaveRecord, RestoreRecord]
+Event = PhaseEvent | SaveRecord | RestoreRecord
 
 
 class Listener(Protocol):
@@ -94,4 +103,6 @@ class Emitter:
             except Exception:
                 if id(listener) not in self._warned:
                     self._warned.add(id(listener))
-                    logger.warning("listener %r failed; its later errors are ignored", listener, exc_info=True)
+                    logger.warning(
+                        "listener %r failed; its later errors are ignored", listener, exc_info=True
+                    )

@@ -29,7 +29,9 @@ _CHUNK = 8 << 20
 def scan(storage: Storage) -> list[CheckpointInfo]:
     """Every checkpoint under the root, oldest step first (one fresh listing, small reads)."""
     sizes = storage.sizes()
-    names = sorted({rel.split("/")[1] for rel in sizes if rel.startswith(f"{META_DIR}/") and rel.count("/") >= 2})
+    names = sorted(
+        {rel.split("/")[1] for rel in sizes if rel.startswith(f"{META_DIR}/") and rel.count("/") >= 2}
+    )
     infos = [_judge(storage, name, sizes) for name in names]
     return sorted(infos, key=lambda i: (i.step, i.time or 0.0, i.name))
 
@@ -88,7 +90,12 @@ def _matches(path: str, entry: FileEntry) -> bool:
 
 
 def fetch(
-    storage: Storage, cache_dir: str | None, manifest: Manifest, entries: list[FileEntry], *, max_transfers: int
+    storage: Storage,
+    cache_dir: str | None,
+    manifest: Manifest,
+    entries: list[FileEntry],
+    *,
+    max_transfers: int,
 ) -> tuple[dict[str, str], Literal["local", "cache", "remote"]]:
     """Local verified copies of ``entries`` (path -> local file) and where they came from.
 

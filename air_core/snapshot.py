@@ -199,8 +199,10 @@ def take_snapshot(state: Any, buffer: HostBuffer, *, spill_dir: str, spill_name:
     try:
         _RefPickler(skel, {}, found).dump(state)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        raise ConfigError(f"save(state): the state cannot be pickled ({exc}); keep it to tensors, "
-                          "containers and picklable objects.") from exc  # fmt: skip
+        raise ConfigError(
+            f"save(state): the state cannot be pickled ({exc}); keep it to tensors, "
+            "containers and picklable objects."
+        ) from exc
 
     storages: dict[int, int] = {}
     sources: list[torch.UntypedStorage] = []
@@ -211,8 +213,15 @@ def take_snapshot(state: Any, buffer: HostBuffer, *, spill_dir: str, spill_name:
         if slot == len(sources):
             sources.append(storage)
         tensors.append(
-            TensorRef(slot, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
-                      t.requires_grad, isinstance(t, torch.nn.Parameter))  # fmt: skip
+            TensorRef(
+                slot,
+                t.dtype,
+                tuple(t.shape),
+                tuple(t.stride()),
+                t.storage_offset(),
+                t.requires_grad,
+                isinstance(t, torch.nn.Parameter),
+            )
         )
 
     on_gpu = any(s.device.type == "cuda" for s in sources)
@@ -238,7 +247,7 @@ def take_snapshot(state: Any, buffer: HostBuffer, *, spill_dir: str, spill_name:
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        for s, slot in zip(sources, slots):
+        for s, slot in zip(sources, slots, strict=True):
             if not slot.spilled and slot.nbytes:
                 dst = buffer.tensor[slot.offset : slot.offset + slot.nbytes]
                 dst.copy_(_bytes_view(s), non_blocking=s.device.type == "cuda")
@@ -255,10 +264,16 @@ def take_snapshot(state: Any, buffer: HostBuffer, *, spill_dir: str, spill_name:
         logger.debug("snapshot spilled %d bytes to %s", spill_offset, spill_path)
 
     snap = Snapshot(
-        skeleton=skel.getvalue(), tensors=tensors, slots=slots, buffer=buffer, spill_path=spill_path,
-        nbytes=sum(s.nbytes() for s in sources), spilled_bytes=spill_offset, copy_event=event,
+        skeleton=skel.getvalue(),
+        tensors=tensors,
+        slots=slots,
+        buffer=buffer,
+        spill_path=spill_path,
+        nbytes=sum(s.nbytes() for s in sources),
+        spilled_bytes=spill_offset,
+        copy_event=event,
         _sources=sources if event is not None else [],
-    )  # fmt: skip
+    )
     return snap
 
 
@@ -299,7 +314,9 @@ def materialize_parts(
     storages = []
     for slot in slots:
         src = spill if slot.spilled else base
-        storages.append(src[slot.offset : slot.offset + slot.nbytes] if slot.nbytes else torch.UntypedStorage(0))
+        storages.append(
+            src[slot.offset : slot.offset + slot.nbytes] if slot.nbytes else torch.UntypedStorage(0)
+        )
     tensors = []
     for ref in refs:
         t = torch.empty(0, dtype=ref.dtype).set_(storages[ref.slot], ref.offset, ref.size, ref.stride)
@@ -315,4 +332,3 @@ def _cuda_check(result: Any, what: str) -> None:
     code = getattr(result, "value", result)
     if code != 0:
         raise RuntimeError(f"cudaHost{what} failed with CUDA error {code}")
-

@@ -76,7 +76,9 @@ class Storage:
         except ImportError as exc:
             scheme = root.split("://", 1)[0]
             extra = _EXTRAS.get(scheme)
-            fix = f"pip install 'air-plugins[{extra}]'" if extra else f"install the fsspec backend for {scheme}"
+            fix = (
+                f"pip install 'air-plugins[{extra}]'" if extra else f"install the fsspec backend for {scheme}"
+            )
             raise ConfigError(
                 f"AsyncCheckpointer(root={self.url!r}): {scheme}:// URLs need a package that is not "
                 f"installed ({exc}). Install it: {fix}"
@@ -116,8 +118,14 @@ class Storage:
                 delay = self._backoff * (2**attempt) * (0.5 + random.random())
                 logger.warning(
                     "%s %s: transient %s (%s); retry %d/%d in %.2fs",
-                    what, self.display(rel), type(exc).__name__, exc, attempt + 1, self._retries, delay,
-                )  # fmt: skip
+                    what,
+                    self.display(rel),
+                    type(exc).__name__,
+                    exc,
+                    attempt + 1,
+                    self._retries,
+                    delay,
+                )
                 time.sleep(delay)
         raise AssertionError("unreachable")
 

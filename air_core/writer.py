@@ -114,8 +114,15 @@ class ProcessSerializer:
 
     def write(self, snap: Snapshot, path: str, *, fsync: bool) -> tuple[int, int]:
         self._jobs.put(
-            {"skeleton": snap.skeleton, "refs": snap.tensors, "slots": snap.slots, "buffer": snap.buffer.tensor,
-             "spill": snap.spill_path, "path": path, "fsync": fsync}  # fmt: skip
+            {
+                "skeleton": snap.skeleton,
+                "refs": snap.tensors,
+                "slots": snap.slots,
+                "buffer": snap.buffer.tensor,
+                "spill": snap.spill_path,
+                "path": path,
+                "fsync": fsync,
+            }
         )
         while True:
             try:
@@ -211,7 +218,9 @@ class Writer:
                 )
             # The intent names the file before it exists, so a crash leaves a partial that retention finds.
             intent = FileEntry(job.filename, -1, 0, cfg.rank)
-            commit.write_part(storage, PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, (intent,), False))
+            commit.write_part(
+                storage, PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, (intent,), False)
+            )
             self._phase(job, "serialize_start")
             t0 = time.monotonic()
             job.snapshot.wait_copied()
@@ -248,8 +257,12 @@ class Writer:
             self._phase(job, "committed")
             logger.info(
                 "rank %d committed checkpoint %s (step %d, %d bytes) in %.2fs",
-                cfg.rank, job.name, job.step, size, time.monotonic() - job.called_at,
-            )  # fmt: skip
+                cfg.rank,
+                job.name,
+                job.step,
+                size,
+                time.monotonic() - job.called_at,
+            )
             info = CheckpointInfo(job.name, job.step, "committed", "", manifest)
             self._record(job, times, size)
             self._release(job)
@@ -262,8 +275,10 @@ class Writer:
             error = SaveError(
                 f"rank {cfg.rank}: saving checkpoint {job.name!r} (step {job.step}) failed during {phase}: "
                 f"{type(exc).__name__}: {exc}. The previous committed checkpoint is untouched.",
-                step=job.step, phase=phase, rank=cfg.rank,
-            )  # fmt: skip
+                step=job.step,
+                phase=phase,
+                rank=cfg.rank,
+            )
             error.__cause__ = exc
             self._phase(job, "failed")
             self._record(job, times, size, error=str(error))
@@ -273,8 +288,12 @@ class Writer:
         try:
             self._retain()
         except Exception:
-            logger.warning("rank %d: retention after %s failed; will retry after the next commit",
-                           cfg.rank, job.name, exc_info=True)  # fmt: skip
+            logger.warning(
+                "rank %d: retention after %s failed; will retry after the next commit",
+                cfg.rank,
+                job.name,
+                exc_info=True,
+            )
 
     def _release(self, job: SaveJob) -> None:
         """End the save's claim: its buffer goes back to the pool (so the next save may snapshot)."""
@@ -296,14 +315,22 @@ class Writer:
             parts = [part]
             if cfg.world_size > 1:
                 parts = commit.wait_for_parts(
-                    storage, name=job.name, step=job.step, launch_id=cfg.launch_id,
-                    world_size=cfg.world_size, timeout_seconds=cfg.commit_timeout_seconds,
-                )  # fmt: skip
+                    storage,
+                    name=job.name,
+                    step=job.step,
+                    launch_id=cfg.launch_id,
+                    world_size=cfg.world_size,
+                    timeout_seconds=cfg.commit_timeout_seconds,
+                )
             manifest = Manifest(
-                name=job.name, step=job.step, time=time.time(), world_size=cfg.world_size,
-                launch_id=cfg.launch_id, files=tuple(f for p in parts for f in p.files),
+                name=job.name,
+                step=job.step,
+                time=time.time(),
+                world_size=cfg.world_size,
+                launch_id=cfg.launch_id,
+                files=tuple(f for p in parts for f in p.files),
                 versions=library_versions(),
-            )  # fmt: skip
+            )
             commit.write_manifest(storage, manifest)
         else:
             manifest = commit.wait_for_manifest(
@@ -326,12 +353,19 @@ class Writer:
     def _record(self, job: SaveJob, times: dict[str, float], size: int, error: str = "") -> None:
         self._emit(
             SaveRecord(
-                name=job.name, step=job.step, rank=self._config.rank, wait_seconds=job.wait_seconds,
-                blocking_seconds=job.blocking_seconds, staging_seconds=times["staging"],
-                upload_seconds=times["upload"], commit_seconds=times["commit"],
-                total_seconds=time.monotonic() - job.called_at, bytes=size,
-                spilled_bytes=job.snapshot.spilled_bytes, error=error,
-            )  # fmt: skip
+                name=job.name,
+                step=job.step,
+                rank=self._config.rank,
+                wait_seconds=job.wait_seconds,
+                blocking_seconds=job.blocking_seconds,
+                staging_seconds=times["staging"],
+                upload_seconds=times["upload"],
+                commit_seconds=times["commit"],
+                total_seconds=time.monotonic() - job.called_at,
+                bytes=size,
+                spilled_bytes=job.snapshot.spilled_bytes,
+                error=error,
+            )
         )
 
 
@@ -347,4 +381,3 @@ def _trim_cache(cache_dir: str, keep_last: int) -> None:
     for info in commit.retention_victims(scan(cached), keep_last=keep_last, busy=set()):
         if info.status == "committed":
             commit.delete_checkpoint(cached, info)
-

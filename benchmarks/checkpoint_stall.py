@@ -100,7 +100,9 @@ def build_state(size_mib: int, device: str):
     width = 4096
     layers = max(1, round(params / (width * width)))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(device)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(
+        device
+    )
     opt = torch.optim.Adam(model.parameters())
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -112,7 +114,9 @@ def make_step(device: str) -> Callable[[], None]:
     """A small training step (about 20 ms on one CPU core): what a background writer competes with."""
     import torch
 
-    net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU()) for _ in range(8)])
+    net = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU()) for _ in range(8)]
+    )
     net = net.to(device)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     x = torch.randn(128, 512, device=device)
@@ -143,21 +147,22 @@ def worker(method: str, size_mib: int, device: str, workdir: str, repeats: int) 
     model, opt = build_state(size_mib, device)
     step = make_step(device)
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    state_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    state_bytes += sum(
+        v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+    )
 
     def state() -> dict:
         return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
     save, cleanup = _method(method, workdir, state_bytes)
+    timed_steps(step, 10)  # the step's own allocations happen before the memory baseline
     mem = PeakMemory()
-    results = []
+    results, idle = [], []
     for i in range(1 + repeats):  # the first save warms up (allocations, process start) and is not timed
-        if i == 1:
-            os.sync()
-            timed_steps(step, 10)
-            idle = statistics.median(timed_steps(step, 40))
         path = os.path.join(workdir, f"ckpt-{i}")
         os.sync()  # every save starts with no dirty pages queued: earlier writes must not bill this one
+        if i:
+            idle += timed_steps(step, 20)  # idle steps right before each timed save, same conditions
         t0 = time.perf_counter()
         durable_check = save(state(), path, i)
         blocking = time.perf_counter() - t0
@@ -176,9 +181,9 @@ def worker(method: str, size_mib: int, device: str, workdir: str, repeats: int) 
         "repeats": repeats,
         "blocking_seconds": statistics.median(r[0] for r in results),
         "durable_seconds": statistics.median(r[1] for r in results),
-        "idle_step_seconds": idle,
+        "idle_step_seconds": statistics.median(idle),
         "steps_during_save": len(during),
-        "step_slowdown": (statistics.median(during) / idle) if during else None,
+        "step_slowdown": (statistics.median(during) / statistics.median(idle)) if during else None,
         "peak_extra_mib": extra / (1 << 20),
         "budget_mib": state_bytes / 4 / (1 << 20) if method == "air_budget" else None,
     }
@@ -227,8 +232,13 @@ def _method(method: str, workdir: str, state_bytes: int):
 
     kind = "process" if method == "air_process" else "thread"
     budget = state_bytes // 4 if method == "air_budget" else None
-    ckpt = AsyncCheckpointer(os.path.join(workdir, "air"), writer=kind, host_budget_bytes=budget, keep_last=16,
-                             staging_dir=os.path.join(workdir, "stage") if budget else None)  # fmt: skip
+    ckpt = AsyncCheckpointer(
+        os.path.join(workdir, "air"),
+        writer=kind,
+        host_budget_bytes=budget,
+        keep_last=16,
+        staging_dir=os.path.join(workdir, "stage") if budget else None,
+    )
 
     def save(state, path, i):
         handle = ckpt.save(state, step=i)
@@ -252,11 +262,15 @@ def print_table(rows: dict[str, dict]) -> None:
         head += f" {'blocking/torch.save':>20} {'durable/torch.save':>19}"
     print(head)
     for method, r in rows.items():
-        line = (f"{LABELS[method]:32} {r['blocking_seconds']:10.3f} {r['durable_seconds']:10.3f} "
-                f"{_fmt(r['step_slowdown'], '13.2f')}x {r['peak_extra_mib']:10.0f}")  # fmt: skip
+        line = (
+            f"{LABELS[method]:32} {r['blocking_seconds']:10.3f} {r['durable_seconds']:10.3f} "
+            f"{_fmt(r['step_slowdown'], '13.2f')}x {r['peak_extra_mib']:10.0f}"
+        )
         if base:
-            line += (f" {r['blocking_seconds'] / base['blocking_seconds']:20.3f}"
-                     f" {r['durable_seconds'] / base['durable_seconds']:19.2f}")  # fmt: skip
+            line += (
+                f" {r['blocking_seconds'] / base['blocking_seconds']:20.3f}"
+                f" {r['durable_seconds'] / base['durable_seconds']:19.2f}"
+            )
         if r.get("budget_mib"):
             line += f"   (budget {r['budget_mib']:.0f} MiB)"
         print(line)
@@ -264,11 +278,15 @@ def print_table(rows: dict[str, dict]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size-mib", type=int, default=768, help="state size in MiB (default 768)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
-    parser.add_argument("--repeats", type=int, default=3, help="timed saves per method after a warm-up (default 3)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed saves per method after a warm-up (default 3)"
+    )
     parser.add_argument("--dir", default=None, help="folder for the checkpoints (default: a temp folder)")
     parser.add_argument("--json", action="store_true", help="print one JSON object keyed by method")
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
@@ -280,8 +298,20 @@ def main() -> int:
     for method in args.methods:
         workdir = tempfile.mkdtemp(prefix="air-bench-", dir=args.dir)
         try:
-            cmd = [sys.executable, __file__, "--worker", method, "--size-mib", str(args.size_mib),
-                   "--device", args.device, "--dir", workdir, "--repeats", str(args.repeats)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                method,
+                "--size-mib",
+                str(args.size_mib),
+                "--device",
+                args.device,
+                "--dir",
+                workdir,
+                "--repeats",
+                str(args.repeats),
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 print(f"{method} failed:\n{out.stderr}", file=sys.stderr)

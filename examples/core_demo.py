@@ -36,12 +36,17 @@ class DemoListener:
     def on_event(self, event) -> None:
         if isinstance(event, SaveRecord):
             self.records.append(event)
-        elif isinstance(event, PhaseEvent) and self.crash and event.step == KILL_AT and event.phase == "upload_start":
+        elif (
+            isinstance(event, PhaseEvent)
+            and self.crash
+            and event.step == KILL_AT
+            and event.phase == "upload_start"
+        ):
             threading.Thread(target=self._kill_mid_upload, daemon=True).start()
 
     def _kill_mid_upload(self) -> None:
         while True:  # the upload's temp file exists: we are mid-upload
-            for folder, _, files in os.walk(self.remote):
+            for _, _, files in os.walk(self.remote):
                 if any(".air-tmp-" in f for f in files):
                     print(f"  !! SIGKILL while uploading the checkpoint of step {KILL_AT}", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -70,14 +75,22 @@ def train(workdir: str, crash: bool) -> None:
             loss.backward()
             opt.step()
             if (step + 1) % EVERY == 0:
-                state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                         "rng": torch.get_rng_state(), "step": step + 1}  # fmt: skip
+                state = {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "rng": torch.get_rng_state(),
+                    "step": step + 1,
+                }
                 ckpt.save(state, step=step + 1)
     torch.save(model.state_dict(), os.path.join(workdir, "final.pt"))
     blocking = [r.blocking_seconds * 1e3 for r in listener.records]
     durable = [r.total_seconds * 1e3 for r in listener.records]
-    print(f"  finished step {STEPS}; {len(blocking)} saves: blocking median {statistics.median(blocking):.1f} ms, "
-          f"until durable median {statistics.median(durable):.1f} ms", flush=True)  # fmt: skip
+    print(
+        f"  finished step {STEPS}; {len(blocking)} saves: "
+        f"blocking median {statistics.median(blocking):.1f} ms, "
+        f"until durable median {statistics.median(durable):.1f} ms",
+        flush=True,
+    )
 
 
 def supervise(workdir: str) -> int:
@@ -106,8 +119,12 @@ def supervise(workdir: str) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", metavar="DIR", help="run one training job in DIR (used by the supervisor)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--worker", metavar="DIR", help="run one training job in DIR (used by the supervisor)"
+    )
     parser.add_argument("--crash", action="store_true", help="with --worker: die mid-upload at step 40")
     parser.add_argument("--workdir", default="demo-run", help="where the demo writes (default: demo-run)")
     args = parser.parse_args()

@@ -53,7 +53,9 @@ def s3_root(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3Root:
     return S3Root(url=f"s3://{bucket}/run", endpoint=s3_endpoint, storage_options=options)
 
 
-def run_python(code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter with the repo importable; return the finished process."""
     full_env = {**os.environ, "PYTHONPATH": REPO, **(env or {})}
     return subprocess.run(

@@ -42,8 +42,15 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     launch = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(launch, src=0)  # on the training thread, as the adapters do
-    ckpt = AsyncCheckpointer(root, rank=rank, world_size=world, launch_id=launch[0], keep_last=5,
-                             commit_timeout_seconds=5.0, listeners=[Fault(rank, scenario)])  # fmt: skip
+    ckpt = AsyncCheckpointer(
+        root,
+        rank=rank,
+        world_size=world,
+        launch_id=launch[0],
+        keep_last=5,
+        commit_timeout_seconds=5.0,
+        listeners=[Fault(rank, scenario)],
+    )
     info = ckpt.save(rank_state(rank, 1), step=1).result(timeout=60)
     print(f"rank {rank} committed step 1 with {len(info.manifest.files)} files", flush=True)
     try:

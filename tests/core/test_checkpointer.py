@@ -11,7 +11,14 @@ import pytest
 import torch
 
 import tests.faultfs  # noqa: F401  (registers flaky://)
-from air_core import AsyncCheckpointer, CorruptCheckpointError, PhaseEvent, RestoreRecord, SaveError, SaveRecord
+from air_core import (
+    AsyncCheckpointer,
+    CorruptCheckpointError,
+    PhaseEvent,
+    RestoreRecord,
+    SaveError,
+    SaveRecord,
+)
 
 
 class Recorder:
@@ -48,7 +55,9 @@ def test_local_destination_is_written_directly_not_staged_twice(tmp_path):
 
 def test_explicit_staging_dir_stages_a_local_destination_too(tmp_path):
     rec = Recorder()
-    with AsyncCheckpointer(str(tmp_path / "dst"), staging_dir=str(tmp_path / "stage"), listeners=[rec]) as ckpt:
+    with AsyncCheckpointer(
+        str(tmp_path / "dst"), staging_dir=str(tmp_path / "stage"), listeners=[rec]
+    ) as ckpt:
         info = ckpt.save(_state(1), step=1).result(timeout=60)
     rel = info.manifest.files[0].path
     staged = [p for p in (tmp_path / "stage").rglob(os.path.basename(rel)) if p.is_file()]
@@ -57,11 +66,13 @@ def test_explicit_staging_dir_stages_a_local_destination_too(tmp_path):
     assert phases.index("staged") < phases.index("upload_start") < phases.index("committed")
 
 
-@pytest.mark.parametrize("where", ["memory", "s3"])
+@pytest.mark.parametrize("where", ["file", "memory", "s3"])
 def test_roundtrip_through_remote_storage_is_bitwise(tmp_path, request, where):
     if where == "s3":
         s3 = request.getfixturevalue("s3_root")
         root, opts = s3.url, s3.storage_options
+    elif where == "file":
+        root, opts = f"file://{tmp_path}/mounted-volume", {}
     else:
         root, opts = f"memory://rt-{uuid.uuid4().hex[:8]}", {}
     with AsyncCheckpointer(root, staging_dir=str(tmp_path / "a"), storage_options=opts, keep_last=2) as ckpt:
@@ -71,7 +82,9 @@ def test_roundtrip_through_remote_storage_is_bitwise(tmp_path, request, where):
         assert ckpt.latest().step == 3
     # A new process on another machine: empty staging dir, so the bytes come from the remote.
     rec = Recorder()
-    with AsyncCheckpointer(root, staging_dir=str(tmp_path / "b"), storage_options=opts, listeners=[rec]) as fresh:
+    with AsyncCheckpointer(
+        root, staging_dir=str(tmp_path / "b"), storage_options=opts, listeners=[rec]
+    ) as fresh:
         infos = fresh.list()
         assert [(i.step, i.status) for i in infos] == [(2, "committed"), (3, "committed")], "keep_last=2"
         _assert_state_equal(fresh.load(), _state(3))
@@ -98,10 +111,13 @@ def test_retention_keeps_newest_and_deletes_only_after_a_newer_commit(tmp_path):
 
     def check(event):  # runs on the writer thread, before step N's manifest exists
         if event.phase == "upload_start":
-            seen_before_commit[event.step] = sorted(os.listdir(dst / ".air")) if (dst / ".air").exists() else []
+            seen_before_commit[event.step] = (
+                sorted(os.listdir(dst / ".air")) if (dst / ".air").exists() else []
+            )
 
-    with AsyncCheckpointer(str(dst), staging_dir=str(tmp_path / "s"), keep_last=1,
-                           listeners=[Recorder(check)]) as ckpt:  # fmt: skip
+    with AsyncCheckpointer(
+        str(dst), staging_dir=str(tmp_path / "s"), keep_last=1, listeners=[Recorder(check)]
+    ) as ckpt:
         for step in (1, 2, 3):
             ckpt.save(_state(step), step=step).result(timeout=60)
     assert "step-000000001" in seen_before_commit[2], "step 1 must survive until step 2 commits"
@@ -118,8 +134,9 @@ def test_backpressure_waits_for_the_save_in_flight(tmp_path):
             gate.wait(30)
 
     rec = Recorder(hold)
-    with AsyncCheckpointer(f"memory://bp-{uuid.uuid4().hex[:8]}", staging_dir=str(tmp_path),
-                           listeners=[rec]) as ckpt:  # fmt: skip
+    with AsyncCheckpointer(
+        f"memory://bp-{uuid.uuid4().hex[:8]}", staging_dir=str(tmp_path), listeners=[rec]
+    ) as ckpt:
         ckpt.save(_state(1), step=1)
         threading.Timer(0.3, gate.set).start()
         ckpt.save(_state(2), step=2).result(timeout=60)
@@ -132,8 +149,9 @@ def test_backpressure_waits_for_the_save_in_flight(tmp_path):
 def test_skip_policy_drops_a_save_while_one_is_in_flight(tmp_path):
     gate = threading.Event()
     rec = Recorder(lambda e: gate.wait(30) if e.phase == "upload_start" else None)
-    with AsyncCheckpointer(f"memory://sk-{uuid.uuid4().hex[:8]}", staging_dir=str(tmp_path), on_busy="skip",
-                           listeners=[rec]) as ckpt:  # fmt: skip
+    with AsyncCheckpointer(
+        f"memory://sk-{uuid.uuid4().hex[:8]}", staging_dir=str(tmp_path), on_busy="skip", listeners=[rec]
+    ) as ckpt:
         first = ckpt.save(_state(1), step=1)
         skipped = ckpt.save(_state(2), step=2)
         gate.set()
@@ -165,8 +183,11 @@ def test_failed_save_is_raised_once_at_next_save_and_previous_commit_is_untouche
 
 
 def test_close_never_masks_an_exception_already_propagating(tmp_path, caplog):
-    ckpt = AsyncCheckpointer(f"flaky://m-{uuid.uuid4().hex[:8]}", staging_dir=str(tmp_path),
-                             storage_options={"permanent_error": "denied", "fail_on": "put"})  # fmt: skip
+    ckpt = AsyncCheckpointer(
+        f"flaky://m-{uuid.uuid4().hex[:8]}",
+        staging_dir=str(tmp_path),
+        storage_options={"permanent_error": "denied", "fail_on": "put"},
+    )
     with pytest.raises(KeyError, match="user bug"), caplog.at_level(logging.ERROR):
         with ckpt:
             ckpt.save(_state(1), step=1)
@@ -175,8 +196,11 @@ def test_close_never_masks_an_exception_already_propagating(tmp_path, caplog):
 
 
 def test_close_raises_an_unreported_failed_save(tmp_path):
-    ckpt = AsyncCheckpointer(f"flaky://c-{uuid.uuid4().hex[:8]}", staging_dir=str(tmp_path),
-                             storage_options={"permanent_error": "denied", "fail_on": "put"})  # fmt: skip
+    ckpt = AsyncCheckpointer(
+        f"flaky://c-{uuid.uuid4().hex[:8]}",
+        staging_dir=str(tmp_path),
+        storage_options={"permanent_error": "denied", "fail_on": "put"},
+    )
     ckpt.save(_state(7), step=7)
     with pytest.raises(SaveError, match="step 7"):
         ckpt.close()
@@ -228,8 +252,9 @@ def test_no_checkpoint_yet_differs_from_none_usable(tmp_path):
 
 def test_every_save_delivers_a_latency_record(tmp_path):
     rec = Recorder()
-    with AsyncCheckpointer(f"memory://lat-{uuid.uuid4().hex[:8]}", staging_dir=str(tmp_path),
-                           listeners=[rec]) as ckpt:  # fmt: skip
+    with AsyncCheckpointer(
+        f"memory://lat-{uuid.uuid4().hex[:8]}", staging_dir=str(tmp_path), listeners=[rec]
+    ) as ckpt:
         ckpt.save(_state(1), step=1).result(timeout=60)
     (record,) = rec.of(SaveRecord)
     assert record.error == "" and record.bytes > 128 * 128 * 4
@@ -249,6 +274,9 @@ def test_process_writer_saves_the_same_bytes_as_the_thread_writer(tmp_path):
 def test_core_imports_no_training_framework():
     from tests.conftest import run_python
 
-    out = run_python("import sys, air_core; print(sorted(m for m in ('lightning','accelerate','mlflow') if m in sys.modules))")
+    out = run_python(
+        "import sys, air_core\n"
+        "print(sorted(m for m in ('lightning', 'accelerate', 'mlflow') if m in sys.modules))"
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -20,8 +20,21 @@ def _launch(root: str, tmp_path, scenario: str) -> list[subprocess.CompletedProc
     init = tmp_path / f"init-{scenario}"
     env = {**os.environ, "PYTHONPATH": REPO}
     procs = [
-        subprocess.Popen([sys.executable, os.path.join(REPO, "tests/dist_worker.py"), str(r), "2", root, str(init),
-                          scenario], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(REPO, "tests/dist_worker.py"),
+                str(r),
+                "2",
+                root,
+                str(init),
+                scenario,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for r in range(2)
     ]
     outs = []

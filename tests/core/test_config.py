@@ -28,7 +28,11 @@ def test_invalid_setting_names_argument_and_fix(tmp_path, kwargs, expected):
     with pytest.raises(ConfigError) as info:
         AsyncCheckpointer(str(tmp_path), **kwargs)
     assert expected in str(info.value), f"expected {expected!r} in {info.value}"
-    arg = "launch_id" if "launch_id" in expected else ("rank" if "rank must" in expected else next(iter(kwargs)))
+    arg = (
+        "launch_id"
+        if "launch_id" in expected
+        else ("rank" if "rank must" in expected else next(iter(kwargs)))
+    )
     assert f"AsyncCheckpointer({arg}=" in str(info.value), f"the message must name {arg}: {info.value}"
     assert not list(tmp_path.iterdir()), "nothing may be written before the settings are valid"
 

@@ -51,7 +51,9 @@ def test_aliasing_and_parameters_survive_the_snapshot(tmp_path):
     shared.mul_(-1)
     out = materialize(snap)
     assert torch.equal(out["a"], torch.arange(10.0))
-    assert out["view"].untyped_storage().data_ptr() == out["a"].untyped_storage().data_ptr(), "views keep aliasing"
+    assert out["view"].untyped_storage().data_ptr() == out["a"].untyped_storage().data_ptr(), (
+        "views keep aliasing"
+    )
     assert out["again"] is out["a"], "the same tensor twice stays one object"
     assert isinstance(out["p"], torch.nn.Parameter) and out["p"].requires_grad
 
@@ -65,8 +67,12 @@ def test_host_budget_is_never_exceeded_and_spill_saves_correctly(tmp_path):
         def on_event(self, event):
             records.append(event)
 
-    with AsyncCheckpointer(str(tmp_path / "dst"), staging_dir=str(tmp_path / "stage"),
-                           host_budget_bytes=budget, listeners=[Rec()]) as ckpt:  # fmt: skip
+    with AsyncCheckpointer(
+        str(tmp_path / "dst"),
+        staging_dir=str(tmp_path / "stage"),
+        host_budget_bytes=budget,
+        listeners=[Rec()],
+    ) as ckpt:
         ckpt.save(state, step=1).result(timeout=60)
         assert 0 < ckpt.host_bytes_allocated <= budget, "staging buffers must stay within host_budget_bytes"
         loaded = ckpt.load()

@@ -20,8 +20,9 @@ def _flaky_root() -> str:
 
 def test_transient_errors_are_retried_until_the_upload_lands(tmp_path):
     opts = {"transient_failures": 3, "fail_on": "put"}
-    with AsyncCheckpointer(_flaky_root(), staging_dir=str(tmp_path), storage_options=opts,
-                           retry_backoff_seconds=0.01) as ckpt:  # fmt: skip
+    with AsyncCheckpointer(
+        _flaky_root(), staging_dir=str(tmp_path), storage_options=opts, retry_backoff_seconds=0.01
+    ) as ckpt:
         info = ckpt.save({"w": torch.arange(4.0)}, step=1).result(timeout=60)
         assert info is not None and info.status == "committed"
         assert ckpt._storage.fs.calls == 4, "three throttled uploads, then the fourth succeeds"
@@ -36,7 +37,9 @@ def test_permanent_error_fails_the_save_with_its_step_and_phase(tmp_path):
         handle.result(timeout=60)
     err = info.value
     assert (err.step, err.phase, err.rank) == (42, "upload", 0)
-    assert "Access Denied" in str(err) and "credentials" in str(err), "the message names the cause and the fix"
+    assert "Access Denied" in str(err) and "credentials" in str(err), (
+        "the message names the cause and the fix"
+    )
     assert isinstance(err.__cause__, StorageError)
     assert ckpt.latest() is None, "a failed save never commits"
     ckpt.close()  # already reported through result(): not raised again
@@ -50,8 +53,11 @@ def test_probe_fails_before_training_when_destination_refuses_writes(tmp_path):
 
 def test_missing_backend_names_the_extra_to_install(tmp_path, monkeypatch):
     registry = importlib.import_module("fsspec.registry")  # as if gcsfs were not installed
-    monkeypatch.setitem(registry.known_implementations, "gs",
-                        {"class": "gcsfs_not_installed.GCSFileSystem", "err": "Install gcsfs"})  # fmt: skip
+    monkeypatch.setitem(
+        registry.known_implementations,
+        "gs",
+        {"class": "gcsfs_not_installed.GCSFileSystem", "err": "Install gcsfs"},
+    )
     monkeypatch.delitem(registry._registry, "gs", raising=False)
     with pytest.raises(ConfigError, match=r"pip install 'air-plugins\[gcs\]'"):
         AsyncCheckpointer("gs://bucket/run", staging_dir=str(tmp_path))

@@ -18,8 +18,13 @@ pytestmark = pytest.mark.slow
 
 def _run_until_killed(root: str, staging: str, phase: str, endpoint: str | None = None) -> None:
     args = [sys.executable, os.path.join(REPO, "tests/crash_worker.py"), root, staging, phase]
-    out = subprocess.run(args + ([endpoint] if endpoint else []), capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
+    out = subprocess.run(
+        args + ([endpoint] if endpoint else []),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     assert out.returncode == -9, f"the writer must die by SIGKILL at {phase}: {out.stdout}{out.stderr}"
     assert "step 1 committed" in out.stdout and "step 2 committed" not in out.stdout
 
