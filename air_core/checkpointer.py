@@ -357,10 +357,11 @@ class AsyncCheckpointer:
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + self.config.close_timeout_seconds
         try:
             self.flush(self.config.close_timeout_seconds)
         finally:
-            if not self._writer.stop(self.config.close_timeout_seconds):
+            if not self._writer.stop(max(deadline - time.monotonic(), 0.0)):
                 logger.error(
                     "rank %d: the writer did not stop within %ss",
                     self.config.rank,

@@ -18,7 +18,7 @@ import json
 import platform
 import posixpath
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from .errors import CorruptCheckpointError
 
@@ -93,27 +93,11 @@ class Manifest:
         return [f for f in self.files if f.rank == rank]
 
     def to_json(self) -> bytes:
-        body = asdict(self)
-        body["files"] = [asdict(f) for f in self.files]
-        return json.dumps({"format": "air-manifest", "version": FORMAT_VERSION, **body}, indent=1).encode()
+        return _dump("air-manifest", self, indent=1)
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> Manifest:
-        try:
-            body = json.loads(data)
-            if body.pop("format") != "air-manifest":
-                raise ValueError("not an air manifest")
-            if body.pop("version") > FORMAT_VERSION:
-                raise ValueError("written by a newer air-plugins; upgrade to read it")
-            files = tuple(FileEntry(**f) for f in body.pop("files"))
-            manifest = cls(files=files, **body)
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise CorruptCheckpointError(
-                f"{where}: unreadable manifest ({exc})", path=where, reason="unreadable manifest"
-            ) from exc
-        for f in manifest.files:
-            check_relpath(f.path, where=where)
-        return manifest
+        return _load(cls, "air-manifest", data, where)
 
 
 @dataclass(frozen=True)
@@ -129,31 +113,38 @@ class PartRecord:
     """False for the intent written before the files (so a crash leaves a findable partial)."""
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "format": "air-part",
-                "version": FORMAT_VERSION,
-                **asdict(self),
-                "files": [asdict(f) for f in self.files],
-            }
-        ).encode()
+        return _dump("air-part", self)
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> PartRecord:
-        try:
-            body = json.loads(data)
-            if body.pop("format") != "air-part":
-                raise ValueError("not an air part record")
-            body.pop("version")
-            files = tuple(FileEntry(**f) for f in body.pop("files"))
-            record = cls(files=files, **body)
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise CorruptCheckpointError(
-                f"{where}: unreadable part record ({exc})", path=where, reason="unreadable part record"
-            ) from exc
-        for f in record.files:
-            check_relpath(f.path, where=where)
-        return record
+        return _load(cls, "air-part", data, where)
+
+
+def _dump(kind: str, record: Manifest | PartRecord, indent: int | None = None) -> bytes:
+    body = {"format": kind, "version": FORMAT_VERSION, **asdict(record)}
+    return json.dumps(body, indent=indent).encode()
+
+
+R = TypeVar("R", Manifest, PartRecord)
+
+
+def _load(cls: type[R], kind: str, data: bytes, where: str) -> R:
+    """Parse and validate a record; anything malformed or unsafe is a ``CorruptCheckpointError``."""
+    try:
+        body = json.loads(data)
+        if body.pop("format") != kind:
+            raise ValueError(f"not an {kind} record")
+        if body.pop("version") > FORMAT_VERSION:
+            raise ValueError("written by a newer air-plugins; upgrade to read it")
+        files = tuple(FileEntry(**f) for f in body.pop("files"))
+        record = cls(files=files, **body)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CorruptCheckpointError(
+            f"{where}: unreadable {kind} ({exc})", path=where, reason=f"unreadable {kind}"
+        ) from exc
+    for f in record.files:
+        check_relpath(f.path, where=where)
+    return record
 
 
 @dataclass(frozen=True)
