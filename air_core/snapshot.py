@@ -218,7 +218,7 @@ def take_snapshot(state: Any, buffer: HostBuffer, *, spill_dir: str, spill_name:
                 t.dtype,
                 tuple(t.shape),
                 tuple(t.stride()),
-                t.storage_offset(),
+                int(t.storage_offset()),
                 t.requires_grad,
                 isinstance(t, torch.nn.Parameter),
             )
@@ -247,9 +247,9 @@ def take_snapshot(state: Any, buffer: HostBuffer, *, spill_dir: str, spill_name:
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        for s, slot in zip(sources, slots, strict=True):
-            if not slot.spilled and slot.nbytes:
-                dst = buffer.tensor[slot.offset : slot.offset + slot.nbytes]
+        for s, placed in zip(sources, slots, strict=True):
+            if not placed.spilled and placed.nbytes:
+                dst = buffer.tensor[placed.offset : placed.offset + placed.nbytes]
                 dst.copy_(_bytes_view(s), non_blocking=s.device.type == "cuda")
         if stream is not None:
             event = torch.cuda.Event()
@@ -284,14 +284,14 @@ def _write_spill(path: str, sources: list[torch.UntypedStorage], bounce: torch.T
             n = src.numel()
             if s.device.type == "cpu":
                 if n:
-                    f.write(memoryview(src.numpy()))
+                    f.write(src.numpy().data)
             else:
                 assert bounce is not None and bounce.numel() > 0
                 step = bounce.numel()
                 for start in range(0, n, step):
                     m = min(step, n - start)
                     bounce[:m].copy_(src[start : start + m])  # synchronous: the bounce is reused
-                    f.write(memoryview(bounce[:m].numpy()))
+                    f.write(bounce[:m].numpy().data)
             pad = _aligned(n) - n
             if pad:
                 f.write(b"\0" * pad)
@@ -306,11 +306,10 @@ def materialize_parts(
     skeleton: bytes, refs: list[TensorRef], slots: list[Slot], buffer: torch.Tensor, spill_path: str | None
 ) -> Any:
     """``materialize`` from plain parts, so a writer process can do it from shared memory."""
-    spill = None
-    if spill_path is not None:
-        size = os.path.getsize(spill_path)
-        spill = torch.UntypedStorage.from_file(spill_path, True, size) if size else None
     base = buffer.untyped_storage()
+    spill: Any = base
+    if spill_path is not None and os.path.getsize(spill_path):
+        spill = torch.UntypedStorage.from_file(spill_path, True, os.path.getsize(spill_path))
     storages = []
     for slot in slots:
         src = spill if slot.spilled else base

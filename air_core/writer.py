@@ -21,7 +21,7 @@ import traceback
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import IO, Any, Protocol, cast
 
 import torch
 
@@ -62,7 +62,7 @@ def serialize_file(state: Any, path: str, *, fsync: bool) -> tuple[int, int]:
     """Write ``state`` in ``torch.save`` format to ``path``; return (size, crc32)."""
     with open(path, "wb", buffering=0) as f:
         w = _CrcWriter(f)
-        torch.save(state, w)
+        torch.save(state, cast(IO[bytes], w))
         if fsync:
             os.fsync(f.fileno())
     return w.size, w.crc
@@ -224,16 +224,15 @@ class Writer:
             self._phase(job, "serialize_start")
             t0 = time.monotonic()
             job.snapshot.wait_copied()
-            direct = self._cache_dir is None
-            if direct:
+            if self._cache_dir is None:
                 tmp = storage.local_temp(job.filename)
             else:
                 staged = os.path.join(self._cache_dir, *job.filename.split("/"))
                 os.makedirs(os.path.dirname(staged), exist_ok=True)
                 tmp = f"{staged}.air-tmp"
-            size, crc = self._serializer.write(job.snapshot, tmp, fsync=direct)
+            size, crc = self._serializer.write(job.snapshot, tmp, fsync=staged is None)
             _remove_spill(job.snapshot)
-            if direct:
+            if staged is None:
                 storage.place_local(tmp, job.filename)
             else:
                 os.replace(tmp, staged)
@@ -241,7 +240,7 @@ class Writer:
             times["staging"] = time.monotonic() - t0
             self._phase(job, "staged")
 
-            if not direct:
+            if staged is not None:
                 phase = "upload"
                 self._phase(job, "upload_start")
                 t0 = time.monotonic()

@@ -21,7 +21,9 @@ def test_manifest_and_part_record_round_trip():
     assert PartRecord.from_json(p.to_json(), where="p") == p
 
 
-@pytest.mark.parametrize("path", ["/etc/passwd", "../outside", "a/../../b", "a//b", "./a", "C:/x", "a\\b", ""])
+@pytest.mark.parametrize(
+    "path", ["/etc/passwd", "../outside", "a/../../b", "a//b", "./a", "C:/x", "a\\b", ""]
+)
 def test_manifest_naming_an_unsafe_path_is_refused(path):
     body = json.loads(_manifest().to_json())
     body["files"][0]["path"] = path
