@@ -5,6 +5,7 @@ through the save pipeline (snapshot -> serialize -> stage -> upload -> commit ->
 """
 
 from .checkpointer import AsyncCheckpointer, SaveHandle
+from .data_state import ResumableSampler, capture_rng, restore_rng
 from .errors import AirError, ConfigError, CorruptCheckpointError, SaveError, StorageError
 from .events import Event, Listener, PhaseEvent, RestoreRecord, SaveRecord
 from .manifest import CheckpointInfo, FileEntry, Manifest
@@ -19,10 +20,13 @@ __all__ = [
     "FileEntry",
     "Listener",
     "Manifest",
+    "ResumableSampler",
     "PhaseEvent",
     "RestoreRecord",
     "SaveError",
     "SaveHandle",
     "SaveRecord",
     "StorageError",
+    "capture_rng",
+    "restore_rng",
 ]
