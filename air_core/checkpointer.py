@@ -29,7 +29,7 @@ from .manifest import CheckpointInfo, check_relpath, default_file
 from .recovery import fetch, scan, verify
 from .snapshot import BufferPool, take_snapshot
 from .storage import Storage
-from .writer import ProcessSerializer, SaveJob, Serializer, ThreadSerializer, Writer
+from .writer import DeleteJob, ProcessSerializer, SaveJob, Serializer, ThreadSerializer, Writer
 
 logger = logging.getLogger(__name__)
 
@@ -265,8 +265,22 @@ class AsyncCheckpointer:
         """Re-read every file of ``info`` and check its CRC-32; return the problem or ``""``."""
         return verify(self._storage, info, self._cache_dir, max_transfers=self.config.max_transfers)
 
+    def delete(self, name: str) -> None:
+        """Delete checkpoint ``name`` on the writer thread, after every save submitted before.
+
+        The newest committed checkpoint is never deleted: its deletion waits until a newer one commits.
+        Returns at once; call on rank 0 only.
+        """
+        self._check_open("delete")
+        self._writer.submit(DeleteJob(check_name(name)))
+
     def load(
-        self, info: CheckpointInfo | None = None, *, map_location: Any = "cpu", weights_only: bool = True
+        self,
+        info: CheckpointInfo | None = None,
+        *,
+        map_location: Any = "cpu",
+        weights_only: bool | None = True,
+        rank: int | None = None,
     ) -> Any:
         """Return this rank's state from ``info`` (default: the newest committed checkpoint that verifies).
 
@@ -278,6 +292,9 @@ class AsyncCheckpointer:
             FileNotFoundError: there is no committed checkpoint under the root.
             CorruptCheckpointError: ``info`` (or every committed checkpoint) fails verification.
             ConfigError: the checkpoint holds no file of this rank, or needs ``weights_only=False``.
+
+        ``rank`` reads another rank's file (default: this rank's); ``weights_only=None`` leaves the
+        choice to ``torch.load``'s default.
         """
         self._check_open("load")
         started = time.monotonic()
@@ -296,7 +313,7 @@ class AsyncCheckpointer:
                     path=self._storage.display(cand.name),
                     reason=cand.reason or cand.status,
                 )
-            entries = cand.manifest.files_of(self.config.rank)
+            entries = cand.manifest.files_of(self.config.rank if rank is None else rank)
             if len(entries) != 1:
                 raise ConfigError(
                     f"load({cand.name!r}) on rank {self.config.rank}: the checkpoint was written by "
@@ -394,11 +411,11 @@ class AsyncCheckpointer:
             raise AirError(f"AsyncCheckpointer.{what}(): the checkpointer is closed.")
 
 
-def _torch_load(path: str, map_location: Any, weights_only: bool, name: str) -> Any:
+def _torch_load(path: str, map_location: Any, weights_only: bool | None, name: str) -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as exc:
-        if not weights_only:
+        if weights_only is False:
             raise
         raise ConfigError(
             f"load({name!r}): the checkpoint holds objects that weights_only=True refuses ({exc}). "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Sized
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -22,10 +22,20 @@ from .errors import ConfigError
 
 
 def capture_rng() -> dict[str, Any]:
-    """The state of every global generator of this process (call on the training thread)."""
+    """The state of every global generator of this process (call on the training thread).
+
+    Only tensors and plain Python values, so a checkpoint holding it loads with ``weights_only=True``.
+    """
+    kind, keys, pos, has_gauss, cached = cast(tuple, np.random.get_state(legacy=True))
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -40,7 +50,10 @@ def restore_rng(state: dict[str, Any]) -> None:
         ConfigError: the state holds CUDA generators this process cannot take (no GPU, or another count).
     """
     random.setstate(_as_python_state(state["python"]))
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0

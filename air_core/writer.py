@@ -160,6 +160,13 @@ class SaveJob:
     released: bool = False
 
 
+@dataclass
+class DeleteJob:
+    """A request to delete one checkpoint, ordered after every save submitted before it."""
+
+    name: str
+
+
 class Writer:
     """Runs save jobs and their retention in one ordered background thread (see module docstring)."""
 
@@ -178,13 +185,15 @@ class Writer:
         self._pool = pool
         self._serializer = serializer
         self._emit = emit
-        self._queue: queue.Queue[SaveJob | None] = queue.Queue()
+        self._queue: queue.Queue[SaveJob | DeleteJob | None] = queue.Queue()
         self.busy: set[str] = set()
+        self._deferred: set[str] = set()
         self._thread = threading.Thread(target=self._run, name=f"air-writer-r{config.rank}", daemon=False)
         self._thread.start()
 
-    def submit(self, job: SaveJob) -> None:
-        self.busy.add(job.name)
+    def submit(self, job: SaveJob | DeleteJob) -> None:
+        if isinstance(job, SaveJob):
+            self.busy.add(job.name)
         self._queue.put(job)
 
     def stop(self, timeout_seconds: float) -> bool:
@@ -202,7 +211,11 @@ class Writer:
         except (OSError, AttributeError):
             logger.debug("could not lower the writer thread's priority", exc_info=True)
         while (job := self._queue.get()) is not None:
-            self._process(job)
+            if isinstance(job, DeleteJob):
+                self._deferred.add(job.name)
+                self._run_deletes()
+            else:
+                self._process(job)
 
     def _process(self, job: SaveJob) -> None:
         cfg, storage = self._config, self._storage
@@ -294,6 +307,33 @@ class Writer:
                 exc_info=True,
             )
 
+    def _run_deletes(self) -> None:
+        """Delete what was asked for, except the newest committed checkpoint: that one waits for a newer."""
+        if not self._deferred:
+            return
+        try:
+            infos = scan(self._storage)
+            committed = [i for i in infos if i.status == "committed"]
+            for info in infos:
+                if info.name not in self._deferred:
+                    continue
+                if committed and info is committed[-1]:
+                    logger.info(
+                        "rank %d: keeping %s until a newer checkpoint commits", self._config.rank, info.name
+                    )
+                    continue
+                self._delete(info)
+                self._deferred.discard(info.name)
+            self._deferred &= {i.name for i in infos}
+        except Exception:
+            logger.warning(
+                "rank %d: deleting %s failed; will retry", self._config.rank, self._deferred, exc_info=True
+            )
+
+    def _delete(self, info: CheckpointInfo) -> None:
+        commit.delete_checkpoint(self._storage, info)
+        self._emit(PhaseEvent("retention_deleted", info.name, info.step, self._config.rank))
+
     def _release(self, job: SaveJob) -> None:
         """End the save's claim: its buffer goes back to the pool (so the next save may snapshot)."""
         if not job.released:
@@ -344,8 +384,8 @@ class Writer:
             for info in commit.retention_victims(
                 scan(self._storage), keep_last=self._config.keep_last, busy=self.busy
             ):
-                commit.delete_checkpoint(self._storage, info)
-                self._emit(PhaseEvent("retention_deleted", info.name, info.step, self._config.rank))
+                self._delete(info)
+            self._run_deletes()
         if self._cache_dir is not None:
             _trim_cache(self._cache_dir, self._config.keep_last)
 
