@@ -114,8 +114,14 @@ class ResumableSampler(DistributedSampler):
                 f"ResumableSampler.resume(consumed={consumed}): this rank's epoch has {self.num_samples} "
                 "samples; the checkpoint comes from another dataset size or world size."
             )
-        self.set_epoch(epoch)
+        super().set_epoch(epoch)
         self._skip = consumed
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch``; a pending resume position applies only to the epoch it was made for."""
+        if epoch != self.epoch:
+            self._skip = 0
+        super().set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
         skip, self._skip = self._skip, 0

@@ -1,1 +1,11 @@
-"""Lightning adapter (issue 3)."""
+"""Lightning adapter: ``AirCheckpointIO`` (a ``CheckpointIO`` plugin) and ``AirCallback``.
+
+trainer = Trainer(plugins=[AirCheckpointIO(staging_dir="/nvme/air")], callbacks=[AirCallback(),
+                  ModelCheckpoint(dirpath="s3://bucket/run", every_n_train_steps=100, save_top_k=-1)])
+trainer.fit(model, ckpt_path=latest_checkpoint("s3://bucket/run"))  # None on the first launch
+"""
+
+from .callback import AirCallback
+from .checkpoint_io import AirCheckpointIO, latest_checkpoint
+
+__all__ = ["AirCallback", "AirCheckpointIO", "latest_checkpoint"]

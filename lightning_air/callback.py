@@ -1,0 +1,349 @@
+"""``AirCallback``: every rank's RNG and data position in each commit, the snapshot gate, fetch timing.
+
+Lightning keeps only rank 0's callback state and restarts a plain ``DataLoader`` at the top of the
+epoch; this callback instead (1) counts the batches each rank's optimizer steps consumed, (2) puts
+that count, the sampler settings and the RNG states of every rank into the same commit (rank 0's
+inside the ``.ckpt``, the others as their own parts), (3) gives plain map-style loaders a
+``ResumableSampler`` so a resume starts right after the last consumed batch, and (4) restores the RNG
+once the loader is built, just before the first resumed step.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import statistics
+import threading
+import time
+import uuid
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from typing_extensions import override
+
+from air_core import ConfigError, ResumableSampler, SaveRecord, capture_rng, restore_rng
+
+from .checkpoint_io import AIR_KEY, AirCheckpointIO
+
+logger = logging.getLogger(__name__)
+
+
+class _Records:
+    """Listener that keeps save records for the log (the metrics layer replaces this later)."""
+
+    def __init__(self) -> None:
+        self.saves: list[SaveRecord] = []
+
+    def on_event(self, event: Any) -> None:
+        if isinstance(event, SaveRecord):
+            self.saves.append(event)
+            logger.info(
+                "checkpoint %s step %d: blocking %.3fs staging %.3fs upload %.3fs commit %.3fs, %d bytes%s",
+                event.name,
+                event.step,
+                event.blocking_seconds,
+                event.staging_seconds,
+                event.upload_seconds,
+                event.commit_seconds,
+                event.bytes,
+                f", FAILED: {event.error}" if event.error else "",
+            )
+
+
+class AirCallback(Callback):
+    """Exact resume for ``Trainer(callbacks=[AirCallback()])``; needs the ``AirCheckpointIO`` plugin.
+
+    Args:
+        seed: shuffle seed of the ``ResumableSampler`` given to plain shuffled loaders (same on every rank).
+        log_every_n_steps: how often ``fetch_seconds`` p50/p95 go to the log.
+        flush_timeout_seconds: bound on flushing the in-flight save on SIGTERM or an exception.
+    """
+
+    def __init__(
+        self, seed: int = 0, log_every_n_steps: int = 50, flush_timeout_seconds: float = 600.0
+    ) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"AirCallback(seed={seed!r}): seed must be an integer.")
+        if (
+            isinstance(log_every_n_steps, bool)
+            or not isinstance(log_every_n_steps, int)
+            or log_every_n_steps < 1
+        ):
+            raise ConfigError(
+                f"AirCallback(log_every_n_steps={log_every_n_steps!r}): must be an integer >= 1."
+            )
+        if not isinstance(flush_timeout_seconds, (int, float)) or flush_timeout_seconds <= 0:
+            raise ConfigError(
+                f"AirCallback(flush_timeout_seconds={flush_timeout_seconds!r}): must be > 0 seconds."
+            )
+        self.seed = seed
+        self.log_every_n_steps = log_every_n_steps
+        self.flush_timeout_seconds = float(flush_timeout_seconds)
+        self.records = _Records()
+        self.fetch_seconds: list[float] = []
+        """Per training step: how long the loop waited for its batch (host time between steps)."""
+        self._plugin: AirCheckpointIO | None = None
+        self._launch_id = ""
+        self._epoch = 0
+        self._consumed = 0
+        self._pending: dict[str, Any] | None = None
+        self._saves_at_step: dict[int, int] = defaultdict(int)
+        self._sampler: ResumableSampler | None = None
+        self._batch_size = 1
+        self._step_ended_at: float | None = None
+        self._unwrap: Callable[[], None] | None = None
+        self._previous_sigterm: Any = None
+
+    # -- setup -------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        plugin = trainer.strategy.checkpoint_io
+        if not isinstance(plugin, AirCheckpointIO):
+            raise ConfigError(
+                "AirCallback needs AirCheckpointIO: add Trainer(plugins=[lightning_air.AirCheckpointIO()]) "
+                f"(found {type(plugin).__name__})."
+            )
+        self._plugin = plugin
+        self._launch_id = trainer.strategy.broadcast(
+            uuid.uuid4().hex if trainer.is_global_zero else "", src=0
+        )
+        plugin.attach(rank=trainer.global_rank, world_size=trainer.world_size, launch_id=self._launch_id)
+        plugin.add_listener(self.records)
+        self._wrap_train_dataloader(trainer, pl_module)
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _wrap_train_dataloader(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Post-process what ``train_dataloader()`` returns, on whichever object provides it."""
+        source: Any = getattr(trainer, "datamodule", None) or pl_module
+        original = source.train_dataloader
+
+        def train_dataloader() -> Any:
+            return self._prepare_loader(original(), trainer)
+
+        source.train_dataloader = train_dataloader
+
+        def unwrap() -> None:
+            if source.__dict__.get("train_dataloader") is train_dataloader:
+                del source.train_dataloader
+
+        self._unwrap = unwrap
+
+    def _prepare_loader(self, loader: Any, trainer: pl.Trainer) -> Any:
+        """Give a plain map-style loader a ResumableSampler and apply a pending resume position."""
+        if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+            logger.warning(
+                "AirCallback: the train loader (%s) is not a map-style DataLoader; a mid-epoch resume "
+                "cannot be exact for it. Use a map-style dataset, or resume from end-of-epoch checkpoints.",
+                type(loader).__name__,
+            )
+            return loader
+        sampler = loader.sampler
+        if not isinstance(sampler, ResumableSampler):
+            if (
+                type(loader) is not DataLoader
+                or not isinstance(sampler, (RandomSampler, SequentialSampler))
+                or (type(loader.batch_sampler) is not BatchSampler)
+            ):
+                logger.warning(
+                    "AirCallback: cannot give %s with %s a resumable sampler; pass "
+                    "sampler=air_core.ResumableSampler(dataset, num_replicas=world_size, rank=rank) yourself "
+                    "for an exact mid-epoch resume.",
+                    type(loader).__name__,
+                    type(sampler).__name__,
+                )
+                return loader
+            sampler = ResumableSampler(
+                loader.dataset,  # type: ignore[arg-type]
+                num_replicas=trainer.world_size,
+                rank=trainer.global_rank,
+                shuffle=isinstance(sampler, RandomSampler),
+                seed=self.seed,
+            )
+            loader = _with_sampler(loader, sampler)
+        self._sampler = sampler
+        self._batch_size = loader.batch_size or 1
+        # Lightning warns that a plain loader restarts at the top of the epoch; ours does not.
+        warnings.filterwarnings(
+            "ignore", message="You're resuming from a checkpoint that ended before the epoch"
+        )
+        if self._pending is not None:
+            data = self._pending["data"]
+            sampler.check_compatible(data["sampler"])
+            if data["consumed_batches"] * self._batch_size < sampler.num_samples:
+                sampler.resume(data["epoch"], data["consumed_batches"] * self._batch_size)
+        return loader
+
+    # -- position ----------------------------------------------------------------------------
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch, self._consumed = trainer.current_epoch, 0
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.monotonic()
+        if self._step_ended_at is not None:
+            started = max(self._step_ended_at, self._plugin.returned_at if self._plugin else 0.0)
+            self.fetch_seconds.append(max(now - started, 0.0))
+            if len(self.fetch_seconds) % self.log_every_n_steps == 0:
+                window = self.fetch_seconds[-self.log_every_n_steps :]
+                q = statistics.quantiles(window, n=20) if len(window) > 1 else window * 19
+                logger.info(
+                    "fetch_seconds over %d steps: p50 %.4f p95 %.4f max %.4f",
+                    len(window),
+                    statistics.median(window),
+                    q[18],
+                    max(window),
+                )
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        # The GPU snapshot copy of the last save must land before the optimizer mutates the weights.
+        if self._plugin is not None and self._plugin.last_handle is not None:
+            self._plugin.last_handle.wait_snapshot()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._consumed += 1  # before ModelCheckpoint's hook (Lightning runs checkpoint callbacks last)
+        self._step_ended_at = time.monotonic()
+
+    # -- save / load -------------------------------------------------------------------------
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        assert self._plugin is not None, "AirCallback.setup did not run"
+        step = trainer.global_step
+        seq = self._saves_at_step[step]
+        self._saves_at_step[step] += 1
+        name = f"ckpt-{step:09d}-{self._launch_id[:8]}-{seq}"
+        part = {
+            "rng": capture_rng(),
+            "data": {
+                "epoch": self._epoch,
+                "consumed_batches": self._consumed,
+                "sampler": self._sampler.state_dict() if self._sampler is not None else {},
+            },
+        }
+        if trainer.is_global_zero:
+            checkpoint[AIR_KEY] = {"name": name, "world_size": trainer.world_size, "rank_state": part}
+        else:
+            root = getattr(trainer.checkpoint_callback, "dirpath", None)
+            if not root:
+                raise ConfigError(
+                    "AirCallback needs a ModelCheckpoint with a dirpath to save every rank's part."
+                )
+            self._plugin.save_rank_part(str(root), part, step=step, name=name)
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        air = checkpoint.get(AIR_KEY)
+        if air is None:
+            logger.warning(
+                "AirCallback: this checkpoint was not written with AirCallback; RNG and data position "
+                "are not restored, so the resumed run may repeat or skip samples."
+            )
+            return
+        if air["world_size"] != trainer.world_size:
+            raise ConfigError(
+                f"AirCallback: the checkpoint was written by {air['world_size']} ranks, this run has "
+                f"{trainer.world_size}; resume with the same number of processes for an exact resume."
+            )
+        part = (
+            air["rank_state"] if trainer.is_global_zero else getattr(self._plugin, "loaded_rank_state", None)
+        )
+        if part is None:
+            raise ConfigError(f"AirCallback: the checkpoint holds no part of rank {trainer.global_rank}.")
+        self._pending = part
+        self._epoch = part["data"]["epoch"]
+        self._consumed = part["data"]["consumed_batches"]
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The loader iterator exists now; whatever RNG its creation used, the steps get the checkpoint's.
+        if self._pending is not None:
+            restore_rng(self._pending["rng"])
+            self._pending = None
+        self._step_ended_at = None
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def _flush(self, why: str) -> None:
+        ckpt = self._plugin._ckpt if self._plugin is not None else None
+        if ckpt is None:
+            return
+        try:
+            ckpt.flush(self.flush_timeout_seconds)
+            logger.info("AirCallback: flushed the in-flight checkpoint (%s)", why)
+        except Exception as exc:  # reported, never raised from here: the caller is already failing
+            logger.error("AirCallback: flushing on %s failed: %s", why, exc)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._flush("SIGTERM")
+        previous = self._previous_sigterm
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if self._plugin is not None:
+            self._plugin.exception_in_flight = True
+        self._flush(f"{type(exception).__name__}")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._unwrap is not None:
+            self._unwrap()
+            self._unwrap = None
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+        if self.fetch_seconds:
+            logger.info(
+                "fetch_seconds: %d steps, p50 %.4f s, max %.4f s",
+                len(self.fetch_seconds),
+                statistics.median(self.fetch_seconds),
+                max(self.fetch_seconds),
+            )
+
+
+def _with_sampler(loader: DataLoader, sampler: ResumableSampler) -> DataLoader:
+    """The same plain DataLoader with another sampler (every other setting kept)."""
+    kwargs: dict[str, Any] = dict(
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    if hasattr(loader, "in_order"):
+        kwargs["in_order"] = loader.in_order
+    return DataLoader(loader.dataset, **kwargs)

@@ -1,0 +1,231 @@
+"""``AirCheckpointIO``: Lightning's ``CheckpointIO`` mapped onto ``air_core.AsyncCheckpointer``.
+
+``ModelCheckpoint`` keeps choosing when and where; this plugin makes each save asynchronous, staged and
+committed. The ``.ckpt`` file lands at the path Lightning chose (plain ``torch.load`` reads it); its
+commit record lives under ``<dirpath>/.air/``. With ``AirCallback`` every rank adds its own part
+(RNG, data position) to the same commit. Loads refuse anything that is not committed and verified.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any, Literal
+
+from lightning.pytorch.plugins.io import CheckpointIO
+from typing_extensions import override
+
+from air_core import (
+    AsyncCheckpointer,
+    CheckpointInfo,
+    ConfigError,
+    CorruptCheckpointError,
+    Listener,
+    SaveHandle,
+)
+from air_core.config import CheckpointerConfig
+
+logger = logging.getLogger(__name__)
+
+AIR_KEY = "air"
+"""Key of the plugin's entry in a Lightning checkpoint dict: {"name": ..., "rank_state": ...}."""
+_NEVER_BY_COUNT = 1 << 30  # ModelCheckpoint decides retention; the core only cleans partial saves
+
+
+def split_path(path: str) -> tuple[str, str]:
+    """``dirpath/file.ckpt`` (any URL) -> (dirpath, file.ckpt)."""
+    head, _, tail = str(path).rstrip("/").rpartition("/")
+    if not head or not tail:
+        raise ConfigError(f"AirCheckpointIO: cannot split {path!r} into a folder and a file name.")
+    return head, tail
+
+
+def commit_name(filename: str, step: int) -> str:
+    """The commit name of a save of ``filename`` at ``step`` (unique per file and step)."""
+    stem = re.sub(r"[^A-Za-z0-9._=+-]", "_", filename.removesuffix(".ckpt")).lstrip(".") or "ckpt"
+    return f"{stem}.s{step:09d}"
+
+
+class AirCheckpointIO(CheckpointIO):
+    """Asynchronous, staged, committed checkpoints for ``Trainer(plugins=[AirCheckpointIO(...)])``.
+
+    Args mirror ``air_core.AsyncCheckpointer`` (same names, same meaning); the destination is the
+    ``dirpath`` of ``ModelCheckpoint`` (any fsspec URL). Settings are validated here, before training.
+    """
+
+    def __init__(
+        self,
+        staging_dir: str | None = None,
+        host_budget_bytes: int | None = None,
+        max_in_flight: int = 1,
+        on_busy: Literal["wait", "skip"] = "wait",
+        writer: Literal["thread", "process"] = "thread",
+        storage_options: dict[str, Any] | None = None,
+        max_transfers: int = 8,
+        retries: int = 5,
+        commit_timeout_seconds: float = 600.0,
+        close_timeout_seconds: float = 600.0,
+    ) -> None:
+        super().__init__()
+        self._settings: dict[str, Any] = dict(
+            staging_dir=staging_dir,
+            host_budget_bytes=host_budget_bytes,
+            max_in_flight=max_in_flight,
+            on_busy=on_busy,
+            writer=writer,
+            storage_options=storage_options,
+            max_transfers=max_transfers,
+            retries=retries,
+            commit_timeout_seconds=commit_timeout_seconds,
+            close_timeout_seconds=close_timeout_seconds,
+        )
+        CheckpointerConfig(
+            root="validation-only",
+            keep_last=_NEVER_BY_COUNT,
+            **{**self._settings, "storage_options": storage_options or {}},
+        )
+        self._rank, self._world_size, self._launch_id = 0, 1, ""
+        self._listeners: list[Listener] = []
+        self._ckpt: AsyncCheckpointer | None = None
+        self.last_handle: SaveHandle | None = None
+        """The newest save's handle (``AirCallback`` gates the optimizer step on its snapshot)."""
+        self.loaded_rank_state: Any = None
+        """This rank's own part of the checkpoint the last ``load_checkpoint`` read (ranks > 0)."""
+        self.exception_in_flight = False
+        self.returned_at = 0.0
+        """``time.monotonic()`` when the last save returned to the training loop (for fetch timing)."""
+
+    def attach(self, *, rank: int, world_size: int, launch_id: str) -> None:
+        """Called by ``AirCallback.setup`` on every rank, on the training thread, before any save."""
+        if self._ckpt is not None and (rank, world_size) != (self._rank, self._world_size):
+            raise ConfigError("AirCheckpointIO: attach() after saves started with another rank layout.")
+        self._rank, self._world_size, self._launch_id = rank, world_size, launch_id
+
+    def add_listener(self, listener: Listener) -> None:
+        """Receive the core's events (phases, save and restore records); call before the first save."""
+        if self._ckpt is not None:
+            raise ConfigError("AirCheckpointIO.add_listener(): call it before the first save or load.")
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+
+    def checkpointer(self, root: str) -> AsyncCheckpointer:
+        """The core checkpointer for ``root`` (one per plugin; created on first use)."""
+        if self._ckpt is None:
+            self._ckpt = AsyncCheckpointer(
+                root,
+                keep_last=_NEVER_BY_COUNT,
+                rank=self._rank,
+                world_size=self._world_size,
+                launch_id=self._launch_id,
+                listeners=self._listeners,
+                **self._settings,
+            )
+        elif self._ckpt.config.root.rstrip("/") != root.rstrip("/"):
+            raise ConfigError(
+                f"AirCheckpointIO writes under one dirpath: got {root!r} after {self._ckpt.config.root!r}. "
+                "Give every ModelCheckpoint the same dirpath."
+            )
+        return self._ckpt
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Snapshot ``checkpoint`` and commit it at ``path`` in the background (this rank's part)."""
+        if storage_options is not None:
+            raise TypeError(
+                "AirCheckpointIO.save_checkpoint(storage_options=...) is not supported: pass "
+                "storage_options to AirCheckpointIO(storage_options=...) instead."
+            )
+        root, filename = split_path(str(path))
+        step = int(checkpoint.get("global_step", 0))
+        name = checkpoint.get(AIR_KEY, {}).get("name") or commit_name(filename, step)
+        ckpt = self.checkpointer(root)
+        for older in self._commits_of(ckpt, filename):  # Lightning rewrites last.ckpt in place
+            ckpt.delete(older.name)
+        self.last_handle = ckpt.save(checkpoint, step=step, name=name, filename=filename)
+        self.returned_at = time.monotonic()
+
+    def save_rank_part(self, root: str, state: Any, *, step: int, name: str) -> None:
+        """Ranks > 0: add this rank's part to the commit rank 0 makes of ``name``."""
+        ckpt = self.checkpointer(root)
+        filename = f".air/{name}/part-rank-{self._rank:05d}.pt"
+        self.last_handle = ckpt.save(state, step=step, name=name, filename=filename)
+        self.returned_at = time.monotonic()
+
+    @override
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load the committed checkpoint whose file is ``path``; refuse partial or corrupt ones.
+
+        Raises:
+            CorruptCheckpointError: ``path`` is not part of a committed, verified checkpoint.
+        """
+        root, filename = split_path(str(path))
+        ckpt = self.checkpointer(root)
+        commits = self._commits_of(ckpt, filename)
+        if not commits:
+            found = [f"{i.name}: {i.status} {i.reason}" for i in ckpt.list() if i.status != "committed"]
+            raise CorruptCheckpointError(
+                f"AirCheckpointIO.load_checkpoint({path!r}): no committed checkpoint holds this file"
+                + (f" (found {'; '.join(found)})" if found else "")
+                + ". Resume from lightning_air.latest_checkpoint(dirpath): it returns committed ones only.",
+                path=str(path),
+                reason="not committed",
+            )
+        info = commits[-1]
+        location = map_location if map_location is not None else "cpu"
+        checkpoint = ckpt.load(info, map_location=location, weights_only=weights_only, rank=0)
+        self.loaded_rank_state = None
+        if self._rank != 0 and info.manifest and info.manifest.files_of(self._rank):
+            self.loaded_rank_state = ckpt.load(info, map_location="cpu", weights_only=weights_only)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the checkpoint at ``path`` after any save queued before (never the newest committed)."""
+        root, filename = split_path(str(path))
+        ckpt = self.checkpointer(root)
+        for info in self._commits_of(ckpt, filename):
+            ckpt.delete(info.name)
+
+    @override
+    def teardown(self) -> None:
+        """Flush and close; a failed save is raised, unless another exception is already propagating."""
+        ckpt, self._ckpt = self._ckpt, None
+        if ckpt is None:
+            return
+        if self.exception_in_flight:
+            ckpt.__exit__(RuntimeError, RuntimeError("training failed"), None)
+        else:
+            ckpt.close()
+
+    @staticmethod
+    def _commits_of(ckpt: AsyncCheckpointer, filename: str) -> list[CheckpointInfo]:
+        """Committed checkpoints whose rank-0 file is ``filename``, oldest first."""
+        return [
+            info
+            for info in ckpt.list()
+            if info.status == "committed"
+            and info.manifest is not None
+            and any(f.path == filename and f.rank == 0 for f in info.manifest.files)
+        ]
+
+
+def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = None) -> str | None:
+    """The path of the newest committed, verified checkpoint under ``dirpath``, or None to start fresh.
+
+    Pass it as ``Trainer.fit(ckpt_path=...)`` so that relaunching the same command resumes.
+    """
+    with AsyncCheckpointer(dirpath, storage_options=storage_options, keep_last=_NEVER_BY_COUNT) as ckpt:
+        for info in reversed(ckpt.list()):
+            rank0 = info.manifest.files_of(0) if info.status == "committed" and info.manifest else []
+            if not rank0:
+                continue
+            problem = ckpt.verify(info)
+            if not problem:
+                return f"{dirpath.rstrip('/')}/{rank0[0].path}"
+            logger.warning("skipping checkpoint %s: %s", info.name, problem)
+    return None

@@ -1,0 +1,111 @@
+"""A small, deterministic Lightning job for the crash tests (run as a script by tests/lightning).
+
+    python tests/lightning/job.py WORKDIR [--workers N] [--every K] [--epochs E] [--kill STEP:PHASE]
+        [--devices D] [--root URL --endpoint URL]
+
+Trains a dropout MLP on a map-style dataset of numbered samples, checkpointing every K steps through
+AirCheckpointIO (staged), resuming from lightning_air.latest_checkpoint(). Each process appends the
+sample ids of every step to WORKDIR/ids-rank<R>.jsonl and, at the end, writes the final weights to
+WORKDIR/final.pt. --kill SIGKILLs the process when the save of STEP reaches PHASE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, Dataset
+
+from air_core import PhaseEvent
+from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
+
+N_SAMPLES, DIM, BATCH = 64, 16, 4
+
+
+class Numbered(Dataset):
+    def __len__(self) -> int:
+        return N_SAMPLES
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        return i, torch.randn(DIM, generator=g)
+
+
+class Model(pl.LightningModule):
+    def __init__(self, workdir: str, workers: int) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(DIM, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, DIM)
+        )
+        self.workdir, self.workers = workdir, workers
+
+    def train_dataloader(self):
+        return DataLoader(Numbered(), batch_size=BATCH, shuffle=True, num_workers=self.workers)
+
+    def training_step(self, batch, batch_idx):
+        ids, x = batch
+        with open(os.path.join(self.workdir, f"ids-rank{self.global_rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"step": self.global_step, "ids": ids.tolist()}) + "\n")
+        return (self.net(x) - x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class KillAt:
+    def __init__(self, step: int, phase: str) -> None:
+        self.step, self.phase = step, phase
+
+    def on_event(self, event) -> None:
+        if isinstance(event, PhaseEvent) and event.step == self.step and event.phase == self.phase:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("workdir")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--kill", default="")
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--root", default="")
+    p.add_argument("--endpoint", default="")
+    args = p.parse_args()
+    pl.seed_everything(0, workers=True)
+    root = args.root or os.path.join(args.workdir, "ckpts")
+    opts = {"client_kwargs": {"endpoint_url": args.endpoint}} if args.endpoint else None
+    plugin = AirCheckpointIO(staging_dir=os.path.join(args.workdir, "nvme"), storage_options=opts)
+    if args.kill:
+        step, phase = args.kill.split(":")
+        plugin.add_listener(KillAt(int(step), phase))
+    trainer = pl.Trainer(
+        max_epochs=args.epochs,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        plugins=[plugin],
+        callbacks=[
+            AirCallback(seed=7),
+            ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=-1),
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    model = Model(args.workdir, args.workers)
+    trainer.fit(model, ckpt_path=latest_checkpoint(root, storage_options=opts))
+    if trainer.is_global_zero:
+        torch.save(model.state_dict(), os.path.join(args.workdir, "final.pt"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
