@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from typing_extensions import override
@@ -94,6 +95,7 @@ class AirCallback(Callback):
         self._pending: dict[str, Any] | None = None
         self._saves_at_step: dict[int, int] = defaultdict(int)
         self._sampler: ResumableSampler | None = None
+        self._loader_generator = torch.Generator()
         self._batch_size = 1
         self._step_ended_at: float | None = None
         self._unwrap: Callable[[], None] | None = None
@@ -170,21 +172,34 @@ class AirCallback(Callback):
             loader = _with_sampler(loader, sampler)
         self._sampler = sampler
         self._batch_size = loader.batch_size or 1
+        # The loader's own generator seeds its workers: with a per-epoch seed, creating an iterator
+        # draws nothing from the global RNG, so a resumed run's RNG stream matches an uninterrupted one.
+        loader.generator = self._loader_generator
         # Lightning warns that a plain loader restarts at the top of the epoch; ours does not.
         warnings.filterwarnings(
             "ignore", message="You're resuming from a checkpoint that ended before the epoch"
         )
+        epoch = trainer.current_epoch
         if self._pending is not None:
             data = self._pending["data"]
             sampler.check_compatible(data["sampler"])
-            if data["consumed_batches"] * self._batch_size < sampler.num_samples:
-                sampler.resume(data["epoch"], data["consumed_batches"] * self._batch_size)
+            epoch, consumed = data["epoch"], data["consumed_batches"] * self._batch_size
+            if consumed < sampler.num_samples:
+                sampler.resume(epoch, consumed)
+            else:  # saved at the end of an epoch: the next iteration is the next epoch
+                epoch += 1
+                sampler.set_epoch(epoch)
+        self._loader_generator.manual_seed(self._epoch_seed(epoch))
         return loader
+
+    def _epoch_seed(self, epoch: int) -> int:
+        return self.seed * 1_000_003 + epoch
 
     # -- position ----------------------------------------------------------------------------
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch, self._consumed = trainer.current_epoch, 0
+        self._loader_generator.manual_seed(self._epoch_seed(self._epoch))  # before this epoch's iterator
 
     @override
     def on_train_batch_start(
