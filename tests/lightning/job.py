@@ -6,7 +6,8 @@
 Trains a dropout MLP on a map-style dataset of numbered samples, checkpointing every K steps through
 AirCheckpointIO (staged), resuming from lightning_air.latest_checkpoint(). Each process appends the
 sample ids of every step to WORKDIR/ids-rank<R>.jsonl and, at the end, writes the final weights to
-WORKDIR/final.pt. --kill SIGKILLs the process when the save of STEP reaches PHASE.
+WORKDIR/final.pt. --kill SIGKILLs the process (of RANK, default every rank) when the save of STEP
+reaches PHASE.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
 from tests.lightning.model import Model
 
 class KillAt:
-    def __init__(self, step: int, phase: str) -> None:
-        self.step, self.phase = step, phase
+    def __init__(self, step: int, phase: str, rank: int | None) -> None:
+        self.step, self.phase, self.rank = step, phase, rank
 
     def on_event(self, event) -> None:
-        if isinstance(event, PhaseEvent) and event.step == self.step and event.phase == self.phase:
+        if not isinstance(event, PhaseEvent) or (event.step, event.phase) != (self.step, self.phase):
+            return
+        if self.rank is None or event.rank == self.rank:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -39,7 +42,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--kill", default="")
+    p.add_argument("--kill", default="", help="STEP:PHASE[:RANK]")
+    p.add_argument("--commit-timeout", type=float, default=600.0)
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
@@ -47,10 +51,12 @@ def main() -> None:
     pl.seed_everything(0, workers=True)
     root = args.root or os.path.join(args.workdir, "ckpts")
     opts = {"client_kwargs": {"endpoint_url": args.endpoint}} if args.endpoint else None
-    plugin = AirCheckpointIO(staging_dir=os.path.join(args.workdir, "nvme"), storage_options=opts)
+    plugin = AirCheckpointIO(
+        staging_dir=os.path.join(args.workdir, "nvme"), storage_options=opts, commit_timeout_seconds=args.commit_timeout
+    )
     if args.kill:
-        step, phase = args.kill.split(":")
-        plugin.add_listener(KillAt(int(step), phase))
+        step, phase, *rank = args.kill.split(":")
+        plugin.add_listener(KillAt(int(step), phase, int(rank[0]) if rank else None))
     trainer = pl.Trainer(
         max_epochs=args.epochs,
         accelerator="cpu",
