@@ -50,7 +50,14 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
     # aiohttp/botocore errors that fsspec backends let through untranslated.
-    return type(exc).__name__ in {"ClientPayloadError", "ServerDisconnectedError", "ReadTimeoutError"}
+    return type(exc).__name__ in {
+        "ClientPayloadError",
+        "ServerDisconnectedError",
+        "ReadTimeoutError",
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ConnectionClosedError",
+    }
 
 
 class Storage:

@@ -35,6 +35,7 @@ from .snapshot import BufferPool, Snapshot, materialize, materialize_parts
 from .storage import Storage
 
 logger = logging.getLogger(__name__)
+_IDLE_EXIT_SECONDS = 0.5
 
 
 class _CrcWriter(io.RawIOBase):
@@ -188,19 +189,27 @@ class Writer:
         self._queue: queue.Queue[SaveJob | DeleteJob | None] = queue.Queue()
         self.busy: set[str] = set()
         self._deferred: set[str] = set()
-        self._thread = threading.Thread(target=self._run, name=f"air-writer-r{config.rank}", daemon=False)
-        self._thread.start()
+        # The thread runs only while there is work: non-daemon, so the interpreter never exits with a
+        # save half done, yet an idle checkpointer that was never closed does not keep a process alive.
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
-    def submit(self, job: SaveJob | DeleteJob) -> None:
-        if isinstance(job, SaveJob):
-            self.busy.add(job.name)
-        self._queue.put(job)
+    def submit(self, job: SaveJob | DeleteJob | None) -> None:
+        with self._lock:
+            if isinstance(job, SaveJob):
+                self.busy.add(job.name)
+            self._queue.put(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"air-writer-r{self._config.rank}")
+                self._thread.start()
 
     def stop(self, timeout_seconds: float) -> bool:
-        """Ask the thread to finish queued jobs and exit; return whether it did within the bound."""
-        self._queue.put(None)
-        self._thread.join(timeout_seconds)
-        return not self._thread.is_alive()
+        """Finish queued jobs and let the thread exit; return whether it did within the bound."""
+        self.submit(None)
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_seconds)
+        return thread is None or not thread.is_alive()
 
     def _phase(self, job: SaveJob, phase: Phase) -> None:
         self._emit(PhaseEvent(phase, job.name, job.step, self._config.rank))
@@ -210,8 +219,21 @@ class Writer:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         except (OSError, AttributeError):
             logger.debug("could not lower the writer thread's priority", exc_info=True)
-        while (job := self._queue.get()) is not None:
-            if isinstance(job, DeleteJob):
+        while True:
+            try:
+                job = self._queue.get(timeout=_IDLE_EXIT_SECONDS)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            if job is None:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+            elif isinstance(job, DeleteJob):
                 self._deferred.add(job.name)
                 self._run_deletes()
             else:

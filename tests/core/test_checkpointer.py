@@ -280,3 +280,17 @@ def test_core_imports_no_training_framework():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_unclosed_checkpointer_finishes_its_save_and_lets_the_process_exit(tmp_path):
+    from tests.conftest import run_python
+
+    code = (
+        "import torch, air_core\n"
+        f"ckpt = air_core.AsyncCheckpointer({str(tmp_path)!r})\n"
+        "ckpt.save({'w': torch.ones(1 << 20)}, step=1)\n"  # no flush, no close
+    )
+    out = run_python(code, timeout=60)
+    assert out.returncode == 0, out.stderr
+    with AsyncCheckpointer(str(tmp_path)) as reader:
+        assert reader.latest().step == 1, "the pending save must commit before the interpreter exits"

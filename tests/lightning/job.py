@@ -25,6 +25,7 @@ from air_core import PhaseEvent
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
 from tests.lightning.model import Model
 
+
 class KillAt:
     def __init__(self, step: int, phase: str, rank: int | None) -> None:
         self.step, self.phase, self.rank = step, phase, rank
@@ -51,8 +52,12 @@ def main() -> None:
     pl.seed_everything(0, workers=True)
     root = args.root or os.path.join(args.workdir, "ckpts")
     opts = {"client_kwargs": {"endpoint_url": args.endpoint}} if args.endpoint else None
+    if args.endpoint:  # ModelCheckpoint lists dirpath through its own fsspec instance: point it at moto too
+        os.environ["AWS_ENDPOINT_URL"] = args.endpoint
     plugin = AirCheckpointIO(
-        staging_dir=os.path.join(args.workdir, "nvme"), storage_options=opts, commit_timeout_seconds=args.commit_timeout
+        staging_dir=os.path.join(args.workdir, "nvme"),
+        storage_options=opts,
+        commit_timeout_seconds=args.commit_timeout,
     )
     if args.kill:
         step, phase, *rank = args.kill.split(":")

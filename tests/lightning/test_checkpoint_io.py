@@ -1,0 +1,123 @@
+"""AirCheckpointIO on its own and inside a real Trainer: formats, refusals, ordering, errors."""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from air_core import ConfigError, CorruptCheckpointError
+from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
+from tests.conftest import REPO, run_python
+from tests.lightning.model import Model
+from tests.lightning.test_crash_resume import assert_same_run, run_job
+
+
+def _trainer(tmp_path, plugin=None, callbacks=(), **kw) -> pl.Trainer:
+    return pl.Trainer(
+        max_epochs=1, accelerator="cpu", plugins=[plugin or AirCheckpointIO()], callbacks=list(callbacks),
+        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), **kw,
+    )  # fmt: skip
+
+
+def _fit(tmp_path, every=4, save_last=False, top_k=-1) -> str:
+    dirpath = str(tmp_path / "ckpts")
+    mc = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every, save_top_k=top_k, save_last=save_last)
+    trainer = _trainer(tmp_path, callbacks=[AirCallback(), mc])
+    trainer.fit(Model(str(tmp_path), 0))
+    return dirpath
+
+
+def test_checkpoint_loads_with_plain_torch_and_lightning_without_the_plugin(tmp_path):
+    dirpath = _fit(tmp_path)
+    path = latest_checkpoint(dirpath)
+    assert path is not None and path.endswith("step=16.ckpt")
+    code = (
+        "import sys, torch\n"
+        "from tests.lightning.model import Model\n"
+        f"ckpt = torch.load({path!r}, weights_only=False)\n"
+        f"model = Model.load_from_checkpoint({path!r})\n"
+        "assert all(torch.equal(model.state_dict()[k], v) for k, v in ckpt['state_dict'].items())\n"
+        "assert not [m for m in sys.modules if m.startswith(('lightning_air', 'air_core'))], 'plugin imported'\n"
+        "print('global_step', ckpt['global_step'])\n"
+    )
+    out = run_python(code, env={"PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stderr
+    assert "global_step 16" in out.stdout
+
+
+def test_load_refuses_a_checkpoint_that_is_not_committed(tmp_path):
+    dirpath = _fit(tmp_path)
+    newest = latest_checkpoint(dirpath)
+    for manifest in (tmp_path / "ckpts/.air").glob("*/manifest.json"):
+        manifest.unlink()  # as if every save had died before its commit
+    plugin = AirCheckpointIO()
+    with pytest.raises(CorruptCheckpointError, match="no committed checkpoint holds this file"):
+        plugin.load_checkpoint(newest)
+    assert latest_checkpoint(dirpath) is None, "a relaunch starts fresh rather than from an uncommitted file"
+
+
+def test_corrupt_newest_checkpoint_is_skipped_by_latest_checkpoint(tmp_path):
+    dirpath = _fit(tmp_path)
+    newest = latest_checkpoint(dirpath)
+    data = bytearray(open(newest, "rb").read())
+    data[-100] ^= 0xFF
+    open(newest, "wb").write(bytes(data))
+    assert latest_checkpoint(dirpath).endswith("step=12.ckpt")
+    with pytest.raises(CorruptCheckpointError, match="does not match its manifest"):
+        AirCheckpointIO().load_checkpoint(newest)
+
+
+def test_top_k_removal_never_deletes_the_newest_committed_checkpoint(tmp_path):
+    plugin = AirCheckpointIO()
+    root = str(tmp_path / "ckpts")
+    for step in (1, 2):
+        plugin.save_checkpoint({"global_step": step, "w": torch.ones(2) * step}, f"{root}/s{step}.ckpt")
+    plugin.remove_checkpoint(f"{root}/s2.ckpt")  # the newest: must survive until a newer one commits
+    plugin.remove_checkpoint(f"{root}/s1.ckpt")
+    plugin.teardown()
+    assert sorted(os.listdir(root)) == [".air", "s2.ckpt"]
+    plugin.save_checkpoint({"global_step": 3, "w": torch.ones(2) * 3}, f"{root}/s3.ckpt")
+    plugin.remove_checkpoint(f"{root}/s2.ckpt")
+    plugin.teardown()
+    assert sorted(os.listdir(root)) == [".air", "s3.ckpt"]
+
+
+def test_save_last_rewrites_last_ckpt_and_it_stays_committed(tmp_path):
+    dirpath = _fit(tmp_path, save_last=True)
+    assert os.path.exists(os.path.join(dirpath, "last.ckpt"))
+    state = AirCheckpointIO().load_checkpoint(os.path.join(dirpath, "last.ckpt"))
+    assert state["global_step"] == 16, "last.ckpt is the newest save, committed"
+
+
+def test_bad_settings_fail_at_construction_naming_the_argument():
+    with pytest.raises(ConfigError, match="on_busy"):
+        AirCheckpointIO(on_busy="drop")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="host_budget_bytes"):
+        AirCheckpointIO(host_budget_bytes=0)
+    with pytest.raises(ConfigError, match="seed"):
+        AirCallback(seed="7")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="storage_options"):
+        AirCheckpointIO().save_checkpoint({}, "/tmp/x.ckpt", storage_options={"a": 1})
+
+
+def test_callback_without_the_plugin_fails_before_any_step(tmp_path):
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", callbacks=[AirCallback()], logger=False,
+                         enable_progress_bar=False, default_root_dir=str(tmp_path))  # fmt: skip
+    with pytest.raises(ConfigError, match="AirCallback needs AirCheckpointIO"):
+        trainer.fit(Model(str(tmp_path), 0))
+    assert not (tmp_path / "ids-rank0.jsonl").exists(), "no training step may run"
+
+
+@pytest.mark.slow
+def test_dirpath_on_s3_crash_and_resume_exactly(tmp_path_factory, s3_root, monkeypatch):
+    reference = tmp_path_factory.mktemp("s3-reference")
+    run_job(reference, "--epochs", "2")
+    resumed = tmp_path_factory.mktemp("s3-resumed")
+    s3 = ["--epochs", "2", "--root", s3_root.url, "--endpoint", s3_root.endpoint]
+    run_job(resumed, *s3, "--kill", "20:upload_start", expect_kill=True)
+    run_job(resumed, *s3)
+    assert_same_run(resumed, reference)
