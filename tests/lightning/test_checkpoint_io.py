@@ -18,9 +18,16 @@ from tests.lightning.test_crash_resume import assert_same_run, run_job
 
 def _trainer(tmp_path, plugin=None, callbacks=(), **kw) -> pl.Trainer:
     return pl.Trainer(
-        max_epochs=1, accelerator="cpu", plugins=[plugin or AirCheckpointIO()], callbacks=list(callbacks),
-        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), **kw,
-    )  # fmt: skip
+        max_epochs=1,
+        accelerator="cpu",
+        plugins=[plugin or AirCheckpointIO()],
+        callbacks=list(callbacks),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        **kw,
+    )
 
 
 def _fit(tmp_path, every=4, save_last=False, top_k=-1) -> str:
@@ -41,7 +48,8 @@ def test_checkpoint_loads_with_plain_torch_and_lightning_without_the_plugin(tmp_
         f"ckpt = torch.load({path!r}, weights_only=False)\n"
         f"model = Model.load_from_checkpoint({path!r})\n"
         "assert all(torch.equal(model.state_dict()[k], v) for k, v in ckpt['state_dict'].items())\n"
-        "assert not [m for m in sys.modules if m.startswith(('lightning_air', 'air_core'))], 'plugin imported'\n"
+        "plugin = [m for m in sys.modules if m.startswith(('lightning_air', 'air_core'))]\n"
+        "assert not plugin, plugin\n"
         "print('global_step', ckpt['global_step'])\n"
     )
     out = run_python(code, env={"PYTHONPATH": REPO})
@@ -105,8 +113,14 @@ def test_bad_settings_fail_at_construction_naming_the_argument():
 
 
 def test_callback_without_the_plugin_fails_before_any_step(tmp_path):
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", callbacks=[AirCallback()], logger=False,
-                         enable_progress_bar=False, default_root_dir=str(tmp_path))  # fmt: skip
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        callbacks=[AirCallback()],
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )
     with pytest.raises(ConfigError, match="AirCallback needs AirCheckpointIO"):
         trainer.fit(Model(str(tmp_path), 0))
     assert not (tmp_path / "ids-rank0.jsonl").exists(), "no training step may run"

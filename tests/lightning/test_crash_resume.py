@@ -23,8 +23,13 @@ JOB = os.path.join(REPO, "tests/lightning/job.py")
 
 
 def run_job(workdir: Path, *args: str, expect_kill: bool = False) -> None:
-    out = subprocess.run([sys.executable, JOB, str(workdir), *args], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": REPO})  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, JOB, str(workdir), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     if expect_kill:
         assert out.returncode == -9, f"expected a SIGKILL ({args}): rc={out.returncode}\n{out.stderr[-3000:]}"
     else:

@@ -32,9 +32,11 @@ def test_ddp_crash_of_both_ranks_resumes_exactly_per_rank(tmp_path_factory):
 def test_rank_killed_before_commit_leaves_previous_checkpoint_newest(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, JOB, str(tmp_path), *DDP, "--kill", "10:upload_start:1", "--commit-timeout", "5"],
-        env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": REPO},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         deadline = time.monotonic() + 180
         seen_two = False
