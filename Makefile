@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 
-.PHONY: demo test venv lint bench clean
+.PHONY: demo demo-core test venv lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,9 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 demo: venv
+	$(PY) examples/lightning/demo.py
+
+demo-core: venv
 	$(PY) examples/core_demo.py
 
 test: venv

@@ -128,6 +128,10 @@ class AirCheckpointIO(CheckpointIO):
             )
         return self._ckpt
 
+    def latest_checkpoint(self, dirpath: str) -> str | None:
+        """``latest_checkpoint(dirpath)`` with this plugin's storage_options."""
+        return latest_checkpoint(dirpath, storage_options=self._settings["storage_options"])
+
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None

@@ -1,0 +1,62 @@
+"""The YAML example through LightningCLI: it trains and resumes; a mistyped key fails before training."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+TRAIN = os.path.join(REPO, "examples/lightning/train.py")
+CONFIG = os.path.join(REPO, "examples/lightning/config.yaml")
+
+
+def _cli(cwd, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, TRAIN, "fit", "--config", CONFIG, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+
+
+def test_yaml_example_trains_commits_and_a_relaunch_resumes(tmp_path):
+    first = _cli(tmp_path, "--trainer.max_epochs", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    manifests = list((tmp_path / "remote/ckpts/.air").glob("*/manifest.json"))
+    assert len(manifests) == 4, "32 steps with every_n_train_steps=8: four committed checkpoints"
+    second = _cli(tmp_path, "--trainer.max_epochs", "2")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "Restored all states from the checkpoint" in second.stderr + second.stdout
+    assert "epoch=0-step=32.ckpt" in second.stderr + second.stdout, "resumes from the newest commit"
+
+
+@pytest.mark.parametrize(
+    ("good", "bad"),
+    [
+        ("staging_dir: nvme", "staging_dirr: nvme"),
+        ("host_budget_bytes: 268435456", "host_budget_bytes: lots"),
+    ],
+)
+def test_mistyped_key_or_value_fails_with_the_cli_error_before_training(tmp_path, good, bad):
+    config = open(CONFIG).read()
+    assert good in config
+    config = config.replace(good, bad)
+    path = tmp_path / "bad.yaml"
+    path.write_text(config)
+    out = subprocess.run(
+        [sys.executable, TRAIN, "fit", "--config", str(path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert out.returncode != 0
+    assert bad.split(":")[0] in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "ids.jsonl").exists(), "no training step may run"
