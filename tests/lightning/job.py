@@ -13,6 +13,7 @@ reaches PHASE.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -27,14 +28,14 @@ from tests.lightning.model import Model
 
 
 class KillAt:
-    def __init__(self, step: int, phase: str, rank: int | None) -> None:
-        self.step, self.phase, self.rank = step, phase, rank
+    def __init__(self, step: int, phase: str, rank: int | None, signum: int = signal.SIGKILL) -> None:
+        self.step, self.phase, self.rank, self.signum = step, phase, rank, signum
 
     def on_event(self, event) -> None:
         if not isinstance(event, PhaseEvent) or (event.step, event.phase) != (self.step, self.phase):
             return
         if self.rank is None or event.rank == self.rank:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.signum)
 
 
 def main() -> None:
@@ -45,10 +46,13 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--kill", default="", help="STEP:PHASE[:RANK]")
     p.add_argument("--commit-timeout", type=float, default=600.0)
+    p.add_argument("--sigterm", default="", help="STEP:PHASE: send SIGTERM (preemption) instead")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     args = p.parse_args()
+    logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
+    logging.getLogger("lightning_air").setLevel(logging.INFO)
     pl.seed_everything(0, workers=True)
     root = args.root or os.path.join(args.workdir, "ckpts")
     opts = {"client_kwargs": {"endpoint_url": args.endpoint}} if args.endpoint else None
@@ -62,6 +66,9 @@ def main() -> None:
     if args.kill:
         step, phase, *rank = args.kill.split(":")
         plugin.add_listener(KillAt(int(step), phase, int(rank[0]) if rank else None))
+    if args.sigterm:
+        step, phase = args.sigterm.split(":")
+        plugin.add_listener(KillAt(int(step), phase, None, signal.SIGTERM))
     trainer = pl.Trainer(
         max_epochs=args.epochs,
         accelerator="cpu",
