@@ -96,8 +96,13 @@ def test_two_crashes_within_one_epoch(tmp_path, reference, workers):
 def test_sigterm_during_an_upload_flushes_and_commits_it_then_resumes_exactly(tmp_path, reference):
     from lightning_air import latest_checkpoint
 
-    out = subprocess.run([sys.executable, JOB, str(tmp_path), "--sigterm", "10:upload_start"], capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO})
+    out = subprocess.run(
+        [sys.executable, JOB, str(tmp_path), "--sigterm", "10:upload_start"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     assert out.returncode != 0, "preemption stops the job"
     assert "flushed the in-flight checkpoint (SIGTERM)" in out.stderr, out.stderr[-3000:]
     newest = latest_checkpoint(str(tmp_path / "ckpts"))
