@@ -103,11 +103,20 @@ def retention_victims(infos: list[CheckpointInfo], *, keep_last: int, busy: set[
     return old + stale
 
 
-def delete_checkpoint(storage: Storage, info: CheckpointInfo) -> None:
-    """Delete one checkpoint: the manifest first, then its files, then its records."""
+def delete_checkpoint(storage: Storage, info: CheckpointInfo, *, others: list[CheckpointInfo]) -> None:
+    """Delete one checkpoint: the manifest first, then its files, then its records.
+
+    A file that another checkpoint in ``others`` also names (a file rewritten in place, like Lightning's
+    ``last.ckpt``) is left alone: it belongs to that checkpoint now.
+    """
     storage.remove(manifest_path(info.name))
     files = [f.path for f in info.manifest.files] if info.manifest else part_files(storage, info.name)
+    shared = {f.path for o in others if o.name != info.name and o.manifest for f in o.manifest.files}
+    shared |= {
+        p for o in others if o.name != info.name and o.manifest is None for p in part_files(storage, o.name)
+    }
     for path in files:
-        storage.remove(path)
+        if path not in shared:
+            storage.remove(path)
     storage.remove(f"{META_DIR}/{info.name}")
     logger.info("deleted checkpoint %s (step %d, %s)", info.name, info.step, info.status)

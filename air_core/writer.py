@@ -344,7 +344,7 @@ class Writer:
                         "rank %d: keeping %s until a newer checkpoint commits", self._config.rank, info.name
                     )
                     continue
-                self._delete(info)
+                self._delete(info, infos)
                 self._deferred.discard(info.name)
             self._deferred &= {i.name for i in infos}
         except Exception:
@@ -352,8 +352,8 @@ class Writer:
                 "rank %d: deleting %s failed; will retry", self._config.rank, self._deferred, exc_info=True
             )
 
-    def _delete(self, info: CheckpointInfo) -> None:
-        commit.delete_checkpoint(self._storage, info)
+    def _delete(self, info: CheckpointInfo, infos: list[CheckpointInfo]) -> None:
+        commit.delete_checkpoint(self._storage, info, others=infos)
         self._emit(PhaseEvent("retention_deleted", info.name, info.step, self._config.rank))
 
     def _release(self, job: SaveJob) -> None:
@@ -403,10 +403,9 @@ class Writer:
 
     def _retain(self) -> None:
         if self._config.rank == 0:
-            for info in commit.retention_victims(
-                scan(self._storage), keep_last=self._config.keep_last, busy=self.busy
-            ):
-                self._delete(info)
+            infos = scan(self._storage)
+            for info in commit.retention_victims(infos, keep_last=self._config.keep_last, busy=self.busy):
+                self._delete(info, infos)
             self._run_deletes()
         if self._cache_dir is not None:
             _trim_cache(self._cache_dir, self._config.keep_last)
@@ -439,6 +438,7 @@ def _remove_spill(snap: Snapshot) -> None:
 def _trim_cache(cache_dir: str, keep_last: int) -> None:
     """Keep the local cache to the newest ``keep_last`` committed checkpoints it holds."""
     cached = Storage(cache_dir, storage_options={}, retries=0, retry_backoff_seconds=0.0)
-    for info in commit.retention_victims(scan(cached), keep_last=keep_last, busy=set()):
+    infos = scan(cached)
+    for info in commit.retention_victims(infos, keep_last=keep_last, busy=set()):
         if info.status == "committed":
-            commit.delete_checkpoint(cached, info)
+            commit.delete_checkpoint(cached, info, others=infos)

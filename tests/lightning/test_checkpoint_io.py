@@ -94,11 +94,16 @@ def test_top_k_removal_never_deletes_the_newest_committed_checkpoint(tmp_path):
     assert sorted(os.listdir(root)) == [".air", "s3.ckpt"]
 
 
-def test_save_last_rewrites_last_ckpt_and_it_stays_committed(tmp_path):
-    dirpath = _fit(tmp_path, save_last=True)
-    assert os.path.exists(os.path.join(dirpath, "last.ckpt"))
+@pytest.mark.parametrize("top_k", [-1, 0])
+def test_save_last_rewrites_last_ckpt_and_it_stays_committed(tmp_path, top_k):
+    dirpath = _fit(tmp_path, save_last=True, top_k=top_k)
+    assert os.path.exists(os.path.join(dirpath, "last.ckpt")), (
+        "retiring the old last commit keeps the new file"
+    )
     state = AirCheckpointIO().load_checkpoint(os.path.join(dirpath, "last.ckpt"))
     assert state["global_step"] == 16, "last.ckpt is the newest save, committed"
+    newest = latest_checkpoint(dirpath)
+    assert newest is not None and torch.load(newest, weights_only=False)["global_step"] == 16
 
 
 def test_bad_settings_fail_at_construction_naming_the_argument():
