@@ -95,6 +95,10 @@ class AirCallback(Callback):
         self._pending: dict[str, Any] | None = None
         self._saves_at_step: dict[int, int] = defaultdict(int)
         self._sampler: ResumableSampler | None = None
+        self._stateful: Any = None
+        self._sized = True
+        self._loader_epoch_state: Any = None
+        self._iterator_made_for_epoch = False
         self._loader_generator = torch.Generator()
         self._batch_size = 1
         self._step_ended_at: float | None = None
@@ -139,11 +143,21 @@ class AirCallback(Callback):
         self._unwrap = unwrap
 
     def _prepare_loader(self, loader: Any, trainer: pl.Trainer) -> Any:
-        """Give a plain map-style loader a ResumableSampler and apply a pending resume position."""
+        """Make the train loader resumable per rank and apply a pending resume position."""
+        if (
+            isinstance(loader, DataLoader)
+            and isinstance(loader.dataset, IterableDataset)
+            and not _is_stateful(loader)
+        ):
+            converted = _to_stateful(loader)  # no truthiness test: len() of an unsized loader raises
+            loader = converted if converted is not None else loader
+        if _is_stateful(loader):
+            return self._prepare_stateful(loader)
         if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
             logger.warning(
-                "AirCallback: the train loader (%s) is not a map-style DataLoader; a mid-epoch resume "
-                "cannot be exact for it. Use a map-style dataset, or resume from end-of-epoch checkpoints.",
+                "AirCallback: the train loader (%s) is neither a map-style DataLoader nor a stateful loader; "
+                "a mid-epoch resume cannot be exact. Install torchdata (StatefulDataLoader) or use a "
+                "map-style dataset.",
                 type(loader).__name__,
             )
             return loader
@@ -189,8 +203,46 @@ class AirCallback(Callback):
             else:  # saved at the end of an epoch: the next iteration is the next epoch
                 epoch += 1
                 sampler.set_epoch(epoch)
+                self._restore_rng_if(epoch_done=True)
         self._loader_generator.manual_seed(self._epoch_seed(epoch))
         return loader
+
+    def _prepare_stateful(self, loader: Any) -> Any:
+        """A loader with state_dict/load_state_dict (torchdata StatefulDataLoader): restore this rank's state.
+
+        A loader with a length is not prefetched by Lightning, so its state at save time is exact. One
+        without a length is one batch ahead then; for it the state at the start of the epoch is saved
+        with the count of consumed batches, and a resume re-reads (fast-forwards) those batches.
+        """
+        self._stateful, self._sampler = loader, None
+        self._sized = _has_len(loader)
+        data = self._pending["data"] if self._pending is not None else None
+        fresh = loader.state_dict()
+        if data is not None and "loader_state" in data:
+            loader.load_state_dict(data["loader_state"])
+            if data["consumed_batches"] >= len(loader):  # saved at the end of the epoch: finish it
+                self._restore_rng_if(epoch_done=True)
+                loader.load_state_dict(_fast_forward(loader, 0)[0])
+        elif data is not None and "loader_epoch_state" in data:
+            self._loader_epoch_state = data["loader_epoch_state"]
+            loader.load_state_dict(self._loader_epoch_state)
+            state, epoch_done = _fast_forward(loader, data["consumed_batches"])
+            if epoch_done:
+                self._start_next_epoch(loader, fresh)
+            else:
+                loader.load_state_dict(state)
+        else:
+            self._loader_epoch_state = loader.state_dict()
+        self._iterator_made_for_epoch = True  # Lightning builds the iterator right after this call
+        return loader
+
+    def _start_next_epoch(self, loader: Any, fresh: Any) -> None:
+        """Saved at the end of an epoch: the uninterrupted run's next iterator was a new epoch drawn from
+        the global RNG after the checkpoint. A loader in its initial state, with that RNG restored
+        before Lightning builds the iterator, draws the same."""
+        loader.load_state_dict(fresh)
+        self._loader_epoch_state = fresh
+        self._restore_rng_if(epoch_done=True)
 
     def _epoch_seed(self, epoch: int) -> int:
         return self.seed * 1_000_003 + epoch
@@ -199,6 +251,10 @@ class AirCallback(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch, self._consumed = trainer.current_epoch, 0
+        if self._stateful is not None and not self._sized:
+            if not self._iterator_made_for_epoch:  # later epochs: this hook runs before their iterator
+                self._loader_epoch_state = self._stateful.state_dict()
+            self._iterator_made_for_epoch = False
         self._loader_generator.manual_seed(self._epoch_seed(self._epoch))  # before this epoch's iterator
 
     @override
@@ -253,6 +309,10 @@ class AirCallback(Callback):
                 "sampler": self._sampler.state_dict() if self._sampler is not None else {},
             },
         }
+        if self._stateful is not None and self._sized:
+            part["data"]["loader_state"] = self._stateful.state_dict()
+        elif self._stateful is not None:
+            part["data"]["loader_epoch_state"] = self._loader_epoch_state
         if trainer.is_global_zero:
             checkpoint[AIR_KEY] = {"name": name, "world_size": trainer.world_size, "rank_state": part}
         else:
@@ -279,6 +339,8 @@ class AirCallback(Callback):
                 f"AirCallback: the checkpoint was written by {air['world_size']} ranks, this run has "
                 f"{trainer.world_size}; resume with the same number of processes for an exact resume."
             )
+        # Lightning would also load rank 0's loader state into every rank's loader: ours is per rank.
+        checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
         part = (
             air["rank_state"] if trainer.is_global_zero else getattr(self._plugin, "loaded_rank_state", None)
         )
@@ -290,11 +352,19 @@ class AirCallback(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # The loader iterator exists now; whatever RNG its creation used, the steps get the checkpoint's.
+        # Mid-epoch: the uninterrupted run built this epoch's iterator before the checkpoint, so the
+        # RNG is restored after Lightning built the resumed one, right before the first resumed step.
         if self._pending is not None:
-            restore_rng(self._pending["rng"])
+            self._restore_rng_if(epoch_done=True)
             self._pending = None
         self._step_ended_at = None
+
+    def _restore_rng_if(self, *, epoch_done: bool) -> None:
+        """Restore the checkpoint's RNG (once). At an epoch's end the uninterrupted run built the next
+        iterator after the checkpoint, so then it happens before Lightning builds the resumed one."""
+        if epoch_done and self._pending is not None and self._pending.get("rng") is not None:
+            restore_rng(self._pending["rng"])
+            self._pending["rng"] = None
 
     # -- shutdown ----------------------------------------------------------------------------
     def _flush(self, why: str) -> None:
@@ -339,6 +409,56 @@ class AirCallback(Callback):
                 statistics.median(self.fetch_seconds),
                 max(self.fetch_seconds),
             )
+
+
+def _is_stateful(loader: Any) -> bool:
+    return all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict"))
+
+
+def _has_len(loader: Any) -> bool:
+    try:
+        len(loader)
+    except TypeError:
+        return False
+    return True
+
+
+def _fast_forward(loader: Any, batches: int) -> tuple[Any, bool]:
+    """The loader's state after ``batches`` more batches, and whether that is the end of the epoch."""
+    iterator = iter(loader)
+    for _ in range(batches):
+        next(iterator)
+    state = loader.state_dict()
+    try:
+        next(iterator)
+    except StopIteration:  # the checkpoint closed the epoch: resume past its end, as the run did
+        del iterator
+        return loader.state_dict(), True
+    del iterator
+    return state, False
+
+
+def _to_stateful(loader: DataLoader) -> Any:
+    """A torchdata StatefulDataLoader with the same settings, or None without torchdata."""
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        return None
+    kwargs: dict[str, Any] = dict(
+        batch_size=loader.batch_size,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return StatefulDataLoader(loader.dataset, **kwargs)
 
 
 def _with_sampler(loader: DataLoader, sampler: ResumableSampler) -> DataLoader:

@@ -42,6 +42,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("workdir")
     p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--loader", choices=["plain", "stateful", "iterable"], default="plain")
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--kill", default="", help="STEP:PHASE[:RANK]")
@@ -84,7 +85,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    model = Model(args.workdir, args.workers)
+    model = Model(args.workdir, args.workers, args.loader)
     trainer.fit(model, ckpt_path=latest_checkpoint(root, storage_options=opts))
     if trainer.is_global_zero:
         torch.save(model.state_dict(), os.path.join(args.workdir, "final.pt"))

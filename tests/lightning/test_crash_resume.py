@@ -55,13 +55,13 @@ def assert_same_run(resumed: Path, reference: Path, ranks: int = 1) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    cache: dict[int, Path] = {}
+    cache: dict[tuple[int, str], Path] = {}
 
-    def get(workers: int) -> Path:
-        if workers not in cache:
-            cache[workers] = tmp_path_factory.mktemp(f"reference-w{workers}")
-            run_job(cache[workers], "--workers", str(workers))
-        return cache[workers]
+    def get(workers: int, loader: str = "plain") -> Path:
+        if (workers, loader) not in cache:
+            cache[workers, loader] = tmp_path_factory.mktemp(f"reference-w{workers}-{loader}")
+            run_job(cache[workers, loader], "--workers", str(workers), "--loader", loader)
+        return cache[workers, loader]
 
     return get
 
@@ -91,6 +91,22 @@ def test_two_crashes_within_one_epoch(tmp_path, reference, workers):
     run_job(tmp_path, *args, "--kill", "28:serialize_start", expect_kill=True)  # resumes from step 24
     run_job(tmp_path, *args)
     assert_same_run(tmp_path, reference(workers))
+
+
+@pytest.mark.parametrize(
+    ("loader", "workers", "kill"),
+    [
+        ("stateful", 2, "24:upload_start"),  # torchdata StatefulDataLoader, resumes mid-epoch (step 20)
+        ("iterable", 0, "24:serialize_start"),  # IterableDataset without a length, mid-epoch
+        ("iterable", 2, "24:upload_start"),
+        ("iterable", 0, "20:upload_start"),  # epoch boundary
+    ],
+)
+def test_stateful_and_unsized_loaders_resume_exactly(tmp_path, reference, loader, workers, kill):
+    args = ["--workers", str(workers), "--loader", loader, "--every", "4"]
+    run_job(tmp_path, *args, "--kill", kill, expect_kill=True)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(workers, loader))
 
 
 def test_sigterm_during_an_upload_flushes_and_commits_it_then_resumes_exactly(tmp_path, reference):
