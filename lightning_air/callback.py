@@ -217,13 +217,16 @@ class AirCallback(Callback):
         self._stateful, self._sampler = loader, None
         self._sized = _has_len(loader)
         data = self._pending["data"] if self._pending is not None else None
-        fresh = loader.state_dict()
         if data is not None and "loader_state" in data:
             loader.load_state_dict(data["loader_state"])
-            if data["consumed_batches"] >= len(loader):  # saved at the end of the epoch: finish it
+            if data["consumed_batches"] >= len(loader):
+                # Saved after the epoch's last batch: run the restored iterator to its end, so that
+                # Lightning's next iter() builds a new epoch from the restored RNG, as the run did.
+                for _ in iter(loader):
+                    pass
                 self._restore_rng_if(epoch_done=True)
-                loader.load_state_dict(_fast_forward(loader, 0)[0])
         elif data is not None and "loader_epoch_state" in data:
+            fresh = loader.state_dict()
             self._loader_epoch_state = data["loader_epoch_state"]
             loader.load_state_dict(self._loader_epoch_state)
             state, epoch_done = _fast_forward(loader, data["consumed_batches"])

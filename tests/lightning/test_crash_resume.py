@@ -97,6 +97,8 @@ def test_two_crashes_within_one_epoch(tmp_path, reference, workers):
     ("loader", "workers", "kill"),
     [
         ("stateful", 2, "24:upload_start"),  # torchdata StatefulDataLoader, resumes mid-epoch (step 20)
+        ("stateful", 0, "20:commit_start"),  # resumes from step 16: the epoch boundary
+        ("stateful", 2, "28:serialize_start"),  # resumes from step 24
         ("iterable", 0, "24:serialize_start"),  # IterableDataset without a length, mid-epoch
         ("iterable", 2, "24:upload_start"),
         ("iterable", 0, "20:upload_start"),  # epoch boundary
