@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from air_core import ConfigError, ResumableSampler, SaveRecord, capture_rng, restore_rng
 
+from . import loaders
 from .checkpoint_io import AIR_KEY, AirCheckpointIO
 
 logger = logging.getLogger(__name__)
@@ -147,11 +148,11 @@ class AirCallback(Callback):
         if (
             isinstance(loader, DataLoader)
             and isinstance(loader.dataset, IterableDataset)
-            and not _is_stateful(loader)
+            and not loaders.is_stateful(loader)
         ):
-            converted = _to_stateful(loader)  # no truthiness test: len() of an unsized loader raises
+            converted = loaders.to_stateful(loader)  # no truthiness test: len() of an unsized loader raises
             loader = converted if converted is not None else loader
-        if _is_stateful(loader):
+        if loaders.is_stateful(loader):
             return self._prepare_stateful(loader)
         if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
             logger.warning(
@@ -183,7 +184,7 @@ class AirCallback(Callback):
                 shuffle=isinstance(sampler, RandomSampler),
                 seed=self.seed,
             )
-            loader = _with_sampler(loader, sampler)
+            loader = loaders.with_sampler(loader, sampler)
         self._sampler = sampler
         self._batch_size = loader.batch_size or 1
         # The loader's own generator seeds its workers: with a per-epoch seed, creating an iterator
@@ -215,7 +216,7 @@ class AirCallback(Callback):
         with the count of consumed batches, and a resume re-reads (fast-forwards) those batches.
         """
         self._stateful, self._sampler = loader, None
-        self._sized = _has_len(loader)
+        self._sized = loaders.has_len(loader)
         data = self._pending["data"] if self._pending is not None else None
         if data is not None and "loader_state" in data:
             loader.load_state_dict(data["loader_state"])
@@ -229,7 +230,7 @@ class AirCallback(Callback):
             fresh = loader.state_dict()
             self._loader_epoch_state = data["loader_epoch_state"]
             loader.load_state_dict(self._loader_epoch_state)
-            state, epoch_done = _fast_forward(loader, data["consumed_batches"])
+            state, epoch_done = loaders.fast_forward(loader, data["consumed_batches"])
             if epoch_done:
                 self._start_next_epoch(loader, fresh)
             else:
@@ -412,76 +413,3 @@ class AirCallback(Callback):
                 statistics.median(self.fetch_seconds),
                 max(self.fetch_seconds),
             )
-
-
-def _is_stateful(loader: Any) -> bool:
-    return all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict"))
-
-
-def _has_len(loader: Any) -> bool:
-    try:
-        len(loader)
-    except TypeError:
-        return False
-    return True
-
-
-def _fast_forward(loader: Any, batches: int) -> tuple[Any, bool]:
-    """The loader's state after ``batches`` more batches, and whether that is the end of the epoch."""
-    iterator = iter(loader)
-    for _ in range(batches):
-        next(iterator)
-    state = loader.state_dict()
-    try:
-        next(iterator)
-    except StopIteration:  # the checkpoint closed the epoch: resume past its end, as the run did
-        del iterator
-        return loader.state_dict(), True
-    del iterator
-    return state, False
-
-
-def _to_stateful(loader: DataLoader) -> Any:
-    """A torchdata StatefulDataLoader with the same settings, or None without torchdata."""
-    try:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-    except ImportError:
-        return None
-    kwargs: dict[str, Any] = dict(
-        batch_size=loader.batch_size,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        persistent_workers=loader.persistent_workers,
-    )
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    return StatefulDataLoader(loader.dataset, **kwargs)
-
-
-def _with_sampler(loader: DataLoader, sampler: ResumableSampler) -> DataLoader:
-    """The same plain DataLoader with another sampler (every other setting kept)."""
-    kwargs: dict[str, Any] = dict(
-        batch_size=loader.batch_size,
-        sampler=sampler,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device,
-    )
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    if hasattr(loader, "in_order"):
-        kwargs["in_order"] = loader.in_order
-    return DataLoader(loader.dataset, **kwargs)
