@@ -294,3 +294,18 @@ def test_unclosed_checkpointer_finishes_its_save_and_lets_the_process_exit(tmp_p
     assert out.returncode == 0, out.stderr
     with AsyncCheckpointer(str(tmp_path)) as reader:
         assert reader.latest().step == 1, "the pending save must commit before the interpreter exits"
+
+
+def test_delete_waits_for_newer_commit_and_never_removes_the_newest(tmp_path):
+    with AsyncCheckpointer(str(tmp_path), keep_last=10) as ckpt:
+        for step in (1, 2):
+            ckpt.save(_state(step), step=step)
+        ckpt.delete("step-000000002")  # queued behind both saves; it is then the newest: kept
+        ckpt.delete("step-000000001")
+        ckpt.flush()
+    with AsyncCheckpointer(str(tmp_path), keep_last=10) as ckpt:
+        assert [i.step for i in ckpt.list()] == [2], "step 1 deleted after the saves, step 2 kept as newest"
+        ckpt.delete("step-000000002")
+        ckpt.save(_state(3), step=3).result(timeout=60)  # now step 2 is no longer the newest
+    with AsyncCheckpointer(str(tmp_path), keep_last=10) as ckpt:
+        assert [i.step for i in ckpt.list()] == [3]
