@@ -1,11 +1,12 @@
 """The background persist worker: serialize -> stage -> upload -> commit -> retention, one save at a time.
 
-One named, non-daemon thread per checkpointer takes jobs from a queue bounded by ``max_in_flight``
-and runs every write *and* every delete, so operations on the same path are ordered. Serialization
-(``torch.save`` format, CRC-32 computed while writing) runs either in this thread at a lower OS
-priority, or in a writer process that reads the snapshot from shared memory: a ``Serializer`` strategy
-chosen once. Every failure is caught at the thread boundary and stored on the save's handle, from
-where the training thread raises it; nothing is reported as success unless the manifest is written.
+One named, non-daemon thread per checkpointer (started on demand, gone when idle) takes jobs from a
+queue bounded by ``max_in_flight`` and runs every write *and* every delete, so operations on the
+same path are ordered. Serialization (``torch.save`` format, CRC-32 computed while writing) runs
+either in this thread at a lower OS priority, or in a writer process that reads the snapshot from
+shared memory: a ``Serializer`` strategy chosen once. Every failure is caught at the thread boundary
+and stored on the save's handle, from where the training thread raises it; nothing is reported as
+success unless the manifest is written.
 """
 
 from __future__ import annotations
