@@ -93,6 +93,7 @@ class AirCheckpointIO(CheckpointIO):
         self.loaded_rank_state: Any = None
         """This rank's own part of the checkpoint the last ``load_checkpoint`` read (ranks > 0)."""
         self.exception_in_flight = False
+        self._owners: dict[str, list[str]] = {}
         self.returned_at = 0.0
         """``time.monotonic()`` when the last save returned to the training loop (for fetch timing)."""
 
@@ -146,8 +147,10 @@ class AirCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0))
         name = checkpoint.get(AIR_KEY, {}).get("name") or commit_name(filename, step)
         ckpt = self.checkpointer(root)
-        for older in self._commits_of(ckpt, filename):  # Lightning rewrites last.ckpt in place
-            ckpt.delete(older.name)
+        owners = self._owners_of(ckpt, filename)
+        for older in owners:  # Lightning rewrites last.ckpt in place: retire its previous commit
+            ckpt.delete(older)
+        owners[:] = [name]
         self.last_handle = ckpt.save(checkpoint, step=step, name=name, filename=filename)
         self.returned_at = time.monotonic()
 
@@ -192,13 +195,15 @@ class AirCheckpointIO(CheckpointIO):
         """Delete the checkpoint at ``path`` after any save queued before (never the newest committed)."""
         root, filename = split_path(str(path))
         ckpt = self.checkpointer(root)
-        for info in self._commits_of(ckpt, filename):
-            ckpt.delete(info.name)
+        for name in self._owners_of(ckpt, filename):  # in flight or committed: queued behind its save
+            ckpt.delete(name)
+        self._owners.pop(filename, None)
 
     @override
     def teardown(self) -> None:
         """Flush and close; a failed save is raised, unless another exception is already propagating."""
         ckpt, self._ckpt = self._ckpt, None
+        self._owners = {}
         if ckpt is None:
             return
         if self.exception_in_flight:
@@ -206,15 +211,29 @@ class AirCheckpointIO(CheckpointIO):
         else:
             ckpt.close()
 
+    def _owners_of(self, ckpt: AsyncCheckpointer, filename: str) -> list[str]:
+        """Names of the checkpoints whose rank-0 file is ``filename`` (a live list; rank 0 only).
+
+        The root is listed once, at the first save or removal; after that this plugin's own saves keep
+        the map, so no listing runs on the training thread per save and a removal also finds a save
+        that has not committed yet.
+        """
+        if not self._owners:
+            for info in self._commits_of(ckpt):
+                for f in info.manifest.files_of(0) if info.manifest else []:
+                    self._owners.setdefault(f.path, []).append(info.name)
+            self._owners.setdefault("", [])  # marks the listing as done, even for an empty root
+        return self._owners.setdefault(filename, [])
+
     @staticmethod
-    def _commits_of(ckpt: AsyncCheckpointer, filename: str) -> list[CheckpointInfo]:
-        """Committed checkpoints whose rank-0 file is ``filename``, oldest first."""
+    def _commits_of(ckpt: AsyncCheckpointer, filename: str | None = None) -> list[CheckpointInfo]:
+        """Committed checkpoints (whose rank-0 file is ``filename``, if given), oldest first."""
         return [
             info
             for info in ckpt.list()
             if info.status == "committed"
             and info.manifest is not None
-            and any(f.path == filename and f.rank == 0 for f in info.manifest.files)
+            and (filename is None or any(f.path == filename for f in info.manifest.files_of(0)))
         ]
 
 

@@ -94,6 +94,17 @@ def test_top_k_removal_never_deletes_the_newest_committed_checkpoint(tmp_path):
     assert sorted(os.listdir(root)) == [".air", "s3.ckpt"]
 
 
+def test_removing_a_save_still_in_flight_deletes_it_once_a_newer_one_commits(tmp_path):
+    plugin = AirCheckpointIO()
+    root = str(tmp_path / "ckpts")
+    big = {"global_step": 1, "w": torch.randn(1 << 22)}  # 16 MiB: still being written when removed
+    plugin.save_checkpoint(big, f"{root}/s1.ckpt")
+    plugin.remove_checkpoint(f"{root}/s1.ckpt")  # top-k dropping the checkpoint it just saved
+    plugin.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, f"{root}/s2.ckpt")
+    plugin.teardown()
+    assert sorted(os.listdir(root)) == [".air", "s2.ckpt"], "the removed checkpoint must not leak"
+
+
 @pytest.mark.parametrize("top_k", [-1, 0])
 def test_save_last_rewrites_last_ckpt_and_it_stays_committed(tmp_path, top_k):
     dirpath = _fit(tmp_path, save_last=True, top_k=top_k)
