@@ -224,12 +224,8 @@ class Writer:
             try:
                 job = self._queue.get(timeout=_IDLE_EXIT_SECONDS)
             except queue.Empty:
-                with self._lock:
-                    if self._queue.empty():
-                        self._thread = None
-                        return
-                continue
-            if job is None:
+                job = None
+            if job is None:  # idle, or asked to stop: exit unless work arrived meanwhile
                 with self._lock:
                     if self._queue.empty():
                         self._thread = None
