@@ -4,7 +4,7 @@ The public names are exactly ``__all__``. Start with ``AsyncCheckpointer``; ``do
 through the save pipeline (snapshot -> serialize -> stage -> upload -> commit -> retention).
 """
 
-from .checkpointer import AsyncCheckpointer, SaveHandle
+from .checkpointer import AsyncCheckpointer, LocalCheckpoint, SaveHandle
 from .data_state import ResumableSampler, capture_rng, restore_rng
 from .errors import AirError, ConfigError, CorruptCheckpointError, SaveError, StorageError
 from .events import Event, Listener, PhaseEvent, RestoreRecord, SaveRecord
@@ -18,6 +18,7 @@ __all__ = [
     "CorruptCheckpointError",
     "Event",
     "FileEntry",
+    "LocalCheckpoint",
     "Listener",
     "Manifest",
     "ResumableSampler",

@@ -16,9 +16,10 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -78,6 +79,16 @@ class SaveHandle:
     def _finish(self, info: CheckpointInfo | None, error: SaveError | None) -> None:
         self._info, self._error = info, error
         self._finished.set()
+
+
+@dataclass(frozen=True)
+class LocalCheckpoint:
+    """Verified local copies of some files of a committed checkpoint (from ``AsyncCheckpointer.fetch``)."""
+
+    info: CheckpointInfo
+    paths: dict[str, str]
+    """Path relative to the root -> local file."""
+    source: Literal["local", "cache", "remote"]
 
 
 class AsyncCheckpointer:
@@ -193,12 +204,24 @@ class AsyncCheckpointer:
             SaveError: an earlier save failed; raised once, carrying that save's step.
             ConfigError: bad arguments, or ``name`` is being saved already.
         """
+        name = check_name(name if name is not None else f"step-{_check_step(step):09d}")
+        filename = filename or default_file(name, self.config.rank)
+        return self.save_files({filename: state}, step=step, name=name)
+
+    def save_files(self, files: Mapping[str, Any], *, step: int, name: str | None = None) -> SaveHandle:
+        """Like ``save``, for a rank that writes several files into one checkpoint.
+
+        ``files`` maps each path, relative to the root, to its state; every file is written in
+        ``torch.save`` format and they commit together. Adapters use it to keep a framework's own
+        folder layout (one file per model, optimizer, ...).
+        """
         self._check_open("save")
         self._raise_failed()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ConfigError(f"save(step={step!r}): step must be an integer >= 0.")
-        name = check_name(name if name is not None else f"step-{step:09d}")
-        filename = check_relpath(filename or default_file(name, self.config.rank), where="save(filename=...)")
+        name = check_name(name if name is not None else f"step-{_check_step(step):09d}")
+        if not files:
+            raise ConfigError(f"save_files(name={name!r}): no files given.")
+        for rel in files:
+            check_relpath(rel, where="save(filename=...)")
         if name in self._writer.busy:
             raise ConfigError(f"save(name={name!r}): a save of this name is still in flight; use a new name.")
         called = time.monotonic()
@@ -212,7 +235,7 @@ class AsyncCheckpointer:
         waited = time.monotonic() - called
         try:
             snap = take_snapshot(
-                state,
+                dict(files),
                 buffer,
                 spill_dir=self._spill_dir,
                 spill_name=f"{name}-r{self.config.rank}-{uuid.uuid4().hex[:6]}.spill",
@@ -225,7 +248,8 @@ class AsyncCheckpointer:
         self._emit(PhaseEvent("snapshot_done", name, step, self.config.rank))
         self._handles = [h for h in self._handles if not (h.done() and (h.reported or h._error is None))]
         self._handles.append(handle)
-        self._writer.submit(SaveJob(name, step, filename, snap, called, waited, blocking, handle._finish))
+        job = SaveJob(name, step, tuple(files), snap, called, waited, blocking, handle._finish)
+        self._writer.submit(job)
         return handle
 
     def flush(self, timeout: float | None = None) -> None:
@@ -274,30 +298,20 @@ class AsyncCheckpointer:
         self._check_open("delete")
         self._writer.submit(DeleteJob(check_name(name)))
 
-    def load(
-        self,
-        info: CheckpointInfo | None = None,
-        *,
-        map_location: Any = "cpu",
-        weights_only: bool | None = True,
-        rank: int | None = None,
-    ) -> Any:
-        """Return this rank's state from ``info`` (default: the newest committed checkpoint that verifies).
+    def fetch(self, info: CheckpointInfo | None = None, *, ranks: Iterable[int] | None = None) -> LocalCheckpoint:
+        """Local, checksum-verified copies of the files of ``ranks`` (default: this rank) in ``info``.
 
-        Prefers the local cache when its manifest matches the committed one; else downloads in
-        parallel into the cache. Checksums are verified before unpickling. With ``info=None`` a
-        corrupt newest checkpoint is skipped with a warning and the previous one is tried.
+        ``info=None`` takes the newest committed checkpoint that verifies: a corrupt one is skipped with a
+        warning that says why, and the previous one is tried. Prefers the local cache when its manifest
+        matches the committed one; else downloads in parallel into the cache.
 
         Raises:
             FileNotFoundError: there is no committed checkpoint under the root.
             CorruptCheckpointError: ``info`` (or every committed checkpoint) fails verification.
-            ConfigError: the checkpoint holds no file of this rank, or needs ``weights_only=False``.
-
-        ``rank`` reads another rank's file (default: this rank's); ``weights_only=None`` leaves the
-        choice to ``torch.load``'s default.
         """
-        self._check_open("load")
+        self._check_open("fetch")
         started = time.monotonic()
+        wanted = {self.config.rank} if ranks is None else set(ranks)
         if info is not None:
             candidates = [info]
         else:
@@ -313,20 +327,10 @@ class AsyncCheckpointer:
                     path=self._storage.display(cand.name),
                     reason=cand.reason or cand.status,
                 )
-            entries = cand.manifest.files_of(self.config.rank if rank is None else rank)
-            if len(entries) != 1:
-                raise ConfigError(
-                    f"load({cand.name!r}) on rank {self.config.rank}: the checkpoint was written by "
-                    f"{cand.manifest.world_size} rank(s) and holds {len(entries)} file(s) of this rank; "
-                    "resume with the world size it was saved with."
-                )
+            entries = [f for f in cand.manifest.files if f.rank in wanted]
             try:
                 paths, source = fetch(
-                    self._storage,
-                    self._cache_dir,
-                    cand.manifest,
-                    entries,
-                    max_transfers=self.config.max_transfers,
+                    self._storage, self._cache_dir, cand.manifest, entries, max_transfers=self.config.max_transfers
                 )
             except CorruptCheckpointError as exc:
                 if info is not None:
@@ -334,25 +338,55 @@ class AsyncCheckpointer:
                 logger.warning("rank %d: skipping checkpoint %s: %s", self.config.rank, cand.name, exc)
                 problems.append(f"{cand.name}: {exc.reason}")
                 continue
-            state = _torch_load(paths[entries[0].path], map_location, weights_only, cand.name)
             seconds = time.monotonic() - started
-            self._emit(
-                RestoreRecord(cand.name, cand.step, self.config.rank, seconds, source, entries[0].size)
-            )
+            nbytes = sum(e.size for e in entries)
+            self._emit(RestoreRecord(cand.name, cand.step, self.config.rank, seconds, source, nbytes))
             logger.info(
-                "rank %d restored %s (step %d) from %s in %.2fs",
+                "rank %d fetched %s (step %d) from %s in %.2fs",
                 self.config.rank,
                 cand.name,
                 cand.step,
                 source,
                 seconds,
             )
-            return state
+            return LocalCheckpoint(cand, paths, source)
         raise CorruptCheckpointError(
             f"no committed checkpoint under {self._storage.display()} verifies: {'; '.join(problems)}",
             path=self._storage.display(),
             reason="all corrupt",
         )
+
+    def load(
+        self,
+        info: CheckpointInfo | None = None,
+        *,
+        map_location: Any = "cpu",
+        weights_only: bool | None = True,
+        rank: int | None = None,
+    ) -> Any:
+        """Return this rank's state from ``info`` (default: the newest committed checkpoint that verifies).
+
+        Fetches as ``fetch`` does (cache first, checksums verified before unpickling), then reads the
+        rank's single file. ``rank`` reads another rank's file (default: this rank's);
+        ``weights_only=None`` leaves the choice to ``torch.load``'s default.
+
+        Raises:
+            FileNotFoundError: there is no committed checkpoint under the root.
+            CorruptCheckpointError: ``info`` (or every committed checkpoint) fails verification.
+            ConfigError: the checkpoint holds no single file of this rank, or needs ``weights_only=False``.
+        """
+        rank = self.config.rank if rank is None else rank
+        local = self.fetch(info, ranks=[rank])
+        if len(local.paths) != 1:
+            manifest = local.info.manifest
+            assert manifest is not None
+            raise ConfigError(
+                f"load({local.info.name!r}) on rank {rank}: the checkpoint was written by "
+                f"{manifest.world_size} rank(s) and holds {len(local.paths)} file(s) of this rank; "
+                "resume with the world size it was saved with (or use fetch() for multi-file parts)."
+            )
+        (path,) = local.paths.values()
+        return _torch_load(path, map_location, weights_only, local.info.name)
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -409,6 +443,12 @@ class AsyncCheckpointer:
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise AirError(f"AsyncCheckpointer.{what}(): the checkpointer is closed.")
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"save(step={step!r}): step must be an integer >= 0.")
+    return step
 
 
 def _torch_load(path: str, map_location: Any, weights_only: bool | None, name: str) -> Any:

@@ -70,10 +70,15 @@ def serialize_file(state: Any, path: str, *, fsync: bool) -> tuple[int, int]:
     return w.size, w.crc
 
 
-class Serializer(Protocol):
-    """Writes a snapshot to a local file. Called on the writer thread only, one call at a time."""
+def serialize_files(state: dict[str, Any], paths: dict[str, str], *, fsync: bool) -> dict[str, tuple[int, int]]:
+    """Write each ``state[rel]`` to ``paths[rel]``; return rel -> (size, crc32)."""
+    return {rel: serialize_file(state[rel], path, fsync=fsync) for rel, path in paths.items()}
 
-    def write(self, snap: Snapshot, path: str, *, fsync: bool) -> tuple[int, int]: ...
+
+class Serializer(Protocol):
+    """Writes a snapshot (a mapping of file -> state) to local files. Writer thread only, one call at a time."""
+
+    def write(self, snap: Snapshot, paths: dict[str, str], *, fsync: bool) -> dict[str, tuple[int, int]]: ...
 
     def close(self) -> None: ...
 
@@ -81,8 +86,8 @@ class Serializer(Protocol):
 class ThreadSerializer:
     """Serialize on the writer thread itself (its OS priority is lowered when the thread starts)."""
 
-    def write(self, snap: Snapshot, path: str, *, fsync: bool) -> tuple[int, int]:
-        return serialize_file(materialize(snap), path, fsync=fsync)
+    def write(self, snap: Snapshot, paths: dict[str, str], *, fsync: bool) -> dict[str, tuple[int, int]]:
+        return serialize_files(materialize(snap), paths, fsync=fsync)
 
     def close(self) -> None:
         pass
@@ -98,7 +103,7 @@ def _child_main(jobs: Any, results: Any) -> None:
     while (job := jobs.get()) is not None:
         try:
             state = materialize_parts(job["skeleton"], job["refs"], job["slots"], job["buffer"], job["spill"])
-            results.put(("ok", serialize_file(state, job["path"], fsync=job["fsync"])))
+            results.put(("ok", serialize_files(state, job["paths"], fsync=job["fsync"])))
         except BaseException as exc:  # handed to the parent, which raises SaveError
             results.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         del job
@@ -114,7 +119,7 @@ class ProcessSerializer:
         self._proc = ctx.Process(target=_child_main, args=(self._jobs, self._results), name="air-writer-proc")
         self._proc.start()
 
-    def write(self, snap: Snapshot, path: str, *, fsync: bool) -> tuple[int, int]:
+    def write(self, snap: Snapshot, paths: dict[str, str], *, fsync: bool) -> dict[str, tuple[int, int]]:
         self._jobs.put(
             {
                 "skeleton": snap.skeleton,
@@ -122,7 +127,7 @@ class ProcessSerializer:
                 "slots": snap.slots,
                 "buffer": snap.buffer.tensor,
                 "spill": snap.spill_path,
-                "path": path,
+                "paths": paths,
                 "fsync": fsync,
             }
         )
@@ -153,7 +158,8 @@ class SaveJob:
 
     name: str
     step: int
-    filename: str
+    files: tuple[str, ...]
+    """This rank's files, relative to the root; the snapshot holds a mapping of them to their state."""
     snapshot: Snapshot
     called_at: float
     wait_seconds: float
@@ -240,50 +246,54 @@ class Writer:
         cfg, storage = self._config, self._storage
         times = {"staging": 0.0, "upload": 0.0, "commit": 0.0}
         phase, size = "serialize", 0
-        tmp: str | None = None
-        staged: str | None = None
+        leftovers: list[str] = []
+        staged: dict[str, str] = {}
         try:
             if storage.exists(manifest_path(job.name)):  # checked before any byte is written
                 raise StorageError(
                     f"checkpoint {job.name!r} is already committed at {storage.display(job.name)}; a "
                     "committed location is never written again. Save under a new name."
                 )
-            # The intent names the file before it exists, so a crash leaves a partial that retention finds.
-            intent = FileEntry(job.filename, -1, 0, cfg.rank)
-            commit.write_part(
-                storage, PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, (intent,), False)
-            )
+            # The intent names the files before they exist, so a crash leaves a partial that retention finds.
+            intent = tuple(FileEntry(rel, -1, 0, cfg.rank) for rel in job.files)
+            commit.write_part(storage, PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, intent, False))
             self._phase(job, "serialize_start")
             t0 = time.monotonic()
             job.snapshot.wait_copied()
             if self._cache_dir is None:
-                tmp = storage.local_temp(job.filename)
+                tmps = {rel: storage.local_temp(rel) for rel in job.files}
             else:
-                staged = os.path.join(self._cache_dir, *job.filename.split("/"))
-                os.makedirs(os.path.dirname(staged), exist_ok=True)
-                tmp = f"{staged}.air-tmp"
-            size, crc = self._serializer.write(job.snapshot, tmp, fsync=staged is None)
+                staged = {rel: os.path.join(self._cache_dir, *rel.split("/")) for rel in job.files}
+                tmps = {rel: f"{path}.air-tmp" for rel, path in staged.items()}
+                for path in staged.values():
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+            leftovers = [*tmps.values(), *staged.values()]
+            written = self._serializer.write(job.snapshot, tmps, fsync=not staged)
             _remove_spill(job.snapshot)
-            if staged is None:
-                storage.place_local(tmp, job.filename)
-            else:
-                os.replace(tmp, staged)
-            tmp = None
+            for rel, tmp in tmps.items():
+                if staged:
+                    os.replace(tmp, staged[rel])
+                else:
+                    storage.place_local(tmp, rel)
+            leftovers = list(staged.values())
+            size = sum(s for s, _ in written.values())
             times["staging"] = time.monotonic() - t0
             self._phase(job, "staged")
 
-            if staged is not None:
+            if staged:
                 phase = "upload"
                 self._phase(job, "upload_start")
                 t0 = time.monotonic()
-                storage.put_file(staged, job.filename)
+                for rel, path in staged.items():
+                    storage.put_file(path, rel)
                 times["upload"] = time.monotonic() - t0
                 self._phase(job, "uploaded")
 
             phase = "commit"
             t0 = time.monotonic()
-            entry = FileEntry(job.filename, size, crc, cfg.rank)
-            manifest = self._commit(job, entry)
+            entries = tuple(FileEntry(rel, *written[rel], cfg.rank) for rel in job.files)
+            manifest = self._commit(job, entries)
+            leftovers = []
             times["commit"] = time.monotonic() - t0
             self._phase(job, "committed")
             logger.info(
@@ -299,10 +309,9 @@ class Writer:
             self._release(job)
             job.finish(info, None)
         except Exception as exc:
-            for leftover in (tmp, staged):
-                if leftover is not None:
-                    with contextlib.suppress(OSError):
-                        os.unlink(leftover)
+            for leftover in leftovers:
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
             error = SaveError(
                 f"rank {cfg.rank}: saving checkpoint {job.name!r} (step {job.step}) failed during {phase}: "
                 f"{type(exc).__name__}: {exc}. The previous committed checkpoint is untouched.",
@@ -362,9 +371,9 @@ class Writer:
             self.busy.discard(job.name)
             self._pool.give_back(job.snapshot.buffer)
 
-    def _commit(self, job: SaveJob, entry: FileEntry) -> Manifest:
+    def _commit(self, job: SaveJob, entries: tuple[FileEntry, ...]) -> Manifest:
         cfg, storage = self._config, self._storage
-        part = PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, (entry,), complete=True)
+        part = PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, entries, complete=True)
         if cfg.world_size > 1:
             commit.write_part(storage, part)
             self._phase(job, "part_written")
