@@ -1,1 +1,9 @@
-"""Accelerate adapter (issue 4)."""
+"""accelerate_air: asynchronous, committed ``save_state`` and exact resume for Hugging Face Accelerate.
+
+One line: ``accelerator = AirAccelerator(air_plugin=AirPlugin("s3://bucket/run"))``.
+"""
+
+from .accelerator import AirAccelerator
+from .plugin import AirPlugin
+
+__all__ = ["AirAccelerator", "AirPlugin"]

@@ -5,10 +5,11 @@ through the save pipeline (snapshot -> serialize -> stage -> upload -> commit ->
 """
 
 from .checkpointer import AsyncCheckpointer, LocalCheckpoint, SaveHandle
-from .data_state import ResumableSampler, capture_rng, restore_rng
+from .data_state import ResumableSampler, TrackedLoader, capture_rng, restore_rng
 from .errors import AirError, ConfigError, CorruptCheckpointError, SaveError, StorageError
 from .events import Event, Listener, PhaseEvent, RestoreRecord, SaveRecord
 from .manifest import CheckpointInfo, FileEntry, Manifest
+from .metrics import Recorder
 
 __all__ = [
     "AirError",
@@ -23,11 +24,13 @@ __all__ = [
     "Manifest",
     "ResumableSampler",
     "PhaseEvent",
+    "Recorder",
     "RestoreRecord",
     "SaveError",
     "SaveHandle",
     "SaveRecord",
     "StorageError",
+    "TrackedLoader",
     "capture_rng",
     "restore_rng",
 ]

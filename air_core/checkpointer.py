@@ -298,7 +298,9 @@ class AsyncCheckpointer:
         self._check_open("delete")
         self._writer.submit(DeleteJob(check_name(name)))
 
-    def fetch(self, info: CheckpointInfo | None = None, *, ranks: Iterable[int] | None = None) -> LocalCheckpoint:
+    def fetch(
+        self, info: CheckpointInfo | None = None, *, ranks: Iterable[int] | None = None
+    ) -> LocalCheckpoint:
         """Local, checksum-verified copies of the files of ``ranks`` (default: this rank) in ``info``.
 
         ``info=None`` takes the newest committed checkpoint that verifies: a corrupt one is skipped with a
@@ -330,7 +332,11 @@ class AsyncCheckpointer:
             entries = [f for f in cand.manifest.files if f.rank in wanted]
             try:
                 paths, source = fetch(
-                    self._storage, self._cache_dir, cand.manifest, entries, max_transfers=self.config.max_transfers
+                    self._storage,
+                    self._cache_dir,
+                    cand.manifest,
+                    entries,
+                    max_transfers=self.config.max_transfers,
                 )
             except CorruptCheckpointError as exc:
                 if info is not None:

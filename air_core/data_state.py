@@ -10,8 +10,12 @@ consumed batches, never by what loader workers prefetched. This module never tou
 
 from __future__ import annotations
 
+import functools
+import logging
 import random
-from collections.abc import Iterator, Sized
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sized
 from typing import Any, cast
 
 import numpy as np
@@ -20,15 +24,31 @@ from torch.utils.data import DistributedSampler
 
 from .errors import ConfigError
 
+logger = logging.getLogger(__name__)
+
 
 def capture_rng() -> dict[str, Any]:
     """The state of every global generator of this process (call on the training thread).
 
     Only tensors and plain Python values, so a checkpoint holding it loads with ``weights_only=True``.
     """
-    kind, keys, pos, has_gauss, cached = cast(tuple, np.random.get_state(legacy=True))
-    state: dict[str, Any] = {
-        "python": random.getstate(),
+    state = _safe_rng(_raw_rng())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _raw_rng() -> tuple[Any, Any, torch.Tensor]:
+    """The CPU generators' states as their libraries return them (~30 us: taken before each batch
+    fetched on the training thread; converted by ``_safe_rng`` only when a checkpoint needs one)."""
+    return random.getstate(), np.random.get_state(legacy=True), torch.get_rng_state()
+
+
+def _safe_rng(raw: tuple[Any, Any, torch.Tensor]) -> dict[str, Any]:
+    python, numpy_state, torch_state = raw
+    kind, keys, pos, has_gauss, cached = cast(tuple, numpy_state)
+    return {
+        "python": python,
         "numpy": {
             "kind": kind,
             "keys": torch.from_numpy(keys.astype(np.int64)),
@@ -36,11 +56,8 @@ def capture_rng() -> dict[str, Any]:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
         },
-        "torch": torch.get_rng_state(),
+        "torch": torch_state,
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
@@ -141,3 +158,207 @@ class ResumableSampler(DistributedSampler):
                     f"ResumableSampler: the checkpoint was written with {key}={state.get(key)}, this run has "
                     f"{key}={mine[key]}; resume with the same seed and world size to see the same samples."
                 )
+
+
+def loader_generators(loader: Any) -> dict[str, torch.Generator]:
+    """The ``torch.Generator`` objects that decide a loader's order and worker seeds, by attribute path.
+
+    Looks at the loader and its (batch) samplers, nested as frameworks wrap them (a distributed batch
+    sampler around a batch sampler around a random sampler), e.g. ``batch_sampler.sampler.generator``.
+    """
+    found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, path: str, depth: int) -> None:
+        if obj is None or depth > 4:
+            return
+        generator = getattr(obj, "generator", None)
+        if isinstance(generator, torch.Generator) and id(generator) not in seen:
+            seen.add(id(generator))
+            found[f"{path}generator"] = generator
+        for attr in ("sampler", "batch_sampler"):
+            child = getattr(obj, attr, None)
+            if child is not None and child is not obj:
+                visit(child, f"{path}{attr}.", depth + 1)
+
+    visit(loader, "", 0)
+    return found
+
+
+def _rng_with_generators(loader: Any) -> dict[str, Any]:
+    return {
+        "rng": capture_rng(),
+        "generators": {k: g.get_state() for k, g in loader_generators(loader).items()},
+    }
+
+
+def _restore_rng_with_generators(loader: Any, state: dict[str, Any]) -> None:
+    """Restore the global RNG and every generator the loader still has (one made lazily, like a seedable
+    sampler's, is re-seeded by its owner and needs nothing)."""
+    restore_rng(state["rng"])
+    generators = loader_generators(loader)
+    for path, saved in state["generators"].items():
+        if path in generators:
+            generators[path].set_state(saved)
+
+
+class TrackedLoader:
+    """A loader proxy that knows its position: batches taken this epoch and the RNG at the epoch start.
+
+    Wraps the loader a framework iterates (for Accelerate: the ``DataLoader`` inside its prepared
+    loader) and forwards everything else to it. Each ``__iter__`` records the global RNG and the loader's
+    generators before the iterator draws its shuffle and worker seeds; ``position()`` returns that with
+    the count of batches the training loop received. ``resume(position)`` makes the next ``__iter__``
+    continue after those batches: a plain loader restores the epoch-start RNG, rebuilds the same
+    iterator and re-reads (discards) the consumed batches, so workers, shuffling and augmentation see
+    exactly what they saw; a stateful loader (``state_dict``/``load_state_dict``) is restored by the
+    caller and only the RNG is handled here. The RNG of the checkpoint is put back right before the
+    first batch the uninterrupted run fetched after the save.
+
+    Args:
+        loader: the loader to wrap.
+        epoch: returns the epoch number the consumer is about to iterate (read at each ``__iter__``).
+        lookahead: how many batches the consumer fetches ahead of what it hands to the training loop
+            (Accelerate's prepared loaders fetch one ahead).
+        on_fetch: called with the seconds each fetched batch took (``fetch_seconds``).
+    """
+
+    def __init__(
+        self,
+        loader: Any,
+        *,
+        epoch: Callable[[], int],
+        lookahead: int = 0,
+        on_fetch: Callable[[float], None] | None = None,
+    ) -> None:
+        self._loader = loader
+        self._epoch_fn = epoch
+        self._lookahead = lookahead
+        self._on_fetch = on_fetch
+        self._epoch = 0
+        self._taken = 0
+        self._finished = False
+        self._epoch_start: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+        # RNG before each of the last ``lookahead`` fetches: with num_workers=0 the dataset draws from
+        # the training thread's RNG, and the batches fetched ahead of a save were drawn from these.
+        self._ahead: deque[tuple[Any, Any, torch.Tensor]] = deque(maxlen=max(lookahead, 1))
+
+    # The consumer sees the wrapped loader's class and attributes (``isinstance(x, DataLoader)`` holds).
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        return type(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    @property
+    def wrapped(self) -> Any:
+        return self._loader
+
+    def position(self) -> dict[str, Any]:
+        """Where the training loop is: epoch, batches consumed, and the RNG to resume from.
+
+        Call on the training thread when a checkpoint is taken. Only tensors and plain values, so it
+        loads with ``weights_only=True``.
+        """
+        consumed = self._taken if self._finished else max(self._taken - self._lookahead, 0)
+        epoch = self._epoch if (self._taken or self._finished) else self._epoch_fn()
+        return {
+            "epoch": epoch,
+            "consumed": consumed,
+            "finished": self._finished,
+            "epoch_start": self._epoch_start if (self._taken and not self._finished) else None,
+            "ahead": [_safe_rng(raw) for raw in self._ahead] if not self._finished else [],
+            "now": _rng_with_generators(self._loader),
+        }
+
+    def resume(self, position: dict[str, Any], *, stateful: bool) -> int:
+        """Arrange for the next ``__iter__`` to continue at ``position``; return the epoch to iterate next.
+
+        At an epoch boundary (nothing consumed, or everything) the RNG is restored at once and the
+        returned epoch is the next one to start. ``stateful``: the caller restored the loader's own
+        state (do so only when ``is_mid_epoch``: at a boundary the next epoch starts from a fresh loader).
+        """
+        if not self.is_mid_epoch(position):
+            _restore_rng_with_generators(self._loader, position["now"])
+            return position["epoch"] + (1 if position["consumed"] else 0)
+        self._pending = dict(position, stateful=stateful)
+        return position["epoch"]
+
+    def is_mid_epoch(self, position: dict[str, Any]) -> bool:
+        """Whether ``position`` lies inside an epoch (else a resume just starts the next one afresh)."""
+        consumed = position["consumed"]
+        sized = _has_len(self._loader)
+        return not position["finished"] and consumed > 0 and not (sized and consumed >= len(self._loader))
+
+    def __iter__(self) -> Iterator[Any]:
+        pending, self._pending = self._pending, None
+        self._epoch, self._taken, self._finished = self._epoch_fn(), 0, False
+        self._ahead.clear()
+        track_ahead = self._lookahead > 0 and getattr(self._loader, "num_workers", 0) == 0
+        if pending is not None:
+            _restore_rng_with_generators(self._loader, pending["epoch_start"])
+            self._epoch_start = pending["epoch_start"]
+        else:
+            self._epoch_start = _rng_with_generators(self._loader)
+        iterator = iter(self._loader)
+        restore: dict[int, Callable[[], None]] = {}
+        if pending is not None:
+            consumed = pending["consumed"]
+            if pending["stateful"]:
+                self._taken = consumed  # the loader's own state resumes after the consumed batches
+            else:
+                self._discard(iterator, consumed)
+            for k, state in enumerate(pending["ahead"]):
+                restore[consumed + k] = functools.partial(restore_rng, state)
+            restore[consumed + self._lookahead] = functools.partial(
+                _restore_rng_with_generators, self._loader, pending["now"]
+            )
+        while True:
+            if restore:
+                action = restore.pop(self._taken, None)
+                if action is not None:
+                    action()
+            if track_ahead:
+                self._ahead.append(_raw_rng())
+            started = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                self._finished = True
+                return
+            if self._on_fetch is not None:
+                self._on_fetch(time.perf_counter() - started)
+            self._taken += 1
+            yield batch
+
+    def _discard(self, iterator: Iterator[Any], count: int) -> None:
+        """Re-read the batches the checkpoint already consumed (progress is logged for long skips)."""
+        logger.info("resume: re-reading %d consumed batch(es) to restore the loader's position", count)
+        last_log = time.monotonic()
+        for i in range(count):
+            try:
+                next(iterator)
+            except StopIteration:
+                raise ConfigError(
+                    f"resume: the checkpoint consumed {count} batches of this epoch but the loader has "
+                    f"only {i}; resume with the same dataset, batch size and world size."
+                ) from None
+            self._taken += 1
+            if time.monotonic() - last_log > 10:
+                logger.info("resume: re-read %d/%d batches", i + 1, count)
+                last_log = time.monotonic()
+
+
+def _has_len(loader: Any) -> bool:
+    try:
+        len(loader)
+    except TypeError:
+        return False
+    return True

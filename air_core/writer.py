@@ -70,13 +70,15 @@ def serialize_file(state: Any, path: str, *, fsync: bool) -> tuple[int, int]:
     return w.size, w.crc
 
 
-def serialize_files(state: dict[str, Any], paths: dict[str, str], *, fsync: bool) -> dict[str, tuple[int, int]]:
+def serialize_files(
+    state: dict[str, Any], paths: dict[str, str], *, fsync: bool
+) -> dict[str, tuple[int, int]]:
     """Write each ``state[rel]`` to ``paths[rel]``; return rel -> (size, crc32)."""
     return {rel: serialize_file(state[rel], path, fsync=fsync) for rel, path in paths.items()}
 
 
 class Serializer(Protocol):
-    """Writes a snapshot (a mapping of file -> state) to local files. Writer thread only, one call at a time."""
+    """Writes a snapshot (a mapping file -> state) to local files; writer thread only, one call at a time."""
 
     def write(self, snap: Snapshot, paths: dict[str, str], *, fsync: bool) -> dict[str, tuple[int, int]]: ...
 

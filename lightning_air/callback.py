@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import statistics
 import threading
 import time
 import uuid
@@ -27,34 +26,12 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from typing_extensions import override
 
-from air_core import ConfigError, ResumableSampler, SaveRecord, capture_rng, restore_rng
+from air_core import ConfigError, Recorder, ResumableSampler, capture_rng, restore_rng
 
 from . import loaders
 from .checkpoint_io import AIR_KEY, AirCheckpointIO
 
 logger = logging.getLogger(__name__)
-
-
-class _Records:
-    """Listener that keeps save records for the log (the metrics layer replaces this later)."""
-
-    def __init__(self) -> None:
-        self.saves: list[SaveRecord] = []
-
-    def on_event(self, event: Any) -> None:
-        if isinstance(event, SaveRecord):
-            self.saves.append(event)
-            logger.info(
-                "checkpoint %s step %d: blocking %.3fs staging %.3fs upload %.3fs commit %.3fs, %d bytes%s",
-                event.name,
-                event.step,
-                event.blocking_seconds,
-                event.staging_seconds,
-                event.upload_seconds,
-                event.commit_seconds,
-                event.bytes,
-                f", FAILED: {event.error}" if event.error else "",
-            )
 
 
 class AirCallback(Callback):
@@ -86,9 +63,8 @@ class AirCallback(Callback):
         self.seed = seed
         self.log_every_n_steps = log_every_n_steps
         self.flush_timeout_seconds = float(flush_timeout_seconds)
-        self.records = _Records()
-        self.fetch_seconds: list[float] = []
-        """Per training step: how long the loop waited for its batch (host time between steps)."""
+        self.records = Recorder(log_every_n_steps)
+        """``fetch_seconds`` per step (host time between steps) and the save/restore records."""
         self._plugin: AirCheckpointIO | None = None
         self._launch_id = ""
         self._epoch = 0
@@ -268,17 +244,7 @@ class AirCallback(Callback):
         now = time.monotonic()
         if self._step_ended_at is not None:
             started = max(self._step_ended_at, self._plugin.returned_at if self._plugin else 0.0)
-            self.fetch_seconds.append(max(now - started, 0.0))
-            if len(self.fetch_seconds) % self.log_every_n_steps == 0:
-                window = self.fetch_seconds[-self.log_every_n_steps :]
-                q = statistics.quantiles(window, n=20) if len(window) > 1 else window * 19
-                logger.info(
-                    "fetch_seconds over %d steps: p50 %.4f p95 %.4f max %.4f",
-                    len(window),
-                    statistics.median(window),
-                    q[18],
-                    max(window),
-                )
+            self.records.record_fetch(max(now - started, 0.0))
 
     @override
     def on_before_optimizer_step(
@@ -406,10 +372,4 @@ class AirCallback(Callback):
         if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None
-        if self.fetch_seconds:
-            logger.info(
-                "fetch_seconds: %d steps, p50 %.4f s, max %.4f s",
-                len(self.fetch_seconds),
-                statistics.median(self.fetch_seconds),
-                max(self.fetch_seconds),
-            )
+        self.records.log_summary()

@@ -68,7 +68,7 @@ class DemoModel(pl.LightningModule):
         torch.save(self.state_dict(), "final.pt")
         air = next(cb for cb in self.trainer.callbacks if isinstance(cb, AirCallback))
         saves = [s for s in air.records.saves if not s.error]
-        fetch = sorted(air.fetch_seconds) or [0.0]
+        fetch = sorted(air.records.fetch_seconds) or [0.0]
         summary = {
             "saves": len(saves),
             "blocking_seconds_median": statistics.median(s.blocking_seconds for s in saves)

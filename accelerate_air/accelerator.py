@@ -1,0 +1,382 @@
+"""``AirAccelerator``: Accelerate's ``save_state``/``load_state``, asynchronous, committed, exactly resumable.
+
+Accelerate has no checkpoint-IO extension point (its save-state hooks run before a synchronous write
+they cannot replace), so the plugin is an ``Accelerator`` subclass that overrides four documented
+methods: ``prepare_data_loader`` (track each loader's position per rank), ``prepare_optimizer``
+(count optimizer steps), ``save_state`` (hand the files Accelerate would write to the core's
+``AsyncCheckpointer.save_files``: the call returns after the host copy) and ``load_state`` (fetch the
+newest committed, verified checkpoint and load it with Accelerate's own loader, then restore what
+Accelerate does not keep: every rank's RNG and data position, the step, the MLflow run).
+
+The folder layout is Accelerate's own (``pytorch_model.bin``, ``optimizer.bin``, ``random_states_<r>.pkl``
+...), so a downloaded checkpoint loads with a stock ``Accelerator.load_state(local_dir)``; the extra
+per-rank state is ``air-rank-<r>.pt`` beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import tempfile
+import threading
+import uuid
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.data_loader import DataLoaderShard, IterableDatasetShard, SeedableRandomSampler
+from accelerate.utils import (
+    MODEL_NAME,
+    OPTIMIZER_NAME,
+    RNG_STATE_NAME,
+    SAMPLER_NAME,
+    SCALER_NAME,
+    SCHEDULER_NAME,
+    DistributedType,
+    broadcast_object_list,
+)
+from torch.utils.data import RandomSampler
+from typing_extensions import override
+
+from air_core import (
+    AirError,
+    AsyncCheckpointer,
+    ConfigError,
+    Recorder,
+    TrackedLoader,
+    capture_rng,
+    restore_rng,
+)
+
+from .plugin import AirPlugin, warn_if_inexact
+
+logger = logging.getLogger(__name__)
+_SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
+
+
+def _air_file(rank: int) -> str:
+    return f"air-rank-{rank:05d}.pt"
+
+
+def _start_epochs_at_iter(prepared: Any) -> None:
+    """Make a stateful loader draw each epoch's order when it is iterated, from state a checkpoint keeps.
+
+    Accelerate asks a new multi-worker ``StatefulDataLoader`` for its state, which makes it start its
+    first epoch (and draw that epoch's order) inside ``prepare``; that iterator is dropped so the
+    first epoch starts at ``iter()`` like the others. A restored loader rebuilds the epoch's order from
+    its sampler's generator, so a shuffling sampler without one gets one (as Accelerate does for its
+    multi-process loaders); otherwise it would draw a seed from a global RNG that no longer matches.
+    """
+    base = prepared.base_dataloader
+    if getattr(base, "_initial_iter_for_state_dict", False):  # torchdata's flag for that early iterator
+        base._iterator = None
+        base._initial_iter_for_state_dict = False
+    sampler = prepared.get_sampler()
+    if type(sampler) is RandomSampler and sampler.generator is None:
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        sampler.generator = torch.Generator().manual_seed(seed)
+
+
+class AirAccelerator(Accelerator):
+    """An ``Accelerator`` whose ``save_state`` is asynchronous and committed, and that resumes exactly.
+
+    ``accelerator = AirAccelerator(air_plugin=AirPlugin("s3://bucket/run"), ...)``; every other argument
+    is Accelerate's. Then keep Accelerate's calls: ``prepare``, ``backward``, ``save_state``,
+    ``load_state``; ``resume()`` loads the newest committed checkpoint if there is one.
+
+    Attributes:
+        completed_steps: optimizer steps applied so far (restored on resume; names the checkpoints).
+        air_records: ``fetch_seconds`` per training batch and the save/restore records of this rank.
+    """
+
+    def __init__(self, *args: Any, air_plugin: AirPlugin, **kwargs: Any) -> None:
+        if not isinstance(air_plugin, AirPlugin):
+            raise ConfigError(
+                f"AirAccelerator(air_plugin={air_plugin!r}): pass accelerate_air.AirPlugin(root=...)."
+            )
+        super().__init__(*args, **kwargs)
+        if self.distributed_type not in _SUPPORTED:
+            raise ConfigError(
+                f"AirAccelerator: distributed_type {self.distributed_type.value} is not supported yet; it "
+                "checkpoints single-process and DDP (MULTI_CPU / MULTI_GPU) runs. Use a plain Accelerator "
+                "for FSDP, DeepSpeed, Megatron-LM and XLA."
+            )
+        self.air_plugin = air_plugin
+        self.air_records = Recorder(air_plugin.log_every_n_steps)
+        self.completed_steps = 0
+        launch_id = broadcast_object_list([uuid.uuid4().hex if self.is_main_process else ""])[0]
+        self._air = AsyncCheckpointer(
+            **air_plugin.checkpointer_kwargs,
+            rank=self.process_index,
+            world_size=self.num_processes,
+            launch_id=launch_id,
+            listeners=[self.air_records, *air_plugin.listeners],
+        )
+        self._air_tracked: dict[int, TrackedLoader] = {}
+        self._air_names: Counter[str] = Counter()
+        self._air_step_hook: Any = None
+        self._air_previous_sigterm: Any = None
+        if threading.current_thread() is threading.main_thread():
+            self._air_previous_sigterm = signal.signal(signal.SIGTERM, self._air_on_sigterm)
+
+    # -- preparation -------------------------------------------------------------------------
+    @override
+    def prepare_data_loader(
+        self,
+        data_loader: torch.utils.data.DataLoader,
+        device_placement: Any = None,
+        slice_fn_for_dispatch: Any = None,
+    ) -> Any:
+        prepared = super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if id(prepared) in self._air_tracked:
+            return prepared
+        if type(prepared) is not DataLoaderShard:
+            logger.warning(
+                "AirAccelerator: %s loaders cannot resume exactly mid-epoch (only per-rank sharded loaders "
+                "can); set DataLoaderConfiguration(dispatch_batches=False) to resume exactly.",
+                type(prepared).__name__,
+            )
+            return prepared
+        warn_if_inexact(prepared)
+        if getattr(prepared, "use_stateful_dataloader", False):
+            _start_epochs_at_iter(prepared)
+        tracked = TrackedLoader(
+            prepared.base_dataloader,
+            epoch=lambda: int(prepared.iteration),
+            lookahead=1,  # a DataLoaderShard fetches one batch ahead to detect the end
+            on_fetch=self._air_record_fetch,
+        )
+        prepared.base_dataloader = tracked
+        self._air_tracked[id(prepared)] = tracked
+        return prepared
+
+    @override
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Any = None) -> Any:
+        prepared = super().prepare_optimizer(optimizer, device_placement)
+        if self._air_step_hook is None:  # the first optimizer's applied steps are the run's steps
+            self._air_step_hook = prepared.optimizer.register_step_post_hook(self._air_count_step)
+        return prepared
+
+    def _air_count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.completed_steps += 1
+
+    def _air_record_fetch(self, seconds: float) -> None:
+        if any(m.training for m in self._models) or not self._models:  # training batches only
+            self.air_records.record_fetch(seconds)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the first prepared loader is in, or starts next after a resume."""
+        return int(getattr(self._dataloaders[0], "iteration", 0)) if self._dataloaders else 0
+
+    # -- save --------------------------------------------------------------------------------
+    @override
+    def save_state(
+        self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any
+    ) -> str:
+        """Snapshot the state and commit it in the background under ``air_plugin.root``; return its URL.
+
+        ``output_dir`` names the checkpoint (its last path segment); by default it is
+        ``step-<completed_steps>``. Model weights are written as ``pytorch_model.bin`` (torch format,
+        whatever ``safe_serialization`` says), which a stock ``load_state`` reads as well.
+        """
+        name = self._air_name(output_dir)
+        handle = self._air.save_files(self._air_files(name), step=self.completed_steps, name=name)
+        handle.wait_snapshot()  # CUDA copies land before training mutates the tensors again
+        self.project_configuration.iteration += 1
+        return f"{self.air_plugin.root.rstrip('/')}/{name}"
+
+    def _air_name(self, output_dir: str | None) -> str:
+        if output_dir is None:
+            base = f"step-{self.completed_steps:09d}"
+        else:
+            base = os.path.basename(os.path.normpath(str(output_dir)))
+        self._air_names[base] += 1
+        return base if self._air_names[base] == 1 else f"{base}-{self._air_names[base] - 1}"
+
+    def _air_files(self, name: str) -> dict[str, Any]:
+        """The files ``Accelerator.save_state`` would write for this rank, plus this rank's air state."""
+        files: dict[str, Any] = {}
+
+        def put(filename: str, state: Any) -> None:
+            files[f"{name}/{filename}"] = state
+
+        weights = [self.get_state_dict(m, unwrap=False) for m in self._models]
+        with tempfile.TemporaryDirectory(prefix="air-hooks-") as hook_dir:
+            for hook in self._save_model_state_pre_hook.values():
+                hook(self._models, weights, hook_dir)
+            if os.listdir(hook_dir):
+                raise AirError(
+                    "AirAccelerator.save_state: a save-state pre hook wrote files into output_dir; they "
+                    "would not be part of the commit. Register objects with state_dict()/load_state_dict() "
+                    "through accelerator.register_for_checkpointing(...) instead."
+                )
+        if self.is_main_process:
+            for i, state in enumerate(weights):
+                put(f"{MODEL_NAME}{f'_{i}' if i else ''}.bin", state)
+            for i, opt in enumerate(self._optimizers):
+                put(f"{OPTIMIZER_NAME}{f'_{i}' if i else ''}.bin", opt.state_dict())
+            for i, sched in enumerate(self._schedulers):
+                put(f"{SCHEDULER_NAME}{f'_{i}' if i else ''}.bin", sched.state_dict())
+            for i, dl in enumerate(self._dataloaders):
+                if isinstance(dl.dataset, IterableDatasetShard):
+                    sampler = dl.get_sampler()
+                    if isinstance(sampler, SeedableRandomSampler):
+                        put(f"{SAMPLER_NAME}{f'_{i}' if i else ''}.bin", sampler)
+            if self.scaler is not None:
+                put(SCALER_NAME, self.scaler.state_dict())
+            for i, obj in enumerate(self._custom_objects):
+                put(f"custom_checkpoint_{i}.pkl", obj.state_dict())
+        rng: dict[str, Any] = {
+            "step": self.step,
+            "random_state": random.getstate(),
+            "numpy_random_seed": np.random.get_state(),
+            "torch_manual_seed": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+        put(f"{RNG_STATE_NAME}_{self.process_index}.pkl", rng)
+        put(
+            _air_file(self.process_index),
+            {
+                "world_size": self.num_processes,
+                "completed_steps": self.completed_steps,
+                "rng": capture_rng(),
+                "loaders": [self._air_loader_state(dl) for dl in self._dataloaders],
+                "mlflow_run_id": self._air_mlflow_run_id(),
+            },
+        )
+        return files
+
+    def _air_loader_state(self, dl: Any) -> dict[str, Any]:
+        tracked = self._air_tracked.get(id(dl))
+        return {
+            "position": tracked.position() if tracked is not None else None,
+            "state": dl.state_dict() if getattr(dl, "use_stateful_dataloader", False) else None,
+        }
+
+    # -- load --------------------------------------------------------------------------------
+    @override
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any
+    ) -> None:
+        """Load the newest committed, verified checkpoint (``input_dir=None``), the checkpoint of that
+        name under the root, or an existing local folder; then restore every rank's RNG, data
+        position, ``completed_steps`` and MLflow run.
+
+        Raises:
+            FileNotFoundError: nothing committed under the root, or no checkpoint of that name.
+            ConfigError: the checkpoint was written by another number of processes or loaders.
+        """
+        if input_dir is not None and os.path.isdir(os.path.expanduser(str(input_dir))):
+            folder = os.path.expanduser(str(input_dir))
+        else:
+            info = None
+            if input_dir is not None:
+                wanted = os.path.basename(os.path.normpath(str(input_dir)))
+                committed = {i.name: i for i in self._air.list() if i.status == "committed"}
+                if wanted not in committed:
+                    raise FileNotFoundError(
+                        f"AirAccelerator.load_state({input_dir!r}): no committed checkpoint {wanted!r} under "
+                        f"{self.air_plugin.root}; committed: {sorted(committed) or 'none'}."
+                    )
+                info = committed[wanted]
+            local = self._air.fetch(info, ranks={0, self.process_index})
+            name = local.info.name
+            folder = os.path.dirname(local.paths[f"{name}/{_air_file(self.process_index)}"])
+        air_path = os.path.join(folder, _air_file(self.process_index))
+        air = torch.load(air_path, weights_only=True) if os.path.isfile(air_path) else None
+        if air is not None and air["world_size"] != self.num_processes:
+            raise ConfigError(
+                f"AirAccelerator.load_state: the checkpoint was written by {air['world_size']} process(es), "
+                f"this run has {self.num_processes}; resume with the same number of processes."
+            )
+        super().load_state(folder, load_kwargs, **load_model_func_kwargs)
+        if air is None:
+            logger.warning(
+                "AirAccelerator.load_state(%s): no %s; RNG and data position come from Accelerate's files "
+                "only, so the resumed run may repeat or skip samples.",
+                folder,
+                _air_file(self.process_index),
+            )
+            return
+        self._air_restore(air)
+
+    def _air_restore(self, air: dict[str, Any]) -> None:
+        if len(air["loaders"]) != len(self._dataloaders):
+            raise ConfigError(
+                f"AirAccelerator.load_state: the checkpoint tracked {len(air['loaders'])} dataloader(s), "
+                f"this run prepared {len(self._dataloaders)}; prepare the same loaders before load_state()."
+            )
+        self.completed_steps = air["completed_steps"]
+        restore_rng(air["rng"])
+        for dl, saved in zip(self._dataloaders, air["loaders"], strict=True):
+            tracked, position, state = self._air_tracked.get(id(dl)), saved["position"], saved["state"]
+            if tracked is None or position is None:
+                continue
+            if state is not None and tracked.is_mid_epoch(position):
+                dl.load_state_dict(state)
+            dl.iteration = tracked.resume(position, stateful=state is not None)
+        if air.get("mlflow_run_id"):
+            self._air_continue_mlflow_run(air["mlflow_run_id"])
+
+    def resume(self) -> str | None:
+        """Load the newest committed checkpoint if there is one; return its name (None: a fresh start)."""
+        latest = self._air.latest()
+        if latest is None:
+            logger.info("AirAccelerator: nothing committed under %s; starting fresh", self.air_plugin.root)
+            return None
+        self.load_state()
+        return latest.name
+
+    # -- MLflow run --------------------------------------------------------------------------
+    def _air_mlflow_run_id(self) -> str | None:
+        tracker = next((t for t in self.trackers if t.name == "mlflow"), None)
+        run = getattr(tracker, "active_run", None)
+        return run.info.run_id if run is not None else None
+
+    def _air_continue_mlflow_run(self, run_id: str) -> None:
+        """Make Accelerate's MLflow tracker log into the checkpoint's run instead of a fresh one."""
+        tracker = next((t for t in self.trackers if t.name == "mlflow"), None)
+        if tracker is None or not self.is_main_process or self._air_mlflow_run_id() == run_id:
+            return
+        import mlflow
+
+        fresh = self._air_mlflow_run_id()
+        mlflow.end_run()
+        tracker.active_run = mlflow.start_run(run_id=run_id)
+        if fresh is not None:
+            mlflow.delete_run(fresh)
+        logger.info("AirAccelerator: continuing MLflow run %s", run_id)
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def wait_for_checkpoints(self, timeout: float | None = None) -> None:
+        """Block until every save so far is committed (raises the first failure)."""
+        self._air.flush(self.air_plugin.flush_timeout_seconds if timeout is None else timeout)
+
+    @override
+    def end_training(self) -> None:
+        """Commit what is in flight (bounded by ``flush_timeout_seconds``), then end the trackers."""
+        self._air.close()
+        self.air_records.log_summary()
+        if self._air_previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._air_previous_sigterm)
+            self._air_previous_sigterm = None
+        super().end_training()
+
+    def _air_on_sigterm(self, signum: int, frame: Any) -> None:
+        try:
+            self._air.flush(self.air_plugin.flush_timeout_seconds)
+            logger.info("AirAccelerator: flushed the in-flight checkpoint (SIGTERM)")
+        except Exception as exc:  # reported, never raised from a signal handler
+            logger.error("AirAccelerator: flushing on SIGTERM failed: %s", exc)
+        previous = self._air_previous_sigterm
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)

@@ -1,0 +1,118 @@
+"""``AirPlugin``: the settings ``AirAccelerator`` checkpoints with, validated before anything runs."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+
+from air_core import ConfigError, Listener
+from air_core.config import CheckpointerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class AirPlugin:
+    """Where and how ``AirAccelerator`` checkpoints: ``AirAccelerator(air_plugin=AirPlugin(root))``.
+
+    The arguments are ``air_core.AsyncCheckpointer``'s (same names, same meaning; see the README), plus:
+
+    Args:
+        flush_timeout_seconds: bound on committing in-flight saves at SIGTERM or ``end_training``.
+        log_every_n_steps: how often ``fetch_seconds`` p50/p95/max go to the log.
+
+    Raises:
+        ConfigError: a setting is invalid (named, with the fix), before any process group exists.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        staging_dir: str | None = None,
+        host_budget_bytes: int | None = None,
+        keep_last: int = 2,
+        max_in_flight: int = 1,
+        on_busy: Literal["wait", "skip"] = "wait",
+        writer: Literal["thread", "process"] = "thread",
+        storage_options: dict[str, Any] | None = None,
+        max_transfers: int = 8,
+        retries: int = 5,
+        commit_timeout_seconds: float = 600.0,
+        flush_timeout_seconds: float = 600.0,
+        log_every_n_steps: int = 50,
+    ) -> None:
+        self.checkpointer_kwargs: dict[str, Any] = dict(
+            root=root,
+            staging_dir=staging_dir,
+            host_budget_bytes=host_budget_bytes,
+            keep_last=keep_last,
+            max_in_flight=max_in_flight,
+            on_busy=on_busy,
+            writer=writer,
+            storage_options={} if storage_options is None else storage_options,
+            max_transfers=max_transfers,
+            retries=retries,
+            commit_timeout_seconds=commit_timeout_seconds,
+            close_timeout_seconds=flush_timeout_seconds,
+        )
+        CheckpointerConfig(**self.checkpointer_kwargs)  # validates every setting now
+        if not isinstance(flush_timeout_seconds, (int, float)) or flush_timeout_seconds <= 0:
+            raise ConfigError(
+                f"AirPlugin(flush_timeout_seconds={flush_timeout_seconds!r}): must be > 0 seconds."
+            )
+        if (
+            isinstance(log_every_n_steps, bool)
+            or not isinstance(log_every_n_steps, int)
+            or log_every_n_steps < 1
+        ):
+            raise ConfigError(f"AirPlugin(log_every_n_steps={log_every_n_steps!r}): must be an integer >= 1.")
+        self.root = root
+        self.flush_timeout_seconds = float(flush_timeout_seconds)
+        self.log_every_n_steps = log_every_n_steps
+        self.listeners: list[Listener] = []
+
+    def add_listener(self, listener: Listener) -> None:
+        """Receive the core's events (phases, save and restore records); call before ``AirAccelerator``."""
+        if listener not in self.listeners:
+            self.listeners.append(listener)
+
+    def __repr__(self) -> str:  # storage_options may hold credentials: never shown
+        return f"AirPlugin(root={self.root!r})"
+
+
+_KNOWN_SAMPLERS = (RandomSampler, SequentialSampler, DistributedSampler)
+
+
+def warn_if_inexact(prepared: Any) -> None:
+    """Warn, once per loader, when its mid-epoch resume can only be as exact as its dataset is repeatable."""
+    if isinstance(prepared.dataset, IterableDataset) and not getattr(
+        prepared, "use_stateful_dataloader", False
+    ):
+        logger.warning(
+            "AirAccelerator: an IterableDataset without a stateful loader resumes by re-reading this epoch's "
+            "consumed batches, which is exact only if the dataset yields the same items for the same seeds. "
+            "Pass dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True) (torchdata) to "
+            "restore its position from its state instead."
+        )
+        return
+    if (
+        getattr(prepared, "use_stateful_dataloader", False)
+        and prepared.num_workers > 0
+        and not callable(getattr(prepared.dataset, "state_dict", None))
+    ):
+        logger.warning(
+            "AirAccelerator: a StatefulDataLoader with num_workers > 0 restores the sample position but not "
+            "its workers' RNG, so augmentation drawn from the worker RNG differs after a resume. Seed such "
+            "augmentation from the sample index (and epoch), give the dataset state_dict/load_state_dict, or "
+            "use use_stateful_dataloader=False (AirAccelerator then replays the epoch's consumed batches)."
+        )
+    sampler = prepared.get_sampler()
+    if sampler is not None and not isinstance(sampler, _KNOWN_SAMPLERS):
+        logger.warning(
+            "AirAccelerator: the loader's sampler %s is not one AirAccelerator knows; a resume is exact "
+            "only if its order depends on nothing but the global RNG, a torch.Generator attribute and "
+            "set_epoch().",
+            type(sampler).__name__,
+        )

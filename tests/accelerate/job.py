@@ -1,0 +1,134 @@
+"""A small, deterministic Accelerate job for the crash tests (run as a script, or by ``accelerate launch``).
+
+    python tests/accelerate/job.py WORKDIR [--workers N] [--loader plain|seedable|stateful]
+        [--every K] [--epochs E] [--kill STEP:PHASE[:RANK]] [--sigterm STEP:PHASE] [--root URL --endpoint URL]
+        [--stock] [--no-augment]
+
+Trains a dropout MLP with a scheduler on numbered samples whose features get random noise from the
+global RNG (so data augmentation, dropout and shuffling all depend on restored RNG state), saving
+every K optimizer steps with ``accelerator.save_state()`` and resuming with ``accelerator.resume()``.
+Each process appends the sample ids of every step to WORKDIR/ids-rank<R>.jsonl; at the end rank 0
+writes the final weights to WORKDIR/final.pt. --kill SIGKILLs the process (of RANK, default every
+rank) when the save of STEP reaches PHASE. --stock runs a plain Accelerator (stock save_state into
+WORKDIR/stock, no resume), for comparisons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, Dataset
+
+N_SAMPLES, DIM, BATCH = 64, 16, 4
+
+
+class Numbered(Dataset):
+    def __init__(self, augment_from_rng: bool = True) -> None:
+        self.augment_from_rng = augment_from_rng
+
+    def __len__(self) -> int:
+        return N_SAMPLES
+
+    def __getitem__(self, i: int):
+        x = torch.randn(DIM, generator=torch.Generator().manual_seed(i))
+        if not self.augment_from_rng:  # torchdata does not keep loader workers' RNG in its state
+            return i, x
+        return i, x + 0.01 * torch.randn(DIM)  # augmentation from the global (or loader worker's) RNG
+
+
+class KillAt:
+    def __init__(self, step: int, phase: str, rank: int | None, signum: int = signal.SIGKILL) -> None:
+        self.step, self.phase, self.rank, self.signum = step, phase, rank, signum
+
+    def on_event(self, event) -> None:
+        if getattr(event, "phase", None) != self.phase or event.step != self.step:
+            return
+        if self.rank is None or event.rank == self.rank:
+            os.kill(os.getpid(), self.signum)
+
+
+def build(args):
+    config = DataLoaderConfiguration(
+        use_stateful_dataloader=args.loader == "stateful", use_seedable_sampler=args.loader == "seedable"
+    )
+    if args.stock:
+        return Accelerator(cpu=True, dataloader_config=config)
+    from accelerate_air import AirAccelerator, AirPlugin
+
+    opts = {"client_kwargs": {"endpoint_url": args.endpoint}} if args.endpoint else None
+    plugin = AirPlugin(
+        args.root or os.path.join(args.workdir, "ckpts"),
+        staging_dir=os.path.join(args.workdir, "nvme"),
+        storage_options=opts,
+        keep_last=3,
+    )
+    if args.kill:
+        step, phase, *rank = args.kill.split(":")
+        plugin.add_listener(KillAt(int(step), phase, int(rank[0]) if rank else None))
+    if args.sigterm:
+        step, phase = args.sigterm.split(":")
+        plugin.add_listener(KillAt(int(step), phase, None, signal.SIGTERM))
+    return AirAccelerator(air_plugin=plugin, cpu=True, dataloader_config=config)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("workdir")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--loader", choices=["plain", "seedable", "stateful"], default="plain")
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--kill", default="", help="STEP:PHASE[:RANK]")
+    p.add_argument("--sigterm", default="", help="STEP:PHASE")
+    p.add_argument("--root", default="")
+    p.add_argument("--endpoint", default="")
+    p.add_argument("--stock", action="store_true")
+    p.add_argument("--no-augment", action="store_true", help="no augmentation drawn from the RNG")
+    args = p.parse_args()
+    logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
+    logging.getLogger("accelerate_air").setLevel(logging.INFO)
+    set_seed(0)
+    accelerator = build(args)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, DIM))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
+    loader = DataLoader(
+        Numbered(not args.no_augment), batch_size=BATCH, shuffle=True, num_workers=args.workers
+    )
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if not args.stock:
+        accelerator.resume()
+    start_epoch = 0 if args.stock else accelerator.epoch
+    step = 0 if args.stock else accelerator.completed_steps
+    ids_file = os.path.join(args.workdir, f"ids-rank{accelerator.process_index}.jsonl")
+    for _ in range(start_epoch, args.epochs):
+        model.train()
+        for ids, x in loader:
+            with open(ids_file, "a") as f:
+                f.write(json.dumps({"step": step, "ids": ids.tolist()}) + "\n")
+            loss = (model(x) - x).pow(2).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            step += 1
+            assert args.stock or step == accelerator.completed_steps, "completed_steps counts optimizer steps"
+            if step % args.every == 0:
+                accelerator.save_state(
+                    os.path.join(args.workdir, "stock", f"step_{step}") if args.stock else None
+                )
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        torch.save(accelerator.unwrap_model(model).state_dict(), os.path.join(args.workdir, "final.pt"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
