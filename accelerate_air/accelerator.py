@@ -90,6 +90,9 @@ class AirAccelerator(Accelerator):
 
     Attributes:
         completed_steps: optimizer steps applied so far (restored on resume; names the checkpoints).
+        start_epoch: the epoch the training loop (re-)enters after a resume: the one the first prepared
+            loader was in (a loop re-entering it after its last batch gets no batches, and runs the
+            rest of that epoch's code); 0 for a fresh run.
         air_records: ``fetch_seconds`` per training batch and the save/restore records of this rank.
     """
 
@@ -108,6 +111,7 @@ class AirAccelerator(Accelerator):
         self.air_plugin = air_plugin
         self.air_records = Recorder(air_plugin.log_every_n_steps)
         self.completed_steps = 0
+        self.start_epoch = 0
         launch_id = broadcast_object_list([uuid.uuid4().hex if self.is_main_process else ""])[0]
         self._air = AsyncCheckpointer(
             **air_plugin.checkpointer_kwargs,
@@ -167,11 +171,6 @@ class AirAccelerator(Accelerator):
     def _air_record_fetch(self, seconds: float) -> None:
         if any(m.training for m in self._models) or not self._models:  # training batches only
             self.air_records.record_fetch(seconds)
-
-    @property
-    def epoch(self) -> int:
-        """The epoch the first prepared loader is in, or starts next after a resume."""
-        return int(getattr(self._dataloaders[0], "iteration", 0)) if self._dataloaders else 0
 
     # -- save --------------------------------------------------------------------------------
     @override
@@ -318,20 +317,28 @@ class AirAccelerator(Accelerator):
             tracked, position, state = self._air_tracked.get(id(dl)), saved["position"], saved["state"]
             if tracked is None or position is None:
                 continue
-            if state is not None and tracked.is_mid_epoch(position):
+            if state is not None and position["where"] == "inside":
                 dl.load_state_dict(state)
-            dl.iteration = tracked.resume(position, stateful=state is not None)
+            epoch = tracked.resume(position, stateful=state is not None)
+            # At an epoch's end the loop re-enters that epoch for the code after its batches; the
+            # loader's next real pass is the following epoch.
+            dl.iteration = epoch + (1 if position["where"] == "end" else 0)
+            if dl is self._dataloaders[0]:
+                self.start_epoch = epoch
         if air.get("mlflow_run_id"):
             self._air_continue_mlflow_run(air["mlflow_run_id"])
 
-    def resume(self) -> str | None:
-        """Load the newest committed checkpoint if there is one; return its name (None: a fresh start)."""
-        latest = self._air.latest()
-        if latest is None:
+    def resume(self) -> int:
+        """Load the newest committed checkpoint if there is one; return ``start_epoch`` (0 when fresh).
+
+        Call after ``prepare``; then ``for epoch in range(accelerator.resume(), num_epochs)``. The
+        prepared loaders continue where the checkpoint left them, mid-epoch included.
+        """
+        if self._air.latest() is None:
             logger.info("AirAccelerator: nothing committed under %s; starting fresh", self.air_plugin.root)
-            return None
+            return 0
         self.load_state()
-        return latest.name
+        return self.start_epoch
 
     # -- MLflow run --------------------------------------------------------------------------
     def _air_mlflow_run_id(self) -> str | None:

@@ -16,7 +16,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sized
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -203,17 +203,24 @@ def _restore_rng_with_generators(loader: Any, state: dict[str, Any]) -> None:
 
 
 class TrackedLoader:
-    """A loader proxy that knows its position: batches taken this epoch and the RNG at the epoch start.
+    """A loader proxy that knows where the training loop is in it, and can put it back there.
 
     Wraps the loader a framework iterates (for Accelerate: the ``DataLoader`` inside its prepared
-    loader) and forwards everything else to it. Each ``__iter__`` records the global RNG and the loader's
-    generators before the iterator draws its shuffle and worker seeds; ``position()`` returns that with
-    the count of batches the training loop received. ``resume(position)`` makes the next ``__iter__``
-    continue after those batches: a plain loader restores the epoch-start RNG, rebuilds the same
-    iterator and re-reads (discards) the consumed batches, so workers, shuffling and augmentation see
-    exactly what they saw; a stateful loader (``state_dict``/``load_state_dict``) is restored by the
-    caller and only the RNG is handled here. The RNG of the checkpoint is put back right before the
-    first batch the uninterrupted run fetched after the save.
+    loader) and forwards everything else to it. Each ``__iter__`` records the global RNG and the
+    loader's generators before the iterator draws its shuffle and worker seeds, and counts the batches
+    handed out. ``position()`` is one of three places:
+
+    - ``start``: the epoch has not begun (or the loop broke out of the last one, which the next
+      ``__iter__`` starts afresh): the next pass is a fresh epoch;
+    - ``inside``: ``consumed`` batches of the epoch went to the training loop;
+    - ``end``: the loop holds the epoch's last batch: the next pass yields nothing, so the code after
+      the loop in the user's epoch runs, as it would have.
+
+    ``resume(position)`` restores the RNG at the moment the uninterrupted run would have had it. For
+    ``inside``, the next ``__iter__`` restores the epoch-start RNG, rebuilds the same iterator and
+    re-reads (discards) the consumed batches, so workers, shuffling and augmentation see exactly what
+    they saw (a stateful loader, restored by the caller, skips the re-reading); the checkpoint's RNG is
+    put back right before the first batch the uninterrupted run fetched after the save.
 
     Args:
         loader: the loader to wrap.
@@ -237,7 +244,7 @@ class TrackedLoader:
         self._on_fetch = on_fetch
         self._epoch = 0
         self._taken = 0
-        self._finished = False
+        self._state: Literal["start", "inside", "end"] = "start"
         self._epoch_start: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None
         # RNG before each of the last ``lookahead`` fetches: with num_workers=0 the dataset draws from
@@ -257,56 +264,50 @@ class TrackedLoader:
     def __len__(self) -> int:
         return len(self._loader)
 
-    @property
-    def wrapped(self) -> Any:
-        return self._loader
-
     def position(self) -> dict[str, Any]:
-        """Where the training loop is: epoch, batches consumed, and the RNG to resume from.
+        """Where the training loop is, with the RNG to resume from (call on the training thread).
 
-        Call on the training thread when a checkpoint is taken. Only tensors and plain values, so it
-        loads with ``weights_only=True``.
+        Only tensors and plain values, so a checkpoint holding it loads with ``weights_only=True``.
         """
-        consumed = self._taken if self._finished else max(self._taken - self._lookahead, 0)
-        epoch = self._epoch if (self._taken or self._finished) else self._epoch_fn()
+        where = self._state
+        if where == "end" and self._epoch_fn() != self._epoch:  # the consumer closed the epoch since
+            where = "start"
+        inside = where == "inside"
         return {
-            "epoch": epoch,
-            "consumed": consumed,
-            "finished": self._finished,
-            "epoch_start": self._epoch_start if (self._taken and not self._finished) else None,
-            "ahead": [_safe_rng(raw) for raw in self._ahead] if not self._finished else [],
+            "where": where,
+            "epoch": self._epoch if where != "start" else self._epoch_fn(),
+            "consumed": max(self._taken - self._lookahead, 0) if inside else 0,
+            "epoch_start": self._epoch_start if inside else None,
+            "ahead": [_safe_rng(raw) for raw in self._ahead] if inside else [],
             "now": _rng_with_generators(self._loader),
         }
 
     def resume(self, position: dict[str, Any], *, stateful: bool) -> int:
-        """Arrange for the next ``__iter__`` to continue at ``position``; return the epoch to iterate next.
+        """Arrange for the next ``__iter__`` to continue at ``position``; return its epoch, which the
+        training loop re-enters (at ``end``, the consumer's own epoch counter must move one past it).
 
-        At an epoch boundary (nothing consumed, or everything) the RNG is restored at once and the
-        returned epoch is the next one to start. ``stateful``: the caller restored the loader's own
-        state (do so only when ``is_mid_epoch``: at a boundary the next epoch starts from a fresh loader).
+        ``stateful``: the caller restored the loader's own state (do so only for ``inside``: otherwise the
+        next pass starts from a fresh loader, as it did in the uninterrupted run).
         """
-        if not self.is_mid_epoch(position):
+        if position["where"] == "start":
             _restore_rng_with_generators(self._loader, position["now"])
-            return position["epoch"] + (1 if position["consumed"] else 0)
-        self._pending = dict(position, stateful=stateful)
-        return position["epoch"]
-
-    def is_mid_epoch(self, position: dict[str, Any]) -> bool:
-        """Whether ``position`` lies inside an epoch (else a resume just starts the next one afresh)."""
-        consumed = position["consumed"]
-        sized = _has_len(self._loader)
-        return not position["finished"] and consumed > 0 and not (sized and consumed >= len(self._loader))
+        else:
+            self._pending = dict(position, stateful=stateful)
+        return int(position["epoch"])
 
     def __iter__(self) -> Iterator[Any]:
         pending, self._pending = self._pending, None
-        self._epoch, self._taken, self._finished = self._epoch_fn(), 0, False
+        self._epoch, self._taken, self._state = self._epoch_fn(), 0, "start"
         self._ahead.clear()
-        track_ahead = self._lookahead > 0 and getattr(self._loader, "num_workers", 0) == 0
+        if pending is not None and pending["where"] == "end":
+            _restore_rng_with_generators(self._loader, pending["now"])
+            return  # the epoch was over: nothing is fetched, nothing drawn
         if pending is not None:
             _restore_rng_with_generators(self._loader, pending["epoch_start"])
             self._epoch_start = pending["epoch_start"]
         else:
             self._epoch_start = _rng_with_generators(self._loader)
+        track_ahead = self._lookahead > 0 and getattr(self._loader, "num_workers", 0) == 0
         iterator = iter(self._loader)
         restore: dict[int, Callable[[], None]] = {}
         if pending is not None:
@@ -320,23 +321,26 @@ class TrackedLoader:
             restore[consumed + self._lookahead] = functools.partial(
                 _restore_rng_with_generators, self._loader, pending["now"]
             )
-        while True:
-            if restore:
-                action = restore.pop(self._taken, None)
-                if action is not None:
+        self._state = "inside"
+        try:
+            while True:
+                if restore and (action := restore.pop(self._taken, None)) is not None:
                     action()
-            if track_ahead:
-                self._ahead.append(_raw_rng())
-            started = time.perf_counter()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                self._finished = True
-                return
-            if self._on_fetch is not None:
-                self._on_fetch(time.perf_counter() - started)
-            self._taken += 1
-            yield batch
+                if track_ahead:
+                    self._ahead.append(_raw_rng())
+                started = time.perf_counter()
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    self._state = "end"
+                    return
+                if self._on_fetch is not None:
+                    self._on_fetch(time.perf_counter() - started)
+                self._taken += 1
+                yield batch
+        except GeneratorExit:  # the consumer broke out: its next pass starts the epoch afresh
+            self._state = "start"
+            raise
 
     def _discard(self, iterator: Iterator[Any], count: int) -> None:
         """Re-read the batches the checkpoint already consumed (progress is logged for long skips)."""
@@ -354,7 +358,6 @@ class TrackedLoader:
             if time.monotonic() - last_log > 10:
                 logger.info("resume: re-read %d/%d batches", i + 1, count)
                 last_log = time.monotonic()
-
 
 def _has_len(loader: Any) -> bool:
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import uuid
 import zlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -131,7 +132,7 @@ def write_cached_manifest(cache_dir: str, manifest: Manifest) -> None:
     """Record that the cache holds ``manifest``'s files (written after them, like the real commit)."""
     path = os.path.join(cache_dir, *manifest_path(manifest.name).split("/"))
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"  # ranks of one node share the cache
     with open(tmp, "wb") as f:
         f.write(manifest.to_json())
     os.replace(tmp, path)

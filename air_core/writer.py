@@ -444,9 +444,13 @@ def _remove_spill(snap: Snapshot) -> None:
 
 
 def _trim_cache(cache_dir: str, keep_last: int) -> None:
-    """Keep the local cache to the newest ``keep_last`` committed checkpoints it holds."""
+    """Keep the local cache to the newest ``keep_last`` checkpoints it holds a manifest of.
+
+    A node's cache holds only its own ranks' files (and rank 0's when it loaded), so a cached
+    checkpoint may look incomplete there; it is trimmed by its manifest all the same.
+    """
     cached = Storage(cache_dir, storage_options={}, retries=0, retry_backoff_seconds=0.0)
     infos = scan(cached)
-    for info in commit.retention_victims(infos, keep_last=keep_last, busy=set()):
-        if info.status == "committed":
-            commit.delete_checkpoint(cached, info, others=infos)
+    held = [i for i in infos if i.manifest is not None]
+    for info in held[: max(len(held) - keep_last, 0)]:
+        commit.delete_checkpoint(cached, info, others=infos)

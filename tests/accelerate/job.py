@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
@@ -45,22 +46,40 @@ class Numbered(Dataset):
 
 
 class KillAt:
+    """Send ``signum`` to this process when the save of ``step`` reaches ``phase`` on ``rank``.
+
+    It first waits (up to 60 s) for an earlier save to commit, if one was started, so that the crash
+    always has a committed checkpoint to fall back to, however fast the steps are.
+    """
+
     def __init__(self, step: int, phase: str, rank: int | None, signum: int = signal.SIGKILL) -> None:
         self.step, self.phase, self.rank, self.signum = step, phase, rank, signum
+        self.started: set[int] = set()
+        self.committed: set[int] = set()
 
     def on_event(self, event) -> None:
-        if getattr(event, "phase", None) != self.phase or event.step != self.step:
+        phase = getattr(event, "phase", None)
+        if phase == "snapshot_start":
+            self.started.add(event.step)
+        elif phase == "committed":
+            self.committed.add(event.step)
+        if phase != self.phase or event.step != self.step or self.rank not in (None, event.rank):
             return
-        if self.rank is None or event.rank == self.rank:
-            os.kill(os.getpid(), self.signum)
+        deadline = time.monotonic() + 60
+        while any(s < self.step for s in self.started) and not any(s < self.step for s in self.committed):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        os.kill(os.getpid(), self.signum)
 
 
 def build(args):
     config = DataLoaderConfiguration(
         use_stateful_dataloader=args.loader == "stateful", use_seedable_sampler=args.loader == "seedable"
     )
+    tracking = {"log_with": "mlflow", "project_dir": args.workdir} if args.mlflow else {}
     if args.stock:
-        return Accelerator(cpu=True, dataloader_config=config)
+        return Accelerator(cpu=True, dataloader_config=config, **tracking)
     from accelerate_air import AirAccelerator, AirPlugin
 
     opts = {"client_kwargs": {"endpoint_url": args.endpoint}} if args.endpoint else None
@@ -76,7 +95,7 @@ def build(args):
     if args.sigterm:
         step, phase = args.sigterm.split(":")
         plugin.add_listener(KillAt(int(step), phase, None, signal.SIGTERM))
-    return AirAccelerator(air_plugin=plugin, cpu=True, dataloader_config=config)
+    return AirAccelerator(air_plugin=plugin, cpu=True, dataloader_config=config, **tracking)
 
 
 def main() -> None:
@@ -92,21 +111,28 @@ def main() -> None:
     p.add_argument("--endpoint", default="")
     p.add_argument("--stock", action="store_true")
     p.add_argument("--no-augment", action="store_true", help="no augmentation drawn from the RNG")
+    p.add_argument(
+        "--mlflow", default="", help="tracking URI: log the loss through Accelerate's MLflow tracker"
+    )
     args = p.parse_args()
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     logging.getLogger("accelerate_air").setLevel(logging.INFO)
     set_seed(0)
+    if args.mlflow:
+        os.environ["MLFLOW_TRACKING_URI"] = args.mlflow
     accelerator = build(args)
+    if args.mlflow:
+        accelerator.init_trackers("air-test")
     model = torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, DIM))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
-    loader = DataLoader(
-        Numbered(not args.no_augment), batch_size=BATCH, shuffle=True, num_workers=args.workers
+    dataset = Numbered(augment_from_rng=not args.no_augment)
+    loader = DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=args.workers)
+    evaluation = DataLoader(Numbered(augment_from_rng=False), batch_size=2 * BATCH)
+    model, optimizer, loader, evaluation, scheduler = accelerator.prepare(
+        model, optimizer, loader, evaluation, scheduler
     )
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    if not args.stock:
-        accelerator.resume()
-    start_epoch = 0 if args.stock else accelerator.epoch
+    start_epoch = 0 if args.stock else accelerator.resume()
     step = 0 if args.stock else accelerator.completed_steps
     ids_file = os.path.join(args.workdir, f"ids-rank{accelerator.process_index}.jsonl")
     for _ in range(start_epoch, args.epochs):
@@ -115,6 +141,8 @@ def main() -> None:
             with open(ids_file, "a") as f:
                 f.write(json.dumps({"step": step, "ids": ids.tolist()}) + "\n")
             loss = (model(x) - x).pow(2).mean()
+            if args.mlflow:
+                accelerator.log({"loss": loss.item()}, step=step)
             accelerator.backward(loss)
             optimizer.step()
             scheduler.step()
@@ -125,9 +153,21 @@ def main() -> None:
                 accelerator.save_state(
                     os.path.join(args.workdir, "stock", f"step_{step}") if args.stock else None
                 )
+        model.eval()  # an evaluation loader at each epoch's end: prepared and tracked, never counted as fetch
+        with torch.no_grad():
+            for _, x in evaluation:
+                model(x)
     accelerator.end_training()
     if accelerator.is_main_process:
         torch.save(accelerator.unwrap_model(model).state_dict(), os.path.join(args.workdir, "final.pt"))
+        if not args.stock:
+            stats = {
+                "fetches": len(accelerator.air_records.fetch_seconds),
+                "saves": [r.step for r in accelerator.air_records.saves if not r.error],
+                "restores": [[r.name, r.source] for r in accelerator.air_records.restores],
+            }
+            with open(os.path.join(args.workdir, f"stats-{os.getpid()}.json"), "w") as f:
+                json.dump(stats, f)
 
 
 if __name__ == "__main__":
