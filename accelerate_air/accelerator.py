@@ -102,6 +102,14 @@ class AirAccelerator(Accelerator):
                 f"AirAccelerator(air_plugin={air_plugin!r}): pass accelerate_air.AirPlugin(root=...)."
             )
         super().__init__(*args, **kwargs)
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != self.num_processes:
+            raise ConfigError(
+                f"AirAccelerator: launched as {launched} processes (WORLD_SIZE) but Accelerate runs this one "
+                f"as {self.num_processes} of {self.num_processes}, so every process would write the same "
+                "checkpoints. On a machine without GPUs pass Accelerator(cpu=True) or set "
+                "ACCELERATE_USE_CPU=true for a multi-CPU (gloo) run."
+            )
         if self.distributed_type not in _SUPPORTED:
             raise ConfigError(
                 f"AirAccelerator: distributed_type {self.distributed_type.value} is not supported yet; it "

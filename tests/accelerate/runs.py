@@ -34,7 +34,14 @@ LAUNCH = [
 ]
 
 
-def run_job(workdir: Path, *args: str, processes: int = 1, expect_signal: int = 0, env: dict | None = None):
+def run_job(
+    workdir: Path,
+    *args: str,
+    processes: int = 1,
+    expect_signal: int = 0,
+    env: dict | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
     """Run the job; with ``expect_signal`` it must die of that signal (the launcher then exits 1)."""
     command = [*(LAUNCH if processes == 2 else [sys.executable]), JOB, str(workdir), *args]
     out = subprocess.run(
@@ -44,6 +51,8 @@ def run_job(workdir: Path, *args: str, processes: int = 1, expect_signal: int = 
         timeout=300,
         env={**os.environ, "PYTHONPATH": REPO, **(env or {})},
     )
+    if not check:
+        return out
     if expect_signal and processes == 1:
         assert out.returncode == -expect_signal, (
             f"expected signal {expect_signal} ({args}): rc={out.returncode}\n{out.stderr[-3000:]}"

@@ -1,0 +1,191 @@
+"""AirAccelerator in one process with a real Accelerator: layout, stock compatibility, refusals, MLflow."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, TensorDataset
+
+from accelerate_air import AirAccelerator, AirPlugin
+from air_core import AirError, ConfigError, StorageError
+from tests.accelerate.runs import run_job
+
+
+class Counter:
+    """A registered custom object, as ``register_for_checkpointing`` expects."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+def setup(accelerator: Accelerator, seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    loader = DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=4, shuffle=True)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    return model, optimizer, loader, scheduler, counter
+
+
+def train(accelerator, model, optimizer, loader, scheduler, counter, steps: int) -> None:
+    for _, (x,) in zip(range(steps), loader, strict=False):
+        accelerator.backward((model(x) - x).pow(2).mean())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        counter.value += 1
+
+
+def air(root: str, **kwargs) -> AirAccelerator:
+    return AirAccelerator(air_plugin=AirPlugin(root, **kwargs), cpu=True)
+
+
+def test_checkpoint_folder_has_accelerate_layout_plus_one_air_file_per_rank(tmp_path):
+    stock = Accelerator(cpu=True)
+    setup(stock)
+    stock.save_state(str(tmp_path / "stock"), safe_serialization=False)
+    accelerator = air(str(tmp_path / "air"))
+    setup(accelerator)
+    url = accelerator.save_state()
+    accelerator.wait_for_checkpoints()
+    assert url == f"{tmp_path}/air/step-000000000"
+    ours = set(os.listdir(tmp_path / "air/step-000000000"))
+    assert ours == set(os.listdir(tmp_path / "stock")) | {"air-rank-00000.pt"}, "Accelerate's file names"
+    accelerator.end_training()
+
+
+def test_checkpoint_downloaded_from_s3_loads_with_stock_load_state(tmp_path, s3_root):
+    accelerator = air(
+        s3_root.url, storage_options=s3_root.storage_options, staging_dir=str(tmp_path / "nvme")
+    )
+    model, optimizer, loader, scheduler, counter = setup(accelerator)
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=5)
+    accelerator.save_state("after-5")
+    accelerator.wait_for_checkpoints()
+    want_model = {k: v.clone() for k, v in model.state_dict().items()}
+    want_opt = optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    want_sched = scheduler.state_dict()["last_epoch"]
+    want_rng = torch.get_rng_state()
+    accelerator.end_training()
+
+    local = tmp_path / "download"
+    fs = fsspec.filesystem("s3", **s3_root.storage_options)
+    fs.get(f"{s3_root.url}/after-5/", f"{local}/", recursive=True)
+    stock = Accelerator(cpu=True)
+    model2, optimizer2, _, scheduler2, counter2 = setup(stock, seed=1)
+    torch.manual_seed(123)
+    stock.load_state(str(local))
+    assert all(torch.equal(model2.state_dict()[k], v) for k, v in want_model.items()), "weights restored"
+    assert torch.equal(optimizer2.state_dict()["state"][0]["exp_avg"], want_opt), "optimizer restored"
+    assert scheduler2.state_dict()["last_epoch"] == want_sched == 5
+    assert counter2.value == 5, "registered object restored"
+    assert torch.equal(torch.get_rng_state(), want_rng), "RNG restored"
+
+
+def test_load_state_by_name_and_latest(tmp_path):
+    accelerator = air(str(tmp_path / "ckpts"))
+    model, optimizer, loader, scheduler, counter = setup(accelerator)
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=2)
+    accelerator.save_state("first")
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=2)
+    accelerator.save_state()
+    accelerator.wait_for_checkpoints()
+    assert accelerator.completed_steps == 4
+    accelerator.load_state("first")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in first.items())
+    assert (accelerator.completed_steps, counter.value) == (2, 2)
+    accelerator.load_state()  # the newest committed one
+    assert (accelerator.completed_steps, counter.value) == (4, 4)
+    with pytest.raises(FileNotFoundError, match="no committed checkpoint 'nope'"):
+        accelerator.load_state("nope")
+    accelerator.end_training()
+
+
+def test_partial_checkpoint_is_never_loaded_and_a_corrupt_one_is_skipped(tmp_path, caplog):
+    root = tmp_path / "ckpts"
+    accelerator = air(str(root))
+    model, optimizer, loader, scheduler, counter = setup(accelerator)
+    assert accelerator.resume() == 0, "nothing committed: a fresh start"
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=2)
+    accelerator.save_state()
+    older = {k: v.clone() for k, v in model.state_dict().items()}
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=2)
+    accelerator.save_state()
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=2)
+    accelerator.save_state()
+    accelerator.wait_for_checkpoints()
+    (root / ".air/step-000000006/manifest.json").unlink()  # step 6 becomes a partial checkpoint
+    weights = root / "step-000000004/pytorch_model.bin"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one changed byte in step 4
+    weights.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        accelerator.load_state()
+    assert (
+        "skipping checkpoint step-000000004" in caplog.text and "does not match its manifest" in caplog.text
+    )
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in older.items()), "fell back to step 2"
+    assert accelerator.completed_steps == 2
+    accelerator.end_training()
+
+
+def test_bad_configuration_fails_at_construction_naming_the_argument(tmp_path):
+    with pytest.raises(ConfigError, match="keep_last"):
+        AirPlugin(str(tmp_path), keep_last=0)
+    with pytest.raises(ConfigError, match="root"):
+        AirPlugin("")
+    with pytest.raises(ConfigError, match="flush_timeout_seconds"):
+        AirPlugin(str(tmp_path), flush_timeout_seconds=0)
+    with pytest.raises(ConfigError, match="air_plugin"):
+        AirAccelerator(air_plugin=str(tmp_path), cpu=True)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises((StorageError, ConfigError), match="a-file"):
+        air(str(blocker / "ckpts"))
+    assert "storage_options" not in repr(AirPlugin("s3://b/p", storage_options={"secret": "s3cr3t"}))
+
+
+def test_a_save_hook_that_writes_files_is_refused(tmp_path):
+    accelerator = air(str(tmp_path / "ckpts"))
+    setup(accelerator)
+
+    def hook(models, weights, output_dir):
+        Path(output_dir, "extra.json").write_text("{}")
+
+    accelerator.register_save_state_pre_hook(hook)
+    with pytest.raises(AirError, match="pre hook wrote files"):
+        accelerator.save_state()
+    accelerator.end_training()
+
+
+@pytest.mark.slow
+def test_resumed_job_continues_the_same_mlflow_run(tmp_path):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = ("--mlflow", uri, "--epochs", "1", "--every", "5")
+    run_job(tmp_path, *args, "--kill", "10:upload_start", expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("air-test")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1, "the resumed job logged into the run of the first launch, and left no other run"
+    steps = {m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")}
+    assert steps == set(range(16)), "one run holds every step's loss"

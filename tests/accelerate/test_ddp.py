@@ -1,0 +1,56 @@
+"""Two gloo processes started by ``accelerate launch``, as a user starts them: exact per-rank resume."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.accelerate.runs import assert_same_run, run_job, stats
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cache: dict[tuple[str, ...], object] = {}
+
+    def get(*args: str):
+        if args not in cache:
+            cache[args] = tmp_path_factory.mktemp("reference-ddp")
+            run_job(cache[args], *args, processes=2)
+        return cache[args]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("args", "kill"),
+    [
+        (("--workers", "0"), "10:upload_start"),
+        (("--workers", "2"), "10:commit_start"),
+        (("--every", "8", "--workers", "2"), "24:serialize_start"),  # resume at the end of epoch 0
+        (("--loader", "stateful", "--workers", "2", "--no-augment"), "10:upload_start"),
+    ],
+)
+def test_two_ranks_killed_mid_save_resume_exactly_per_rank(tmp_path, reference, args, kill):
+    run_job(tmp_path, *args, "--kill", kill, processes=2, expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args, processes=2)
+    assert_same_run(tmp_path, reference(*args), ranks=2)
+
+
+def test_rank_killed_before_its_part_leaves_the_previous_checkpoint_newest(tmp_path, reference):
+    args = ("--workers", "0")
+    run_job(tmp_path, *args, "--kill", "10:serialize_start:1", processes=2, expect_signal=signal.SIGKILL)
+    assert not (tmp_path / "ckpts/.air/step-000000010/manifest.json").exists(), "step 10 never committed"
+    run_job(tmp_path, *args, processes=2)
+    assert stats(tmp_path)[0]["restores"][0][0] == "step-000000005"
+    assert_same_run(tmp_path, reference(*args), ranks=2)
+
+
+def test_resume_with_another_world_size_fails_before_any_step(tmp_path):
+    run_job(tmp_path, "--epochs", "1", processes=2)
+    out = run_job(tmp_path, "--epochs", "2", check=False)
+    assert out.returncode != 0
+    assert "written by 2 process(es), this run has 1" in out.stderr
+    assert len((tmp_path / "ids-rank0.jsonl").read_text().splitlines()) == 8, "no step ran after the refusal"
