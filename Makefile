@@ -32,7 +32,7 @@ test: venv
 lint: venv
 	$(VENV)/bin/ruff check air_core lightning_air accelerate_air tests benchmarks examples
 	$(VENV)/bin/ruff format --check air_core lightning_air accelerate_air tests benchmarks examples
-	$(VENV)/bin/mypy air_core lightning_air
+	$(VENV)/bin/mypy air_core lightning_air accelerate_air
 
 bench: venv
 	$(PY) benchmarks/checkpoint_stall.py

@@ -13,6 +13,7 @@ import torch
 import tests.faultfs  # noqa: F401  (registers flaky://)
 from air_core import (
     AsyncCheckpointer,
+    ConfigError,
     CorruptCheckpointError,
     PhaseEvent,
     RestoreRecord,
@@ -309,3 +310,19 @@ def test_delete_waits_for_newer_commit_and_never_removes_the_newest(tmp_path):
         ckpt.save(_state(3), step=3).result(timeout=60)  # now step 2 is no longer the newest
     with AsyncCheckpointer(str(tmp_path), keep_last=10) as ckpt:
         assert [i.step for i in ckpt.list()] == [3]
+
+
+def test_save_files_commits_several_files_per_rank_and_fetch_returns_verified_copies(tmp_path):
+    with AsyncCheckpointer(str(tmp_path / "remote"), staging_dir=str(tmp_path / "nvme")) as ckpt:
+        files = {"ck/model.bin": _state(1), "ck/extra/meta.pt": {"note": "x", "t": torch.arange(3)}}
+        info = ckpt.save_files(files, step=1, name="ck").result()
+        assert sorted(f.path for f in info.manifest.files) == ["ck/extra/meta.pt", "ck/model.bin"]
+        local = ckpt.fetch(ranks=[0])
+        assert local.info.name == "ck" and set(local.paths) == set(files)
+        _assert_state_equal(torch.load(local.paths["ck/model.bin"], weights_only=True), _state(1))
+        assert torch.equal(torch.load(local.paths["ck/extra/meta.pt"])["t"], torch.arange(3))
+        assert local.source == "cache", "the staged copy serves the fetch"
+        with pytest.raises(ConfigError, match="holds 2 file"):
+            ckpt.load(info)  # load() is for one file per rank; fetch() for several
+        with pytest.raises(CorruptCheckpointError, match="must be relative"):
+            ckpt.save_files({"../escape.pt": {}}, step=2)

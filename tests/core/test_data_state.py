@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from air_core import ConfigError
-from air_core.data_state import ResumableSampler, capture_rng, restore_rng
+from air_core.data_state import ResumableSampler, TrackedLoader, capture_rng, restore_rng
 
 
 def _draws() -> tuple:
@@ -69,3 +69,82 @@ def test_resume_from_another_world_size_is_refused_with_the_fix():
         s.check_compatible({"seed": 0, "num_replicas": 4, "rank": 0})
     with pytest.raises(ConfigError, match="another dataset size or world size"):
         s.resume(epoch=0, consumed=6)
+
+
+class _Noisy:
+    """Map-style samples with augmentation drawn from the global RNG (num_workers=0: the caller's RNG)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int):
+        return i, float(torch.rand(1))
+
+
+def _loader() -> DataLoader:
+    return DataLoader(_Noisy(), batch_size=4, shuffle=True)
+
+
+def _consume(iterator, n: int) -> list:
+    out = []
+    for _ in range(n):
+        ids, noise = next(iterator)
+        out.append((ids.tolist(), noise.tolist(), float(torch.rand(1))))  # the "training step" draws too
+    return out
+
+
+def _one_ahead(loader):
+    """A consumer that fetches one batch ahead of what it hands out (as Accelerate's loaders do)."""
+    it = iter(loader)
+    current = next(it)
+    for following in it:
+        yield current
+        current = following
+    yield current
+
+
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_tracked_loader_resumes_mid_epoch_with_the_same_samples_augmentation_and_rng(lookahead):
+    consumer = _one_ahead if lookahead else iter
+    torch.manual_seed(0)
+    tracked = TrackedLoader(_loader(), epoch=lambda: 0, lookahead=lookahead)
+    it = consumer(tracked)
+    _consume(it, 3)
+    position = tracked.position()
+    assert (position["where"], position["consumed"]) == ("inside", 3)
+    rest = _consume(it, 7)
+
+    torch.manual_seed(99)  # a new process: everything differs until the resume
+    again = TrackedLoader(_loader(), epoch=lambda: 0, lookahead=lookahead)
+    assert again.resume(position, stateful=False) == 0
+    assert _consume(consumer(again), 7) == rest, "same samples, augmentation and RNG after the resume"
+
+
+def test_tracked_loader_at_an_epoch_end_resumes_with_an_empty_pass_then_the_next_epoch():
+    torch.manual_seed(0)
+    epoch = [0]
+    tracked = TrackedLoader(_loader(), epoch=lambda: epoch[0])
+    it = iter(tracked)
+    _consume(it, 10)
+    with pytest.raises(StopIteration):
+        next(it)
+    position = tracked.position()  # the consumer has not moved its epoch counter yet
+    assert position["where"] == "end"
+    epoch[0] = 1
+    expected = _consume(iter(tracked), 10)
+
+    torch.manual_seed(99)
+    epoch[0] = 0
+    again = TrackedLoader(_loader(), epoch=lambda: epoch[0])
+    assert again.resume(position, stateful=False) == 0
+    assert list(again) == [], "the finished epoch yields nothing"
+    epoch[0] = 1
+    assert _consume(iter(again), 10) == expected
+
+
+def test_tracked_loader_after_a_break_starts_the_epoch_afresh():
+    tracked = TrackedLoader(_loader(), epoch=lambda: 0)
+    for i, _ in enumerate(tracked):
+        if i == 2:
+            break
+    assert tracked.position()["where"] == "start", "the next pass is a fresh epoch, as the loader's would be"
