@@ -205,7 +205,7 @@ class AsyncCheckpointer:
             ConfigError: bad arguments, or ``name`` is being saved already.
         """
         name = check_name(name if name is not None else f"step-{_check_step(step):09d}")
-        filename = filename or default_file(name, self.config.rank)
+        filename = check_relpath(filename or default_file(name, self.config.rank), where="save(filename=...)")
         return self.save_files({filename: state}, step=step, name=name)
 
     def save_files(self, files: Mapping[str, Any], *, step: int, name: str | None = None) -> SaveHandle:
@@ -221,7 +221,7 @@ class AsyncCheckpointer:
         if not files:
             raise ConfigError(f"save_files(name={name!r}): no files given.")
         for rel in files:
-            check_relpath(rel, where="save(filename=...)")
+            check_relpath(rel, where="save_files(files=...)")
         if name in self._writer.busy:
             raise ConfigError(f"save(name={name!r}): a save of this name is still in flight; use a new name.")
         called = time.monotonic()
