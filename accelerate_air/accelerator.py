@@ -18,9 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-import signal
 import tempfile
-import threading
 import uuid
 from collections import Counter
 from typing import Any
@@ -46,6 +44,7 @@ from air_core import (
     AirError,
     AsyncCheckpointer,
     ConfigError,
+    FlushOnSigterm,
     Recorder,
     TrackedLoader,
     capture_rng,
@@ -131,9 +130,12 @@ class AirAccelerator(Accelerator):
         self._air_tracked: dict[int, TrackedLoader] = {}
         self._air_names: Counter[str] = Counter()
         self._air_step_hook: Any = None
-        self._air_previous_sigterm: Any = None
-        if threading.current_thread() is threading.main_thread():
-            self._air_previous_sigterm = signal.signal(signal.SIGTERM, self._air_on_sigterm)
+        self._air_preemption = FlushOnSigterm(
+            lambda: self._air,
+            timeout_seconds=air_plugin.flush_timeout_seconds,
+            who="AirAccelerator",
+            log=logger,
+        )
 
     # -- preparation -------------------------------------------------------------------------
     @override
@@ -378,20 +380,5 @@ class AirAccelerator(Accelerator):
         """Commit what is in flight (bounded by ``flush_timeout_seconds``), then end the trackers."""
         self._air.close()
         self.air_records.log_summary()
-        if self._air_previous_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._air_previous_sigterm)
-            self._air_previous_sigterm = None
+        self._air_preemption.uninstall()
         super().end_training()
-
-    def _air_on_sigterm(self, signum: int, frame: Any) -> None:
-        try:
-            self._air.flush(self.air_plugin.flush_timeout_seconds)
-            logger.info("AirAccelerator: flushed the in-flight checkpoint (SIGTERM)")
-        except Exception as exc:  # reported, never raised from a signal handler
-            logger.error("AirAccelerator: flushing on SIGTERM failed: %s", exc)
-        previous = self._air_previous_sigterm
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.raise_signal(signal.SIGTERM)

@@ -10,6 +10,7 @@ from .errors import AirError, ConfigError, CorruptCheckpointError, SaveError, St
 from .events import Event, Listener, PhaseEvent, RestoreRecord, SaveRecord
 from .manifest import CheckpointInfo, FileEntry, Manifest
 from .metrics import Recorder
+from .preemption import FlushOnSigterm
 
 __all__ = [
     "AirError",
@@ -19,6 +20,7 @@ __all__ = [
     "CorruptCheckpointError",
     "Event",
     "FileEntry",
+    "FlushOnSigterm",
     "LocalCheckpoint",
     "Listener",
     "Manifest",

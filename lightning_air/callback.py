@@ -11,8 +11,6 @@ once the loader is built, just before the first resumed step.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 import time
 import uuid
 import warnings
@@ -26,7 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from typing_extensions import override
 
-from air_core import ConfigError, Recorder, ResumableSampler, capture_rng, restore_rng
+from air_core import ConfigError, FlushOnSigterm, Recorder, ResumableSampler, capture_rng, restore_rng
 
 from . import loaders
 from .checkpoint_io import AIR_KEY, AirCheckpointIO
@@ -80,7 +78,7 @@ class AirCallback(Callback):
         self._batch_size = 1
         self._step_ended_at: float | None = None
         self._unwrap: Callable[[], None] | None = None
-        self._previous_sigterm: Any = None
+        self._preemption: FlushOnSigterm | None = None
 
     # -- setup -------------------------------------------------------------------------------
     @override
@@ -100,8 +98,9 @@ class AirCallback(Callback):
         plugin.attach(rank=trainer.global_rank, world_size=trainer.world_size, launch_id=self._launch_id)
         plugin.add_listener(self.records)
         self._wrap_train_dataloader(trainer, pl_module)
-        if threading.current_thread() is threading.main_thread():
-            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._preemption = FlushOnSigterm(
+            lambda: plugin._ckpt, timeout_seconds=self.flush_timeout_seconds, who="AirCallback", log=logger
+        )
 
     def _wrap_train_dataloader(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Post-process what ``train_dataloader()`` returns, on whichever object provides it."""
@@ -337,39 +336,21 @@ class AirCallback(Callback):
             self._pending["rng"] = None
 
     # -- shutdown ----------------------------------------------------------------------------
-    def _flush(self, why: str) -> None:
-        ckpt = self._plugin._ckpt if self._plugin is not None else None
-        if ckpt is None:
-            return
-        try:
-            ckpt.flush(self.flush_timeout_seconds)
-            logger.info("AirCallback: flushed the in-flight checkpoint (%s)", why)
-        except Exception as exc:  # reported, never raised from here: the caller is already failing
-            logger.error("AirCallback: flushing on %s failed: %s", why, exc)
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._flush("SIGTERM")
-        previous = self._previous_sigterm
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.raise_signal(signal.SIGTERM)
-
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         if self._plugin is not None:
             self._plugin.exception_in_flight = True
-        self._flush(f"{type(exception).__name__}")
+        if self._preemption is not None:
+            self._preemption.flush(type(exception).__name__)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._unwrap is not None:
             self._unwrap()
             self._unwrap = None
-        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
+        if self._preemption is not None:
+            self._preemption.uninstall()
+            self._preemption = None
         self.records.log_summary()

@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 from tests.conftest import REPO
 
 JOB = os.path.join(REPO, "tests/accelerate/job.py")
@@ -63,23 +61,6 @@ def run_job(
     else:
         assert out.returncode == 0, f"job failed ({args}):\n{out.stderr[-3000:]}"
     return out
-
-
-def step_ids(workdir: Path, rank: int = 0) -> list[list[int]]:
-    """Sample ids per step; a step replayed after a crash counts once (its last run)."""
-    by_step: dict[int, list[int]] = {}
-    for line in (workdir / f"ids-rank{rank}.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step[record["step"]] = record["ids"]
-    assert sorted(by_step) == list(range(len(by_step))), "every step ran, none was skipped"
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def assert_same_run(resumed: Path, reference: Path, ranks: int = 1) -> None:
-    for rank in range(ranks):
-        assert step_ids(resumed, rank) == step_ids(reference, rank), f"rank {rank} saw other samples"
-    got, want = torch.load(resumed / "final.pt"), torch.load(reference / "final.pt")
-    assert all(torch.equal(got[k], want[k]) for k in want), "final weights must be bitwise equal"
 
 
 def stats(workdir: Path) -> list[dict]:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.accelerate.runs import assert_same_run, run_job, stats
+from tests.accelerate.runs import run_job, stats
+from tests.sameness import assert_same_run
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,8 @@ from air_core import ConfigError, CorruptCheckpointError
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
 from tests.conftest import REPO, run_python
 from tests.lightning.model import Model
-from tests.lightning.test_crash_resume import assert_same_run, run_job
+from tests.lightning.test_crash_resume import run_job
+from tests.sameness import assert_same_run
 
 
 def _trainer(tmp_path, plugin=None, callbacks=(), **kw) -> pl.Trainer:

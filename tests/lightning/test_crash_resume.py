@@ -7,16 +7,15 @@ sample ids of every step with an uninterrupted run of the same job.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.conftest import REPO
+from tests.sameness import assert_same_run
 
 pytestmark = pytest.mark.slow
 JOB = os.path.join(REPO, "tests/lightning/job.py")
@@ -34,23 +33,6 @@ def run_job(workdir: Path, *args: str, expect_kill: bool = False) -> None:
         assert out.returncode == -9, f"expected a SIGKILL ({args}): rc={out.returncode}\n{out.stderr[-3000:]}"
     else:
         assert out.returncode == 0, f"job failed ({args}):\n{out.stderr[-3000:]}"
-
-
-def step_ids(workdir: Path, rank: int = 0) -> list[list[int]]:
-    """Sample ids per global step; a step replayed after a crash counts once (its last run)."""
-    by_step: dict[int, list[int]] = {}
-    for line in (workdir / f"ids-rank{rank}.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step[record["step"]] = record["ids"]
-    assert sorted(by_step) == list(range(len(by_step))), "every step ran, none was skipped"
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def assert_same_run(resumed: Path, reference: Path, ranks: int = 1) -> None:
-    for rank in range(ranks):
-        assert step_ids(resumed, rank) == step_ids(reference, rank), f"rank {rank} saw other samples"
-    got, want = torch.load(resumed / "final.pt"), torch.load(reference / "final.pt")
-    assert all(torch.equal(got[k], want[k]) for k in want), "final weights must be bitwise equal"
 
 
 @pytest.fixture(scope="module")

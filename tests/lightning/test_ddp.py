@@ -14,7 +14,8 @@ import pytest
 
 from lightning_air import latest_checkpoint
 from tests.conftest import REPO
-from tests.lightning.test_crash_resume import JOB, assert_same_run, run_job
+from tests.lightning.test_crash_resume import JOB, run_job
+from tests.sameness import assert_same_run
 
 pytestmark = pytest.mark.slow
 DDP = ["--devices", "2", "--every", "5"]
