@@ -88,6 +88,9 @@ def build(args):
         staging_dir=os.path.join(args.workdir, "nvme"),
         storage_options=opts,
         keep_last=3,
+        # A rank that outlives a killed rank 0 gets SIGTERM from torchrun; its flush cannot commit, so
+        # bound it well inside torchrun's 30 s grace.
+        flush_timeout_seconds=5,
     )
     if args.kill:
         step, phase, *rank = args.kill.split(":")

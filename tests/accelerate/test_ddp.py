@@ -25,17 +25,41 @@ def reference(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize(
-    ("args", "kill"),
-    [
-        (("--workers", "0"), "10:upload_start"),
-        (("--workers", "2"), "10:commit_start"),
-        (("--every", "8", "--workers", "2"), "24:serialize_start"),  # resume at the end of epoch 0
-        (("--loader", "stateful", "--workers", "2", "--no-augment"), "10:upload_start"),
-    ],
-)
-def test_two_ranks_killed_mid_save_resume_exactly_per_rank(tmp_path, reference, args, kill):
-    run_job(tmp_path, *args, "--kill", kill, processes=2, expect_signal=signal.SIGKILL)
+@pytest.mark.parametrize("workers", ["0", "2"])
+@pytest.mark.parametrize("phase", ["snapshot_start", "serialize_start", "upload_start", "commit_start"])
+def test_two_ranks_killed_mid_epoch_during_each_save_phase_resume_exactly(
+    tmp_path, reference, phase, workers
+):
+    args = ("--workers", workers)
+    run_job(tmp_path, *args, "--kill", f"10:{phase}", processes=2, expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args, processes=2)
+    assert_same_run(tmp_path, reference(*args), ranks=2)
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_two_ranks_resume_exactly_at_an_epoch_end(tmp_path, reference, workers):
+    # 8 batches per rank and epoch: the save of step 8 closes epoch 0; the save of step 12 is killed.
+    args = ("--workers", workers, "--every", "4")
+    run_job(tmp_path, *args, "--kill", "12:upload_start", processes=2, expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args, processes=2)
+    assert stats(tmp_path)[0]["restores"][0][0] == "step-000000008"
+    assert_same_run(tmp_path, reference(*args), ranks=2)
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_two_ranks_crashed_twice_in_one_epoch_resume_exactly(tmp_path, reference, workers):
+    # Epoch 1 is steps 9-16; saves every 3 steps: killed at 12, resumed from 9; killed at 15, from 12.
+    args = ("--workers", workers, "--every", "3")
+    run_job(tmp_path, *args, "--kill", "12:commit_start", processes=2, expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args, "--kill", "15:snapshot_start", processes=2, expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args, processes=2)
+    assert stats(tmp_path)[0]["restores"][0][0] == "step-000000012"
+    assert_same_run(tmp_path, reference(*args), ranks=2)
+
+
+def test_two_ranks_with_stateful_loaders_resume_exactly(tmp_path, reference):
+    args = ("--loader", "stateful", "--workers", "2", "--no-augment")
+    run_job(tmp_path, *args, "--kill", "10:upload_start", processes=2, expect_signal=signal.SIGKILL)
     run_job(tmp_path, *args, processes=2)
     assert_same_run(tmp_path, reference(*args), ranks=2)
 
