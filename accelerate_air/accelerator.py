@@ -45,9 +45,13 @@ from air_core import (
     AsyncCheckpointer,
     ConfigError,
     FlushOnSigterm,
+    Goodput,
+    GoodputLog,
+    MlflowSink,
     Recorder,
     TrackedLoader,
     capture_rng,
+    goodput_of,
     restore_rng,
 )
 
@@ -116,9 +120,12 @@ class AirAccelerator(Accelerator):
                 "for FSDP, DeepSpeed, Megatron-LM and XLA."
             )
         self.air_plugin = air_plugin
-        self.air_records = Recorder(air_plugin.log_every_n_steps)
+        self.air_records = Recorder(air_plugin.log_every_n_steps, rank=self.process_index)
+        self.air_records.gather = self._air_gather
         self.completed_steps = 0
         self.start_epoch = 0
+        self.air_goodput: Goodput | None = None
+        """Rank 0, after ``end_training``: the goodput of every launch of this job so far."""
         launch_id = broadcast_object_list([uuid.uuid4().hex if self.is_main_process else ""])[0]
         self._air = AsyncCheckpointer(
             **air_plugin.checkpointer_kwargs,
@@ -127,6 +134,10 @@ class AirAccelerator(Accelerator):
             launch_id=launch_id,
             listeners=[self.air_records, *air_plugin.listeners],
         )
+        self._air_goodput = GoodputLog(self._air.storage, launch_id) if self.is_main_process else None
+        self.air_records.goodput = self._air_goodput
+        self._air_sink: MlflowSink | None = None
+        self._air_resumed_run: str | None = None
         self._air_tracked: dict[int, TrackedLoader] = {}
         self._air_names: Counter[str] = Counter()
         self._air_step_hook: Any = None
@@ -177,6 +188,19 @@ class AirAccelerator(Accelerator):
 
     def _air_count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.completed_steps += 1
+        if self._air_sink is None and self.is_main_process and self.air_plugin.mlflow:
+            self._air_sink = MlflowSink(
+                run_id=self._air_resumed_run or self._air_tracker_run_id(),
+                experiment=self.air_plugin.mlflow_experiment,
+            )
+            self.air_records.publish = self._air_sink.log
+        self.air_records.record_step(self.completed_steps)
+
+    def _air_gather(self, values: list[float]) -> list[list[float]]:
+        if self.num_processes == 1:
+            return [values]
+        gathered = self.gather(torch.tensor(values, dtype=torch.float64, device=self.device))
+        return gathered.view(self.num_processes, -1).tolist()
 
     def _air_record_fetch(self, seconds: float) -> None:
         if any(m.training for m in self._models) or not self._models:  # training batches only
@@ -336,6 +360,7 @@ class AirAccelerator(Accelerator):
             if dl is self._dataloaders[0]:
                 self.start_epoch = epoch
         if air.get("mlflow_run_id"):
+            self._air_resumed_run = air["mlflow_run_id"]
             self._air_continue_mlflow_run(air["mlflow_run_id"])
 
     def resume(self) -> int:
@@ -351,19 +376,24 @@ class AirAccelerator(Accelerator):
         return self.start_epoch
 
     # -- MLflow run --------------------------------------------------------------------------
-    def _air_mlflow_run_id(self) -> str | None:
+    def _air_tracker_run_id(self) -> str | None:
         tracker = next((t for t in self.trackers if t.name == "mlflow"), None)
         run = getattr(tracker, "active_run", None)
         return run.info.run_id if run is not None else None
 
+    def _air_mlflow_run_id(self) -> str | None:
+        """The run this job's metrics go to: Accelerate's tracker's, else our sink's."""
+        sink = self._air_sink.run_id if self._air_sink is not None else None
+        return self._air_tracker_run_id() or sink or self._air_resumed_run
+
     def _air_continue_mlflow_run(self, run_id: str) -> None:
         """Make Accelerate's MLflow tracker log into the checkpoint's run instead of a fresh one."""
         tracker = next((t for t in self.trackers if t.name == "mlflow"), None)
-        if tracker is None or not self.is_main_process or self._air_mlflow_run_id() == run_id:
+        if tracker is None or not self.is_main_process or self._air_tracker_run_id() == run_id:
             return
         import mlflow
 
-        fresh = self._air_mlflow_run_id()
+        fresh = self._air_tracker_run_id()
         mlflow.end_run()
         tracker.active_run = mlflow.start_run(run_id=run_id)
         if fresh is not None:
@@ -377,8 +407,17 @@ class AirAccelerator(Accelerator):
 
     @override
     def end_training(self) -> None:
-        """Commit what is in flight (bounded by ``flush_timeout_seconds``), then end the trackers."""
+        """Commit what is in flight (bounded by ``flush_timeout_seconds``), report goodput (rank 0),
+        then end the trackers."""
         self._air.close()
         self.air_records.log_summary()
+        if self._air_goodput is not None:
+            self._air_goodput.close()
+            self.air_goodput = goodput_of(self._air.storage)
+            logger.info("AirAccelerator: %s", self.air_goodput.report())
+            if self._air_sink is not None:
+                self._air_sink.log(self.air_goodput.as_metrics(), self.completed_steps)
+        if self._air_sink is not None:
+            self._air_sink.close()
         self._air_preemption.uninstall()
         super().end_training()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import Any, Literal
 
@@ -20,7 +21,11 @@ class AirPlugin:
 
     Args:
         flush_timeout_seconds: bound on committing in-flight saves at SIGTERM or ``end_training``.
-        log_every_n_steps: how often ``fetch_seconds`` p50/p95/max go to the log.
+        log_every_n_steps: window of the ``fetch_seconds`` summaries (log and MLflow).
+        mlflow: send the metrics to MLflow (rank 0, from a background thread): into the run of
+            Accelerate's MLflow tracker if one is active, else the active run, else a new run in
+            ``mlflow_experiment`` at ``MLFLOW_TRACKING_URI`` (default: ``./mlflow.db``, sqlite).
+            None: when MLflow is installed.
 
     Raises:
         ConfigError: a setting is invalid (named, with the fix), before any process group exists.
@@ -42,6 +47,8 @@ class AirPlugin:
         commit_timeout_seconds: float = 600.0,
         flush_timeout_seconds: float = 600.0,
         log_every_n_steps: int = 50,
+        mlflow: bool | None = None,
+        mlflow_experiment: str = "air-plugins",
     ) -> None:
         self.checkpointer_kwargs: dict[str, Any] = dict(
             root=root,
@@ -71,6 +78,8 @@ class AirPlugin:
         self.root = root
         self.flush_timeout_seconds = float(flush_timeout_seconds)
         self.log_every_n_steps = log_every_n_steps
+        self.mlflow = importlib.util.find_spec("mlflow") is not None if mlflow is None else bool(mlflow)
+        self.mlflow_experiment = mlflow_experiment
         self.listeners: list[Listener] = []
 
     def add_listener(self, listener: Listener) -> None:

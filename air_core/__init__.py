@@ -8,8 +8,10 @@ from .checkpointer import AsyncCheckpointer, LocalCheckpoint, SaveHandle
 from .data_state import ResumableSampler, TrackedLoader, capture_rng, restore_rng
 from .errors import AirError, ConfigError, CorruptCheckpointError, SaveError, StorageError
 from .events import Event, Listener, PhaseEvent, RestoreRecord, SaveRecord
+from .goodput import Goodput, GoodputLog, goodput_of
 from .manifest import CheckpointInfo, FileEntry, Manifest
 from .metrics import Recorder
+from .mlflow_sink import MlflowSink
 from .preemption import FlushOnSigterm
 
 __all__ = [
@@ -21,9 +23,12 @@ __all__ = [
     "Event",
     "FileEntry",
     "FlushOnSigterm",
+    "Goodput",
+    "GoodputLog",
     "LocalCheckpoint",
     "Listener",
     "Manifest",
+    "MlflowSink",
     "ResumableSampler",
     "PhaseEvent",
     "Recorder",
@@ -34,5 +39,6 @@ __all__ = [
     "StorageError",
     "TrackedLoader",
     "capture_rng",
+    "goodput_of",
     "restore_rng",
 ]

@@ -396,6 +396,11 @@ class AsyncCheckpointer:
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
+    def storage(self) -> Storage:
+        """The destination root (for tools that read or write beside the checkpoints)."""
+        return self._storage
+
+    @property
     def host_bytes_allocated(self) -> int:
         """Host memory held by the staging buffers now (never above ``host_budget_bytes``)."""
         return self._pool.allocated_bytes

@@ -1,20 +1,28 @@
-"""What the adapters measure, in one place: ``fetch_seconds`` per step and the checkpoint records.
+"""What the adapters measure: ``fetch_seconds`` and step time per step, and the checkpoint records.
 
 ``Recorder`` is a ``Listener`` (it receives the core's save and restore records) and the sink of the
-data-wait timings an adapter takes around its loader. It keeps them in memory and writes a summary to
-the log every ``log_every_n_steps`` steps. Recording costs an append; nothing here does I/O on the
-training thread beyond that log line.
+timings an adapter takes around its loader and optimizer step. Per step it costs a few list appends.
+Every ``log_every_n_steps`` steps it closes a window: the adapter's ``gather`` (a collective on the
+training thread, the same step on every rank) brings every rank's per-step fetch times to rank 0,
+which publishes per-step ``fetch_seconds`` (the slowest rank's), the window's p50/p95/max/sum, the
+data-wait fraction of the slowest rank and which rank that is, and cumulative totals. Checkpoint and
+restore records are published as they arrive. ``publish`` is an ``MlflowSink.log``-like callable;
+``goodput`` (rank 0) receives every step, save and restore for the goodput event log.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
+import time
+from collections.abc import Callable
 from typing import Any
 
 from .events import RestoreRecord, SaveRecord
 
 logger = logging.getLogger(__name__)
+Publish = Callable[[dict[str, float], int], None]
+Gather = Callable[[list[float]], list[list[float]]]
 
 
 def summarize(values: list[float]) -> dict[str, float]:
@@ -31,27 +39,88 @@ def summarize(values: list[float]) -> dict[str, float]:
 
 
 class Recorder:
-    """Keeps ``fetch_seconds``, save records and restore records of one rank; logs summaries."""
+    """Per-rank timings and records; publishes windows (rank 0) and feeds the goodput log.
 
-    def __init__(self, log_every_n_steps: int = 50) -> None:
+    Args:
+        log_every_n_steps: window length, in steps.
+        rank: this rank (only rank 0 publishes).
+    """
+
+    def __init__(self, log_every_n_steps: int = 50, *, rank: int = 0) -> None:
         self.log_every_n_steps = log_every_n_steps
+        self.rank = rank
         self.fetch_seconds: list[float] = []
         """Per training step: how long the loop waited for its batch."""
+        self.step_seconds: list[float] = []
+        """Per training step: wall time since the previous step ended (fetch included)."""
         self.saves: list[SaveRecord] = []
         self.restores: list[RestoreRecord] = []
+        self.publish: Publish | None = None
+        self.gather: Gather | None = None
+        self.goodput: Any = None
+        self._pending_fetch = 0.0
+        self._last_end: float | None = None
+        self._window_fetch: list[float] = []
+        self._window_steps: list[float] = []
+        self._totals = {"fetch_seconds_total": 0.0, "step_seconds_total": 0.0}
+        self._ckpt_totals = {"checkpoint_blocking_seconds_total": 0.0, "checkpoints_committed_total": 0.0}
 
+    # -- the training thread ---------------------------------------------------------------------
     def record_fetch(self, seconds: float) -> None:
-        self.fetch_seconds.append(seconds)
-        if len(self.fetch_seconds) % self.log_every_n_steps == 0:
-            s = summarize(self.fetch_seconds[-self.log_every_n_steps :])
-            logger.info(
-                "fetch_seconds over %d steps: p50 %.4f p95 %.4f max %.4f",
-                self.log_every_n_steps,
-                s["p50"],
-                s["p95"],
-                s["max"],
-            )
+        """One batch fetched for training, after waiting ``seconds``."""
+        if self._last_end is None:
+            self._last_end = time.monotonic() - seconds
+        self._pending_fetch += seconds
 
+    def record_step(self, step: int) -> None:
+        """Training step ``step`` (1-based count of steps done) just ended."""
+        now = time.monotonic()
+        start = self._last_end if self._last_end is not None else now
+        duration, fetch = now - start, self._pending_fetch
+        self._last_end, self._pending_fetch = now, 0.0
+        self.fetch_seconds.append(fetch)
+        self.step_seconds.append(duration)
+        self._window_fetch.append(fetch)
+        self._window_steps.append(duration)
+        if self.goodput is not None:
+            self.goodput.step(step, duration, fetch)
+        if len(self._window_fetch) >= self.log_every_n_steps:
+            self._close_window(step)
+
+    def _close_window(self, step: int) -> None:
+        fetch, steps = self._window_fetch, self._window_steps
+        self._window_fetch, self._window_steps = [], []
+        mine = [*fetch, sum(fetch) / max(sum(steps), 1e-12)]
+        ranks = self.gather(mine) if self.gather is not None else [mine]
+        if self.rank != 0:
+            return
+        n = len(fetch)
+        slowest = [max(r[i] for r in ranks) for i in range(n)]
+        fractions = [r[n] for r in ranks]
+        worst = max(range(len(ranks)), key=lambda r: fractions[r])
+        self._totals["fetch_seconds_total"] += sum(slowest)
+        self._totals["step_seconds_total"] += sum(steps)
+        s = summarize(slowest)
+        logger.info(
+            "fetch_seconds over %d steps: p50 %.4f p95 %.4f max %.4f; data-wait fraction %.3f (rank %d)",
+            n,
+            s["p50"],
+            s["p95"],
+            s["max"],
+            fractions[worst],
+            worst,
+        )
+        if self.publish is None:
+            return
+        first = step - n + 1
+        for i, value in enumerate(slowest):
+            self.publish({"fetch_seconds": value}, first + i)
+        window = {f"fetch_seconds_{k}": v for k, v in s.items()}
+        window |= {"data_wait_fraction": fractions[worst], "data_wait_slowest_rank": float(worst)}
+        window |= {"step_seconds_mean": sum(steps) / n, **self._totals}
+        self.publish(window, step)
+
+    # -- any thread (the writer thread delivers save records) ------------------------------------
     def on_event(self, event: Any) -> None:
         if isinstance(event, SaveRecord):
             self.saves.append(event)
@@ -66,8 +135,38 @@ class Recorder:
                 event.bytes,
                 f", FAILED: {event.error}" if event.error else "",
             )
+            if self.goodput is not None:
+                self.goodput.save(event)
+            if self.rank == 0 and not event.error:
+                self._publish_save(event)
         elif isinstance(event, RestoreRecord):
             self.restores.append(event)
+            if self.goodput is not None:
+                self.goodput.restore(event)
+            if self.rank == 0 and self.publish is not None:
+                metrics = {
+                    "restore_seconds": event.seconds,
+                    "restore_from_remote": float(event.source == "remote"),
+                }
+                self.publish(metrics, event.step)
+
+    def _publish_save(self, r: SaveRecord) -> None:
+        self._ckpt_totals["checkpoint_blocking_seconds_total"] += r.blocking_seconds
+        self._ckpt_totals["checkpoints_committed_total"] += 1
+        if self.publish is None:
+            return
+        metrics = {
+            "checkpoint_blocking_seconds": r.blocking_seconds,
+            "checkpoint_wait_seconds": r.wait_seconds,
+            "checkpoint_staging_seconds": r.staging_seconds,
+            "checkpoint_upload_seconds": r.upload_seconds,
+            "checkpoint_commit_seconds": r.commit_seconds,
+            "checkpoint_total_seconds": r.total_seconds,
+            "checkpoint_bytes": float(r.bytes),
+            "checkpoint_throughput_bytes_per_second": r.throughput_bytes_per_second,
+            **self._ckpt_totals,
+        }
+        self.publish(metrics, r.step)
 
     def log_summary(self) -> None:
         if self.fetch_seconds:

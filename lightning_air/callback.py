@@ -10,6 +10,7 @@ once the loader is built, just before the first resumed step.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 import uuid
@@ -21,10 +22,22 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import MLFlowLogger
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from typing_extensions import override
 
-from air_core import ConfigError, FlushOnSigterm, Recorder, ResumableSampler, capture_rng, restore_rng
+from air_core import (
+    ConfigError,
+    FlushOnSigterm,
+    Goodput,
+    GoodputLog,
+    MlflowSink,
+    Recorder,
+    ResumableSampler,
+    capture_rng,
+    goodput_of,
+    restore_rng,
+)
 
 from . import loaders
 from .checkpoint_io import AIR_KEY, AirCheckpointIO
@@ -39,10 +52,19 @@ class AirCallback(Callback):
         seed: shuffle seed of the ``ResumableSampler`` given to plain shuffled loaders (same on every rank).
         log_every_n_steps: how often ``fetch_seconds`` p50/p95 go to the log.
         flush_timeout_seconds: bound on flushing the in-flight save on SIGTERM or an exception.
+        mlflow: send the metrics to MLflow (rank 0, from a background thread): into the run of an
+            ``MLFlowLogger`` if the Trainer has one, else the active run, else a new run in
+            ``mlflow_experiment`` at ``MLFLOW_TRACKING_URI`` (default ``./mlflow.db``, sqlite). A resumed
+            job continues the checkpoint's run. None: when MLflow is installed.
     """
 
     def __init__(
-        self, seed: int = 0, log_every_n_steps: int = 50, flush_timeout_seconds: float = 600.0
+        self,
+        seed: int = 0,
+        log_every_n_steps: int = 50,
+        flush_timeout_seconds: float = 600.0,
+        mlflow: bool | None = None,
+        mlflow_experiment: str = "air-plugins",
     ) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"AirCallback(seed={seed!r}): seed must be an integer.")
@@ -63,6 +85,13 @@ class AirCallback(Callback):
         self.flush_timeout_seconds = float(flush_timeout_seconds)
         self.records = Recorder(log_every_n_steps)
         """``fetch_seconds`` per step (host time between steps) and the save/restore records."""
+        self.mlflow = importlib.util.find_spec("mlflow") is not None if mlflow is None else bool(mlflow)
+        self.mlflow_experiment = mlflow_experiment
+        self.goodput: Goodput | None = None
+        """Rank 0, after fit: the goodput of every launch of this job so far."""
+        self._sink: MlflowSink | None = None
+        self._goodput_log: GoodputLog | None = None
+        self._resumed_run: str | None = None
         self._plugin: AirCheckpointIO | None = None
         self._launch_id = ""
         self._epoch = 0
@@ -96,7 +125,13 @@ class AirCallback(Callback):
             uuid.uuid4().hex if trainer.is_global_zero else "", src=0
         )
         plugin.attach(rank=trainer.global_rank, world_size=trainer.world_size, launch_id=self._launch_id)
+        self.records.rank = trainer.global_rank
+        self.records.gather = lambda values: _gather(trainer, values)
         plugin.add_listener(self.records)
+        root = getattr(trainer.checkpoint_callback, "dirpath", None)
+        if trainer.is_global_zero and root:
+            self._goodput_log = GoodputLog(plugin.checkpointer(str(root)).storage, self._launch_id)
+            self.records.goodput = self._goodput_log
         self._wrap_train_dataloader(trainer, pl_module)
         self._preemption = FlushOnSigterm(
             lambda: plugin._ckpt, timeout_seconds=self.flush_timeout_seconds, who="AirCallback", log=logger
@@ -244,6 +279,8 @@ class AirCallback(Callback):
         if self._step_ended_at is not None:
             started = max(self._step_ended_at, self._plugin.returned_at if self._plugin else 0.0)
             self.records.record_fetch(max(now - started, 0.0))
+        else:
+            self.records.record_fetch(0.0)  # the first step of this launch: its wait is not seen
 
     @override
     def on_before_optimizer_step(
@@ -258,6 +295,7 @@ class AirCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._consumed += 1  # before ModelCheckpoint's hook (Lightning runs checkpoint callbacks last)
+        self.records.record_step(trainer.global_step)
         self._step_ended_at = time.monotonic()
 
     # -- save / load -------------------------------------------------------------------------
@@ -283,7 +321,13 @@ class AirCallback(Callback):
         elif self._stateful is not None:
             part["data"]["loader_epoch_state"] = self._loader_epoch_state
         if trainer.is_global_zero:
-            checkpoint[AIR_KEY] = {"name": name, "world_size": trainer.world_size, "rank_state": part}
+            run_id = self._sink.run_id if self._sink is not None else self._resumed_run
+            checkpoint[AIR_KEY] = {
+                "name": name,
+                "world_size": trainer.world_size,
+                "rank_state": part,
+                "mlflow_run_id": run_id,
+            }
         else:
             root = getattr(trainer.checkpoint_callback, "dirpath", None)
             if not root:
@@ -316,6 +360,7 @@ class AirCallback(Callback):
         if part is None:
             raise ConfigError(f"AirCallback: the checkpoint holds no part of rank {trainer.global_rank}.")
         self._pending = part
+        self._resumed_run = air.get("mlflow_run_id")
         self._epoch = part["data"]["epoch"]
         self._consumed = part["data"]["consumed_batches"]
 
@@ -327,6 +372,18 @@ class AirCallback(Callback):
             self._restore_rng_if(epoch_done=True)
             self._pending = None
         self._step_ended_at = None
+        if trainer.is_global_zero and self.mlflow and self._sink is None:
+            self._sink = MlflowSink(run_id=self._mlflow_run(trainer), experiment=self.mlflow_experiment)
+            self.records.publish = self._sink.log
+
+    def _mlflow_run(self, trainer: pl.Trainer) -> str | None:
+        """The checkpoint's run on a resume, else the MLFlowLogger's (None: the sink decides)."""
+        mlf = next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None)
+        if mlf is None:
+            return self._resumed_run
+        if self._resumed_run is not None and hasattr(mlf, "_run_id"):
+            mlf._run_id = self._resumed_run  # its later metrics go to the same run (a private field)
+        return mlf.run_id
 
     def _restore_rng_if(self, *, epoch_done: bool) -> None:
         """Restore the checkpoint's RNG (once). At an epoch's end the uninterrupted run built the next
@@ -350,7 +407,27 @@ class AirCallback(Callback):
         if self._unwrap is not None:
             self._unwrap()
             self._unwrap = None
+        if self._goodput_log is not None:
+            if self._preemption is not None:  # the last saves' records belong in the goodput log
+                self._preemption.flush("the end of fit")
+            self._goodput_log.close()
+            self.goodput = goodput_of(self._goodput_log.storage)
+            logger.info("AirCallback: %s", self.goodput.report())
+            if self._sink is not None:
+                self._sink.log(self.goodput.as_metrics(), trainer.global_step)
+            self._goodput_log = None
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
         self.records.log_summary()
+
+
+def _gather(trainer: pl.Trainer, values: list[float]) -> list[list[float]]:
+    """Every rank's ``values`` (a collective: every rank calls it at the same step)."""
+    if trainer.world_size == 1:
+        return [values]
+    gathered = trainer.strategy.all_gather(torch.tensor(values, dtype=torch.float64))
+    return gathered.reshape(trainer.world_size, -1).tolist()

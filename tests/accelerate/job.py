@@ -91,6 +91,8 @@ def build(args):
         # A rank that outlives a killed rank 0 gets SIGTERM from torchrun; its flush cannot commit, so
         # bound it well inside torchrun's 30 s grace.
         flush_timeout_seconds=5,
+        log_every_n_steps=8,
+        mlflow=bool(args.mlflow),
     )
     if args.kill:
         step, phase, *rank = args.kill.split(":")

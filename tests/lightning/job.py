@@ -51,10 +51,13 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
+    p.add_argument("--mlflow", default="", help="tracking URI: send the metrics to MLflow")
     args = p.parse_args()
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     logging.getLogger("lightning_air").setLevel(logging.INFO)
     pl.seed_everything(0, workers=True)
+    if args.mlflow:
+        os.environ["MLFLOW_TRACKING_URI"] = args.mlflow
     root = args.root or os.path.join(args.workdir, "ckpts")
     opts = {"client_kwargs": {"endpoint_url": args.endpoint}} if args.endpoint else None
     if args.endpoint:  # ModelCheckpoint lists dirpath through its own fsspec instance: point it at moto too
@@ -77,7 +80,7 @@ def main() -> None:
         strategy="ddp" if args.devices > 1 else "auto",
         plugins=[plugin],
         callbacks=[
-            AirCallback(seed=7),
+            AirCallback(seed=7, log_every_n_steps=8, mlflow=bool(args.mlflow)),
             ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=-1),
         ],
         logger=False,

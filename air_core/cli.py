@@ -1,0 +1,188 @@
+"""The ``air`` command: look at a checkpoint root from a shell.
+
+    air ls ROOT                      every checkpoint: step, time, size, status (committed/partial/corrupt)
+    air verify ROOT [NAME ...]       re-read committed checkpoints and check sizes and CRC-32 checksums
+    air report ROOT [--plot F.png]   checkpoint latencies, fetch_seconds and goodput of every launch
+
+ROOT is any fsspec URL or path; ``--storage-options '{"client_kwargs": {...}}'`` passes options to
+fsspec (credentials are better left to the environment). Exit status: 0 fine, 1 a checkpoint failed
+verification, 2 bad usage or an unreachable root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import AirError
+from .goodput import analyze, read_events
+from .manifest import CheckpointInfo
+from .metrics import summarize
+from .recovery import file_crc32, scan
+from .storage import Storage
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _when(info: CheckpointInfo) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.time)) if info.time else "-"
+
+
+def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
+    infos = scan(storage)
+    if not infos:
+        print(f"no checkpoints under {storage.display()}")
+        return 0
+    print(f"{'name':32} {'step':>9} {'time':19} {'size':>10}  status")
+    for i in infos:
+        status = i.status if i.status == "committed" else f"{i.status}: {i.reason}"
+        print(f"{i.name:32} {i.step:9d} {_when(i):19} {_size(i.total_bytes):>10}  {status}")
+    return 0
+
+
+def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
+    infos = {i.name: i for i in scan(storage)}
+    names = args.names or [n for n, i in infos.items() if i.status == "committed"]
+    unknown = [n for n in names if n not in infos]
+    if unknown:
+        print(
+            f"air verify: no checkpoint named {', '.join(unknown)} under {storage.display()}", file=sys.stderr
+        )
+        return 2
+    failed = 0
+    for name in names:
+        problem = _verify_one(storage, infos[name])
+        failed += bool(problem)
+        print(f"{name}: {'OK' if not problem else 'FAILED: ' + problem}")
+    return 1 if failed else 0
+
+
+def _verify_one(storage: Storage, info: CheckpointInfo) -> str:
+    """Re-read every file (downloading remote ones to a temp folder), with progress on stderr."""
+    if info.manifest is None:
+        return info.reason or info.status
+    import tempfile
+
+    files = info.manifest.files
+    total = sum(f.size for f in files) or 1
+    done = 0
+    with tempfile.TemporaryDirectory(prefix="air-verify-") as tmp:
+        for k, entry in enumerate(files, 1):
+            if storage.is_local:
+                local = storage.path(entry.path)
+            else:
+                local = f"{tmp}/{k}"
+                storage.get_file(entry.path, local)
+            try:
+                crc = file_crc32(local)
+            except FileNotFoundError:
+                return f"{entry.path} is missing"
+            done += entry.size
+            print(f"\r  {info.name}: {k}/{len(files)} files, {done / total:.0%}", end="", file=sys.stderr)
+            if crc != entry.crc32:
+                print(file=sys.stderr)
+                return f"{entry.path}: CRC-32 differs from the manifest (changed or damaged after the commit)"
+    print(file=sys.stderr)
+    return ""
+
+
+def cmd_report(storage: Storage, args: argparse.Namespace) -> int:
+    launches = read_events(storage)
+    if not launches:
+        print(
+            f"no goodput events under {storage.display()} (written by the Lightning and Accelerate adapters)"
+        )
+        return 0
+    saves = [e for events in launches for e in events if e["e"] == "save" and e.get("committed")]
+    steps = [e for events in launches for e in events if e["e"] == "step"]
+    restores = [e for events in launches for e in events if e["e"] == "restore"]
+    blocking = summarize([e["blocking"] for e in saves])
+    total = summarize([e["total"] for e in saves])
+    fetch = summarize([e["f"] for e in steps])
+    step_sum = sum(e["d"] for e in steps) or 1.0
+    b, f = blocking, {k: v * 1e3 for k, v in fetch.items()}
+    print(f"checkpoints: {len(saves)} committed; blocking p50 {b['p50']:.3f} s, p95 {b['p95']:.3f} s, "
+          f"max {b['max']:.3f} s; save to commit p50 {total['p50']:.2f} s")  # fmt: skip
+    print(f"fetch_seconds: {len(steps)} steps, p50 {f['p50']:.2f} ms, p95 {f['p95']:.2f} ms, "
+          f"max {f['max']:.2f} ms; data-wait fraction {fetch['sum'] / step_sum:.3f}")  # fmt: skip
+    for r in restores:
+        print(f"restore: step {r['s']} from {r['source']} in {r['seconds']:.2f} s")
+    result = analyze(launches)
+    print(result.report())
+    if args.plot:
+        _plot(args.plot, launches, result)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _plot(path: str, launches: list[list[dict[str, Any]]], result: Any) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 10))
+    for i, events in enumerate(launches):
+        steps = [e for e in events if e["e"] == "step"]
+        ax1.plot([e["s"] for e in steps], [e["f"] * 1e3 for e in steps], ".", ms=3, label=f"launch {i + 1}")
+    ax1.set(title="fetch_seconds per step", xlabel="step", ylabel="ms")
+    ax1.legend()
+    saves = [e for events in launches for e in events if e["e"] == "save" and e.get("committed")]
+    xs = [e["s"] for e in saves]
+    ax2.bar([str(x) for x in xs], [e["blocking"] for e in saves], label="blocking")
+    below = [e["blocking"] for e in saves]
+    above = [e["total"] - e["blocking"] for e in saves]
+    ax2.bar([str(x) for x in xs], above, bottom=below, label="background (stage, upload, commit)")
+    ax2.set(title="checkpoint phases per save", xlabel="step", ylabel="s")
+    ax2.legend()
+    parts = {
+        "productive": result.productive,
+        "checkpoint stalls": result.checkpoint_stalls,
+        "data waits": result.data_waits,
+        "start-up/restore": result.startup_and_restore,
+        "recomputed": result.recomputed,
+        "other": result.other,
+    }
+    ax3.barh(list(parts), list(parts.values()))
+    ax3.set(title=f"goodput {result.goodput:.1%} of {result.wall:.1f} s", xlabel="s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="air", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--storage-options", default="{}", help="JSON passed to fsspec")
+    sub = p.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("ls", help="list checkpoints with step, time, size and status")
+    ls.add_argument("root")
+    verify = sub.add_parser("verify", help="re-check sizes and checksums")
+    verify.add_argument("root")
+    verify.add_argument("names", nargs="*", help="checkpoints to verify (default: every committed one)")
+    report = sub.add_parser("report", help="latency, fetch and goodput summary")
+    report.add_argument("root")
+    report.add_argument("--plot", default=None, help="also draw it to this PNG file")
+    args = p.parse_args(argv)
+    try:
+        options = json.loads(args.storage_options)
+        storage = Storage(args.root, storage_options=options, retries=3, retry_backoff_seconds=0.2)
+        command = {"ls": cmd_ls, "verify": cmd_verify, "report": cmd_report}[args.command]
+        return command(storage, args)
+    except (AirError, OSError, ValueError) as exc:
+        print(f"air {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Goodput: an append-only event log beside the checkpoints, and what it says about lost time.
+
+Rank 0 of every launch writes one log under ``<root>/.air-events/<launch>/``: a ``start`` event
+(process start time, the checkpoint it resumed from and how long the restore took), one ``step`` event
+per training step (end time, duration, data wait), one ``save`` event per checkpoint (blocking seconds,
+committed or not) and an ``end`` event. Object stores cannot append, so the log is written as numbered
+segments, each a new file with the events since the previous one: a background thread uploads one
+every ``flush_every_seconds``, after each commit and at ``close``. A crash loses the events since the
+last segment; the time they covered then counts as "other".
+
+``analyze`` reads every launch's events and splits the wall time from the first start to the last
+event into productive step time and what was lost: checkpoint stalls, data waits, start-up and restore,
+recomputed work (steps a launch ran after the checkpoint the next launch resumed from) and the rest
+(time between launches, evaluation, teardown). goodput = productive / wall.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .events import RestoreRecord, SaveRecord
+from .storage import Storage
+
+logger = logging.getLogger(__name__)
+EVENTS_DIR = ".air-events"
+
+
+def process_start_time() -> float:
+    """When this process started (wall clock): Linux /proc, else now."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+class GoodputLog:
+    """Rank 0's event log of one launch, uploaded as segments from a background thread.
+
+    Args:
+        storage: the checkpoint root.
+        launch_id: this launch's id (the log's folder starts with the start time, so folders sort).
+        flush_every_seconds: how often a segment is written.
+    """
+
+    def __init__(self, storage: Storage, launch_id: str, *, flush_every_seconds: float = 10.0) -> None:
+        self._storage = storage
+        started = process_start_time()
+        self._dir = f"{EVENTS_DIR}/{time.strftime('%Y%m%dT%H%M%S', time.gmtime(started))}-{launch_id[:8]}"
+        self._lock = threading.Lock()
+        self._buffer: list[str] = []
+        self._segment = 0
+        self._every = flush_every_seconds
+        self._closing = threading.Event()
+        self._wake = threading.Event()
+        self._warned = False
+        self._append({"e": "start", "t": started, "launch": launch_id})
+        self._thread = threading.Thread(target=self._run, name="air-goodput", daemon=True)
+        self._thread.start()
+
+    @property
+    def storage(self) -> Storage:
+        return self._storage
+
+    def _append(self, event: dict[str, Any]) -> None:
+        line = json.dumps(event, separators=(",", ":"))
+        with self._lock:
+            self._buffer.append(line)
+
+    def step(self, step: int, seconds: float, fetch_seconds: float) -> None:
+        self._append({"e": "step", "s": step, "t": time.time(), "d": seconds, "f": fetch_seconds})
+
+    def save(self, record: SaveRecord) -> None:
+        event = {"e": "save", "s": record.step, "t": time.time(), "blocking": record.blocking_seconds}
+        self._append(event | {"committed": not record.error, "total": record.total_seconds})
+        self._wake.set()  # a commit is a good moment to make the log durable up to it
+
+    def restore(self, record: RestoreRecord) -> None:
+        event = {"e": "restore", "s": record.step, "t": time.time(), "seconds": record.seconds}
+        self._append(event | {"source": record.source})
+
+    def close(self, timeout_seconds: float = 30.0) -> None:
+        """Write the ``end`` event and the last segment (bounded)."""
+        self._append({"e": "end", "t": time.time()})
+        self._closing.set()
+        self._wake.set()
+        self._thread.join(timeout_seconds)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._every)
+            self._wake.clear()
+            closing = self._closing.is_set()
+            self._flush()
+            if closing:
+                return
+
+    def _flush(self) -> None:
+        with self._lock:
+            lines, self._buffer = self._buffer, []
+        if not lines:
+            return
+        path = f"{self._dir}/rank-00000-{self._segment:06d}.jsonl"
+        try:
+            self._storage.write_bytes(path, ("\n".join(lines) + "\n").encode())
+            self._segment += 1
+        except Exception as exc:  # the log must never stop training; keep the lines for the next try
+            with self._lock:
+                self._buffer[:0] = lines
+            if not self._warned:
+                self._warned = True
+                logger.warning(
+                    "goodput log: cannot write %s (%s); will retry", self._storage.display(path), exc
+                )
+
+
+def read_events(storage: Storage) -> list[list[dict[str, Any]]]:
+    """Every launch's events, launches in start order, each launch's events in order."""
+    files = sorted(p for p in storage.sizes(EVENTS_DIR) if p.endswith(".jsonl"))
+    launches: dict[str, list[dict[str, Any]]] = {}
+    for path in files:
+        folder = path.rsplit("/", 1)[0]
+        for line in storage.read_bytes(path).decode().splitlines():
+            if line.strip():
+                launches.setdefault(folder, []).append(json.loads(line))
+    return [launches[k] for k in sorted(launches)]
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """Seconds of wall time, split by where they went."""
+
+    wall: float
+    productive: float
+    checkpoint_stalls: float
+    data_waits: float
+    startup_and_restore: float
+    recomputed: float
+    other: float
+    launches: int
+    steps: int
+    recomputed_steps: int
+
+    @property
+    def goodput(self) -> float:
+        return self.productive / self.wall if self.wall > 0 else 0.0
+
+    def as_metrics(self) -> dict[str, float]:
+        body = {f"goodput_{k}_seconds": float(v) for k, v in asdict(self).items() if isinstance(v, float)}
+        counts = {
+            "goodput_launches": float(self.launches),
+            "goodput_recomputed_steps": float(self.recomputed_steps),
+        }
+        return {"goodput": self.goodput, **body, **counts}
+
+    def report(self) -> str:
+        rows = [
+            ("productive step time", self.productive),
+            ("checkpoint stalls", self.checkpoint_stalls),
+            ("data waits", self.data_waits),
+            ("start-up and restore", self.startup_and_restore),
+            (f"recomputed work ({self.recomputed_steps} steps)", self.recomputed),
+            ("other (between launches, eval, teardown)", self.other),
+        ]
+        head = f"goodput {self.goodput:.1%} over {self.wall:.1f} s wall"
+        lines = [f"{head}, {self.launches} launch(es), {self.steps} steps"]
+        lines += [
+            f"  {name:42} {seconds:10.2f} s {seconds / self.wall if self.wall else 0:7.1%}"
+            for name, seconds in rows
+        ]
+        return "\n".join(lines)
+
+
+def analyze(launches: list[list[dict[str, Any]]]) -> Goodput:
+    """Split the wall time of these launches (from ``read_events``) into productive and lost time."""
+    if not launches:
+        return Goodput(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
+    productive = stalls = waits = startup = recomputed = 0.0
+    steps_total = recomputed_steps = 0
+    first_start = min(e["t"] for e in launches[0] if e["e"] == "start")
+    last_seen = max(e["t"] for events in launches for e in events)
+    for i, events in enumerate(launches):
+        start = next(e["t"] for e in events if e["e"] == "start")
+        steps = [e for e in events if e["e"] == "step"]
+        # The steps this launch ran beyond the checkpoint the next launch restored were done again.
+        resumed = (
+            next((e["s"] for e in launches[i + 1] if e["e"] == "restore"), 0)
+            if i + 1 < len(launches)
+            else None
+        )
+        redone = {e["s"] for e in steps if resumed is not None and e["s"] > resumed}
+        blocking = {e["s"]: e["blocking"] for e in events if e["e"] == "save"}
+        if steps:
+            startup += max(steps[0]["t"] - steps[0]["d"] - start, 0.0)
+        for e in steps:
+            steps_total += 1
+            if e["s"] in redone:
+                recomputed += e["d"]
+                recomputed_steps += 1
+                continue
+            # A save called after step s blocks the loop before step s + 1 ends.
+            stall = min(blocking.get(e["s"] - 1, 0.0), e["d"])
+            productive += max(e["d"] - e["f"] - stall, 0.0)
+            waits += e["f"]
+            stalls += stall
+    wall = last_seen - first_start
+    other = max(wall - productive - stalls - waits - startup - recomputed, 0.0)
+    return Goodput(
+        wall,
+        productive,
+        stalls,
+        waits,
+        startup,
+        recomputed,
+        other,
+        len(launches),
+        steps_total,
+        recomputed_steps,
+    )
+
+
+def goodput_of(storage: Storage) -> Goodput:
+    """The goodput of every launch whose events are under this root."""
+    return analyze(read_events(storage))

@@ -1,0 +1,179 @@
+"""``MlflowSink``: metrics to MLflow from a background thread, so the training loop never waits on it.
+
+``log()`` appends to a bounded queue and returns (about a microsecond). A daemon thread resolves the
+run (the one given, the caller's active run, or a new one), then sends what accumulated every
+``flush_every_seconds`` as ``log_batch`` calls of at most 1000 metrics. If the tracking server is
+down or slow, the thread retries a batch a few times, then drops it with one warning; when the queue
+is full the newest metrics are dropped, also with one warning. Nothing raises into the loop.
+``close()`` sends what is left within a bound and abandons the thread after it.
+
+MLflow is imported lazily, on the sender thread. Without ``MLFLOW_TRACKING_URI`` the default is a
+local sqlite database (``sqlite:///<cwd>/mlflow.db``), never MLflow's ``./mlruns`` file store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+_BATCH = 1000  # MLflow's limit of metrics per log_batch
+
+
+def default_tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
+
+
+def active_run_id() -> str | None:
+    """The caller's active MLflow run, if MLflow is already in use in this process (no import)."""
+    mlflow = sys.modules.get("mlflow")
+    run = mlflow.active_run() if mlflow is not None else None
+    return run.info.run_id if run is not None else None
+
+
+class MlflowSink:
+    """Non-blocking MLflow logging for one run (rank 0 only).
+
+    Args:
+        run_id: log into this run (a resumed job passes the id from its checkpoint); None: the
+            caller's active run, else a new run in ``experiment``.
+        tracking_uri: None: ``MLFLOW_TRACKING_URI``, else a local sqlite database.
+        experiment: experiment of a new run.
+        run_name: name of a new run.
+        params: logged once, with the first batch.
+        flush_every_seconds: how often accumulated metrics are sent.
+        max_queued: metrics held while the server is unreachable; beyond it new ones are dropped.
+        retries: attempts per batch before it is dropped.
+    """
+
+    def __init__(
+        self,
+        *,
+        run_id: str | None = None,
+        tracking_uri: str | None = None,
+        experiment: str = "air-plugins",
+        run_name: str | None = None,
+        params: dict[str, Any] | None = None,
+        flush_every_seconds: float = 5.0,
+        max_queued: int = 200_000,
+        retries: int = 3,
+    ) -> None:
+        self._run_id = run_id or active_run_id()
+        self._tracking_uri = tracking_uri or default_tracking_uri()
+        self._experiment = experiment
+        self._run_name = run_name
+        self._params = dict(params or {})
+        self._every = flush_every_seconds
+        self._retries = retries
+        self._queue: queue.Queue[tuple[str, float, int, int]] = queue.Queue(maxsize=max_queued)
+        self._closing = threading.Event()
+        self._ready = threading.Event()
+        self._warned: set[str] = set()
+        self.sent = 0
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="air-mlflow", daemon=True)
+        self._thread.start()
+
+    @property
+    def run_id(self) -> str | None:
+        """The run's id once the sender resolved it (None until then, or if MLflow is unreachable)."""
+        return self._run_id if self._ready.is_set() else None
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Queue ``metrics`` at ``step``; never blocks, never raises."""
+        now = int(time.time() * 1000)
+        for key, value in metrics.items():
+            try:
+                self._queue.put_nowait((key, float(value), now, step))
+            except queue.Full:
+                self.dropped += 1
+                self._warn_once("full", "MLflow is not keeping up: dropping new metrics until it does")
+
+    def close(self, timeout_seconds: float = 10.0) -> None:
+        """Send what is queued, within ``timeout_seconds``; then give up on the thread (it is a daemon)."""
+        self._closing.set()
+        self._thread.join(timeout_seconds)
+        if self._thread.is_alive():
+            left = self._queue.qsize()
+            self.dropped += left
+            logger.warning(
+                "MLflow did not take the last %d metric(s) within %.0fs; dropped", left, timeout_seconds
+            )
+
+    # -- the sender thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        client = self._connect()
+        while True:
+            closing = self._closing.wait(self._every)
+            batch = self._drain()
+            while batch:
+                chunk, batch = batch[:_BATCH], batch[_BATCH:]
+                if client is None or not self._send(client, chunk):
+                    self.dropped += len(chunk) + len(batch)
+                    break
+            if closing:
+                return
+
+    def _connect(self) -> Any:
+        for attempt in range(self._retries + 1):
+            try:
+                from mlflow import MlflowClient
+
+                client = MlflowClient(tracking_uri=self._tracking_uri)
+                if self._run_id is None:
+                    found = client.get_experiment_by_name(self._experiment)
+                    exp_id = found.experiment_id if found else client.create_experiment(self._experiment)
+                    self._run_id = client.create_run(exp_id, run_name=self._run_name).info.run_id
+                else:
+                    client.get_run(self._run_id)  # it must exist
+                if self._params:
+                    from mlflow.entities import Param
+
+                    params = [Param(k, str(v)) for k, v in self._params.items()]
+                    client.log_batch(self._run_id, params=params, synchronous=True)
+                self._ready.set()
+                return client
+            except Exception as exc:
+                if attempt == self._retries or self._closing.is_set():
+                    self._warn_once(
+                        "connect", f"cannot reach MLflow at {self._tracking_uri} ({exc}); metrics are dropped"
+                    )
+                    return None
+                time.sleep(min(2**attempt, 10))
+        return None
+
+    def _drain(self) -> list[tuple[str, float, int, int]]:
+        items = []
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _send(self, client: Any, chunk: list[tuple[str, float, int, int]]) -> bool:
+        from mlflow.entities import Metric
+
+        metrics = [Metric(key, value, ts, step) for key, value, ts, step in chunk]
+        for attempt in range(self._retries + 1):
+            try:
+                client.log_batch(self._run_id, metrics=metrics, synchronous=True)
+                self.sent += len(metrics)
+                return True
+            except Exception as exc:
+                if attempt == self._retries or self._closing.is_set():
+                    self._warn_once(
+                        "send", f"MLflow did not accept metrics ({exc}); dropping them, training goes on"
+                    )
+                    return False
+                time.sleep(min(2**attempt, 10))
+        return False
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
