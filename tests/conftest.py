@@ -61,3 +61,69 @@ def run_python(
     return subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=full_env
     )
+
+
+@dataclass
+class MlflowServer:
+    """A real ``mlflow server`` on 127.0.0.1 with a sqlite store."""
+
+    uri: str
+    process: subprocess.Popen
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_mlflow_server(workdir: str, timeout: float = 120.0) -> MlflowServer:
+    """Start ``mlflow server`` on a free loopback port and wait until /health answers."""
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.makedirs(workdir, exist_ok=True)
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "mlflow"),
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{workdir}/mlflow.db",
+        "--default-artifact-root",
+        f"{workdir}/artifacts",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
+    log = open(os.path.join(workdir, "server.log"), "wb")  # noqa: SIM115  (lives as long as the server)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"mlflow server exited: {open(log.name).read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                if r.status == 200:
+                    return MlflowServer(uri, process)
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise RuntimeError(f"mlflow server did not answer /health within {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """One ``mlflow server`` (sqlite backend) on 127.0.0.1 for the whole run."""
+    server = start_mlflow_server(str(tmp_path_factory.mktemp("mlflow-server")))
+    yield server
+    server.stop()

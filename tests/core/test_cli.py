@@ -1,0 +1,70 @@
+"""The ``air`` command on real checkpoint roots: ls, verify and report, with partial and corrupt ones."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from air_core import AsyncCheckpointer, GoodputLog
+from tests.conftest import REPO
+
+
+def air(*args: str) -> subprocess.CompletedProcess:
+    script = os.path.join(os.path.dirname(sys.executable), "air")
+    return subprocess.run([script, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def _root_with_committed_partial_and_corrupt(tmp_path) -> str:
+    root = str(tmp_path / "root")
+    with AsyncCheckpointer(root, keep_last=5) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save({"w": torch.full((1000,), float(step))}, step=step).result()
+        log = GoodputLog(ckpt.storage, "b" * 32)
+        for step in (1, 2, 3):
+            log.step(step, 0.1, 0.01)
+        log.close()
+    os.remove(f"{root}/.air/step-000000003/manifest.json")  # step 3: a partial checkpoint
+    path = f"{root}/step-000000002/rank-00000.pt"
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF  # step 2: one changed byte, same size
+    open(path, "wb").write(bytes(data))
+    return root
+
+
+def test_ls_shows_every_checkpoint_with_its_status(tmp_path):
+    root = _root_with_committed_partial_and_corrupt(tmp_path)
+    out = air("ls", root)
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
+    assert lines["step-000000001"].endswith("committed")
+    assert lines["step-000000002"].endswith("committed"), "a changed byte keeps the size: only verify sees it"
+    assert "partial: no manifest" in lines["step-000000003"]
+
+
+def test_verify_finds_the_changed_byte_and_exits_1(tmp_path):
+    root = _root_with_committed_partial_and_corrupt(tmp_path)
+    out = air("verify", root)
+    assert out.returncode == 1
+    assert "step-000000001: OK" in out.stdout
+    assert "step-000000002: FAILED" in out.stdout and "CRC-32 differs" in out.stdout
+    assert "files, 100%" in out.stderr, "progress is shown"
+    assert air("verify", root, "step-000000001").returncode == 0
+    missing = air("verify", root, "nope")
+    assert missing.returncode == 2 and "no checkpoint named nope" in missing.stderr
+
+
+def test_report_prints_latency_fetch_and_goodput_and_draws_a_plot(tmp_path):
+    root = _root_with_committed_partial_and_corrupt(tmp_path)
+    png = tmp_path / "report.png"
+    out = air("report", root, "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    assert "fetch_seconds: 3 steps" in out.stdout and "goodput" in out.stdout
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_unreachable_root_is_a_clear_error_not_a_traceback(tmp_path):
+    out = air("ls", "nosuchscheme://bucket/x")
+    assert out.returncode == 2 and "air ls:" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,61 @@
+"""Goodput: the event log's segments round-trip through storage, and the split of wall time is exact."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from air_core import GoodputLog, RestoreRecord, SaveRecord, goodput_of
+from air_core.goodput import analyze, read_events
+from air_core.storage import Storage
+
+
+def _launch(
+    start: float, steps: list[tuple[int, float, float, float]], restore: int | None = None
+) -> list[dict]:
+    """Events of one launch: steps as (step, end time, duration, fetch)."""
+    events = [{"e": "start", "t": start, "launch": "x"}]
+    if restore is not None:
+        events.append({"e": "restore", "s": restore, "t": start + 1, "seconds": 0.5, "source": "cache"})
+    events += [{"e": "step", "s": s, "t": t, "d": d, "f": f} for s, t, d, f in steps]
+    return events
+
+
+def test_the_wall_time_of_a_killed_and_resumed_job_splits_exactly():
+    # Launch 1: starts at 0, first step ends at 10 (2 s long: 8 s start-up), steps 1-4 of 1 s (0.1 s
+    # data wait each), a save after step 2 blocking 0.3 s (inside step 3); killed after step 4.
+    first = _launch(0.0, [(1, 10.0, 2.0, 0.1), (2, 11.0, 1.0, 0.1), (3, 12.0, 1.0, 0.1), (4, 13.0, 1.0, 0.1)])
+    first.append({"e": "save", "s": 2, "t": 11.5, "blocking": 0.3, "committed": True, "total": 0.5})
+    # Launch 2 starts at 20, restores step 2 (steps 3-4 of launch 1 were for nothing), runs 3-4 again.
+    second = _launch(20.0, [(3, 25.0, 1.0, 0.2), (4, 26.0, 1.0, 0.2)], restore=2)
+    second.append({"e": "end", "t": 27.0})
+    g = analyze([first, second])
+    assert g.wall == 27.0 and g.launches == 2 and g.steps == 6 and g.recomputed_steps == 2
+    assert g.recomputed == 2.0, "launch 1's steps 3 and 4"
+    assert g.startup_and_restore == pytest.approx(8.0 + 4.0), "start to first step start, per launch"
+    assert g.data_waits == pytest.approx(0.1 + 0.1 + 0.2 + 0.2)
+    assert g.checkpoint_stalls == 0.0, "the save's stall fell in step 3 of launch 1, which was recomputed"
+    assert g.productive == pytest.approx((2.0 - 0.1) + (1.0 - 0.1) + (1.0 - 0.2) * 2)
+    parts = g.productive + g.checkpoint_stalls + g.data_waits + g.startup_and_restore + g.recomputed + g.other
+    assert parts == pytest.approx(g.wall)
+    assert g.goodput == pytest.approx(g.productive / 27.0)
+
+
+def test_the_log_survives_as_segments_and_reads_back_in_order(tmp_path):
+    storage = Storage(str(tmp_path), storage_options={}, retries=0, retry_backoff_seconds=0.0)
+    log = GoodputLog(storage, "a" * 32, flush_every_seconds=60)
+    log.step(1, 0.5, 0.1)
+    log.save(SaveRecord("c", 1, 0, 0.0, 0.02, 0.1, 0.0, 0.01, 0.2, 10, 0))  # a commit writes a segment
+    deadline = time.monotonic() + 10
+    while not storage.sizes(".air-events") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert storage.sizes(".air-events"), "the commit made the log durable up to it, without waiting 60 s"
+    log.restore(RestoreRecord("c", 1, 0, 0.3, "remote", 10))
+    log.step(2, 0.5, 0.1)
+    log.close()
+    (events,) = read_events(storage)
+    assert [e["e"] for e in events] == ["start", "step", "save", "restore", "step", "end"]
+    segments = [p for p in storage.sizes(".air-events") if p.endswith(".jsonl")]
+    assert len(segments) >= 2, "the commit flushed a segment before close wrote the last one"
+    assert goodput_of(storage).steps == 2

@@ -1,0 +1,57 @@
+"""MlflowSink against a real ``mlflow server`` on 127.0.0.1, and against none at all."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+from air_core import MlflowSink
+
+
+def test_metrics_and_params_land_with_their_steps(mlflow_server):
+    from mlflow import MlflowClient
+
+    sink = MlflowSink(tracking_uri=mlflow_server.uri, experiment="sink-test", params={"lr": 0.1})
+    for step in range(1, 2501):  # more than one log_batch of 1000
+        sink.log({"x": step * 0.5, "y": 1.0}, step)
+    sink.close(timeout_seconds=60)
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    history = client.get_metric_history(sink.run_id, "x")
+    assert sorted((m.step, m.value) for m in history) == [(s, s * 0.5) for s in range(1, 2501)]
+    assert client.get_run(sink.run_id).data.params == {"lr": "0.1"}
+    assert sink.dropped == 0 and sink.sent == 5000
+
+
+def test_a_given_run_is_continued(mlflow_server):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    exp = client.get_experiment_by_name("sink-test") or client.get_experiment(
+        client.create_experiment("sink-test")
+    )
+    run_id = client.create_run(exp.experiment_id).info.run_id
+    sink = MlflowSink(run_id=run_id, tracking_uri=mlflow_server.uri)
+    sink.log({"z": 3.0}, 7)
+    sink.close(timeout_seconds=60)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "z")] == [(7, 3.0)]
+
+
+def test_an_unreachable_server_never_raises_into_the_loop_and_warns_once(caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    with caplog.at_level(logging.WARNING, logger="air_core.mlflow_sink"):
+        sink = MlflowSink(tracking_uri=f"http://127.0.0.1:{port}", retries=0, flush_every_seconds=0.1)
+        started = time.perf_counter()
+        for step in range(20_000):
+            sink.log({"x": 1.0}, step)
+        per_call = (time.perf_counter() - started) / 20_000
+        sink.close(timeout_seconds=5)
+    print(f"MlflowSink.log: {per_call * 1e6:.2f} us per call while the server is down")
+    assert sink.sent == 0 and sink.run_id is None
+    warnings = [
+        r for r in caplog.records if r.name == "air_core.mlflow_sink" and r.levelno == logging.WARNING
+    ]
+    assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]
+    assert "MLflow" in warnings[0].getMessage()
