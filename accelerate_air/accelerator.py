@@ -193,7 +193,7 @@ class AirAccelerator(Accelerator):
                 run_id=self._air_resumed_run or self._air_tracker_run_id(),
                 experiment=self.air_plugin.mlflow_experiment,
             )
-            self.air_records.publish = self._air_sink.log
+            self.air_records.attach(self._air_sink.log)
         self.air_records.record_step(self.completed_steps)
 
     def _air_gather(self, values: list[float]) -> list[list[float]]:
@@ -410,6 +410,7 @@ class AirAccelerator(Accelerator):
         """Commit what is in flight (bounded by ``flush_timeout_seconds``), report goodput (rank 0),
         then end the trackers."""
         self._air.close()
+        self.air_records.close_window(self.completed_steps)
         self.air_records.log_summary()
         if self._air_goodput is not None:
             self._air_goodput.close()

@@ -32,14 +32,13 @@ EVENTS_DIR = ".air-events"
 
 
 def process_start_time() -> float:
-    """When this process started (wall clock): Linux /proc, else now."""
+    """When this process started (wall clock), from Linux's /proc and the boot-time clock; else now."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - since_start
+    except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
 
 

@@ -65,6 +65,12 @@ class Recorder:
         self._totals = {"fetch_seconds_total": 0.0, "step_seconds_total": 0.0}
         self._ckpt_totals = {"checkpoint_blocking_seconds_total": 0.0, "checkpoints_committed_total": 0.0}
 
+    def attach(self, publish: Publish) -> None:
+        """Start publishing (rank 0); a restore recorded before (at resume) is published now."""
+        self.publish = publish
+        for r in self.restores:
+            self._publish_restore(r)
+
     # -- the training thread ---------------------------------------------------------------------
     def record_fetch(self, seconds: float) -> None:
         """One batch fetched for training, after waiting ``seconds``."""
@@ -85,9 +91,12 @@ class Recorder:
         if self.goodput is not None:
             self.goodput.step(step, duration, fetch)
         if len(self._window_fetch) >= self.log_every_n_steps:
-            self._close_window(step)
+            self.close_window(step)
 
-    def _close_window(self, step: int) -> None:
+    def close_window(self, step: int) -> None:
+        """Publish the steps not published yet (at the end of training; a collective, like a window)."""
+        if not self._window_fetch:
+            return
         fetch, steps = self._window_fetch, self._window_steps
         self._window_fetch, self._window_steps = [], []
         mine = [*fetch, sum(fetch) / max(sum(steps), 1e-12)]
@@ -143,12 +152,12 @@ class Recorder:
             self.restores.append(event)
             if self.goodput is not None:
                 self.goodput.restore(event)
-            if self.rank == 0 and self.publish is not None:
-                metrics = {
-                    "restore_seconds": event.seconds,
-                    "restore_from_remote": float(event.source == "remote"),
-                }
-                self.publish(metrics, event.step)
+            self._publish_restore(event)
+
+    def _publish_restore(self, r: RestoreRecord) -> None:
+        if self.rank == 0 and self.publish is not None:
+            metrics = {"restore_seconds": r.seconds, "restore_from_remote": float(r.source == "remote")}
+            self.publish(metrics, r.step)
 
     def _publish_save(self, r: SaveRecord) -> None:
         self._ckpt_totals["checkpoint_blocking_seconds_total"] += r.blocking_seconds

@@ -374,7 +374,7 @@ class AirCallback(Callback):
         self._step_ended_at = None
         if trainer.is_global_zero and self.mlflow and self._sink is None:
             self._sink = MlflowSink(run_id=self._mlflow_run(trainer), experiment=self.mlflow_experiment)
-            self.records.publish = self._sink.log
+            self.records.attach(self._sink.log)
 
     def _mlflow_run(self, trainer: pl.Trainer) -> str | None:
         """The checkpoint's run on a resume, else the MLFlowLogger's (None: the sink decides)."""
@@ -407,6 +407,8 @@ class AirCallback(Callback):
         if self._unwrap is not None:
             self._unwrap()
             self._unwrap = None
+        if stage == "fit" and not (self._plugin is not None and self._plugin.exception_in_flight):
+            self.records.close_window(trainer.global_step)
         if self._goodput_log is not None:
             if self._preemption is not None:  # the last saves' records belong in the goodput log
                 self._preemption.flush("the end of fit")

@@ -2,7 +2,7 @@
 
     python tests/accelerate/job.py WORKDIR [--workers N] [--loader plain|seedable|stateful]
         [--every K] [--epochs E] [--kill STEP:PHASE[:RANK]] [--sigterm STEP:PHASE] [--root URL --endpoint URL]
-        [--stock] [--no-augment]
+        [--stock] [--no-augment] [--mlflow URI [--tracker] [--experiment NAME]]
 
 Trains a dropout MLP with a scheduler on numbered samples whose features get random noise from the
 global RNG (so data augmentation, dropout and shuffling all depend on restored RNG state), saving
@@ -77,7 +77,7 @@ def build(args):
     config = DataLoaderConfiguration(
         use_stateful_dataloader=args.loader == "stateful", use_seedable_sampler=args.loader == "seedable"
     )
-    tracking = {"log_with": "mlflow", "project_dir": args.workdir} if args.mlflow else {}
+    tracking = {"log_with": "mlflow", "project_dir": args.workdir} if args.tracker else {}
     if args.stock:
         return Accelerator(cpu=True, dataloader_config=config, **tracking)
     from accelerate_air import AirAccelerator, AirPlugin
@@ -93,6 +93,7 @@ def build(args):
         flush_timeout_seconds=5,
         log_every_n_steps=8,
         mlflow=bool(args.mlflow),
+        mlflow_experiment=args.experiment,
     )
     if args.kill:
         step, phase, *rank = args.kill.split(":")
@@ -116,9 +117,9 @@ def main() -> None:
     p.add_argument("--endpoint", default="")
     p.add_argument("--stock", action="store_true")
     p.add_argument("--no-augment", action="store_true", help="no augmentation drawn from the RNG")
-    p.add_argument(
-        "--mlflow", default="", help="tracking URI: log the loss through Accelerate's MLflow tracker"
-    )
+    p.add_argument("--mlflow", default="", help="tracking URI: send air's metrics to MLflow")
+    p.add_argument("--tracker", action="store_true", help="also log the loss through Accelerate's tracker")
+    p.add_argument("--experiment", default="air-test", help="MLflow experiment of a new run")
     args = p.parse_args()
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     logging.getLogger("accelerate_air").setLevel(logging.INFO)
@@ -126,8 +127,8 @@ def main() -> None:
     if args.mlflow:
         os.environ["MLFLOW_TRACKING_URI"] = args.mlflow
     accelerator = build(args)
-    if args.mlflow:
-        accelerator.init_trackers("air-test")
+    if args.tracker:
+        accelerator.init_trackers(args.experiment)
     model = torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, DIM))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
@@ -146,7 +147,7 @@ def main() -> None:
             with open(ids_file, "a") as f:
                 f.write(json.dumps({"step": step, "ids": ids.tolist()}) + "\n")
             loss = (model(x) - x).pow(2).mean()
-            if args.mlflow:
+            if args.tracker:
                 accelerator.log({"loss": loss.item()}, step=step)
             accelerator.backward(loss)
             optimizer.step()

@@ -180,7 +180,7 @@ def test_resumed_job_continues_the_same_mlflow_run(tmp_path):
     import mlflow
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    args = ("--mlflow", uri, "--epochs", "1", "--every", "5")
+    args = ("--mlflow", uri, "--tracker", "--epochs", "1", "--every", "5")
     run_job(tmp_path, *args, "--kill", "10:upload_start", expect_signal=signal.SIGKILL)
     run_job(tmp_path, *args)
     client = mlflow.MlflowClient(tracking_uri=uri)
