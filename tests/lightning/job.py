@@ -21,6 +21,7 @@ import sys
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import MLFlowLogger
 
 from air_core import PhaseEvent
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
@@ -51,7 +52,9 @@ def main() -> None:
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
-    p.add_argument("--mlflow", default="", help="tracking URI: send the metrics to MLflow")
+    p.add_argument("--mlflow", default="", help="tracking URI: send air's metrics to MLflow")
+    p.add_argument("--mlflow-logger", action="store_true", help="also give the Trainer an MLFlowLogger")
+    p.add_argument("--experiment", default="air-test", help="MLflow experiment of a new run")
     args = p.parse_args()
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     logging.getLogger("lightning_air").setLevel(logging.INFO)
@@ -80,11 +83,14 @@ def main() -> None:
         strategy="ddp" if args.devices > 1 else "auto",
         plugins=[plugin],
         callbacks=[
-            AirCallback(seed=7, log_every_n_steps=8, mlflow=bool(args.mlflow)),
+            AirCallback(
+                seed=7, log_every_n_steps=8, mlflow=bool(args.mlflow), mlflow_experiment=args.experiment
+            ),
             ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=-1),
         ],
-        logger=False,
+        logger=MLFlowLogger(args.experiment, tracking_uri=args.mlflow) if args.mlflow_logger else False,
         enable_progress_bar=False,
+        log_every_n_steps=4,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )

@@ -54,7 +54,9 @@ class Model(pl.LightningModule):
         ids, x = batch
         with open(os.path.join(self.workdir, f"ids-rank{self.global_rank}.jsonl"), "a") as f:
             f.write(json.dumps({"step": self.global_step, "ids": ids.tolist()}) + "\n")
-        return (self.net(x) - x).pow(2).mean()
+        loss = (self.net(x) - x).pow(2).mean()
+        self.log("loss", loss)
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
