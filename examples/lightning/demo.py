@@ -5,7 +5,8 @@
 2. relaunches the very same command: it resumes from the newest committed checkpoint;
 3. runs the same command uninterrupted in demo-run/lightning/reference;
 4. checks that both runs saw the same samples at every step and ended with bitwise-equal weights,
-   and prints the checkpoint latencies, fetch_seconds and where the figures are.
+   and prints the checkpoint latencies, fetch_seconds and where the figures are;
+5. prints ``air report`` of the checkpoint root (goodput across the kill) and where MLflow's data is.
 """
 
 from __future__ import annotations
@@ -87,11 +88,16 @@ def main() -> int:
     print(f"   resumed run: {s['saves']} saves, blocking median {s['blocking_seconds_median'] * 1e3:.1f} ms, "
           f"durable median {s['durable_seconds_median'] * 1e3:.1f} ms; fetch_seconds p50 "
           f"{s['fetch_seconds_p50'] * 1e3:.2f} ms, p95 {s['fetch_seconds_p95'] * 1e3:.2f} ms")  # fmt: skip
-    print(
-        f"   figures: {run}/air-summary.json, per-save log lines in {run}/train.log "
-        "(MLflow logging comes with the metrics layer)"
-    )
-    return 0 if same_samples and same_weights else 1
+    print(f"   figures: {run}/air-summary.json, per-save log lines in {run}/train.log")
+    root = os.path.join(run, "remote/ckpts")
+    air = os.path.join(os.path.dirname(sys.executable), "air")
+    print(f"5) air report {os.path.relpath(root)}  (latencies, fetch_seconds, goodput of both launches)")
+    plot = os.path.join(run, "report.png")
+    report = subprocess.run([air, "report", root, "--plot", plot], capture_output=True, text=True)
+    print("\n".join("   " + line for line in (report.stdout or report.stderr).splitlines()))
+    db = os.path.join(run, "mlflow.db")
+    print(f"   MLflow (embedded sqlite): {db}; browse it with: mlflow ui --backend-store-uri sqlite:///{db}")
+    return 0 if same_samples and same_weights and report.returncode == 0 else 1
 
 
 if __name__ == "__main__":
