@@ -17,23 +17,14 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import tempfile
 import uuid
 from collections import Counter
 from typing import Any
 
-import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.data_loader import DataLoaderShard, IterableDatasetShard, SeedableRandomSampler
+from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import (
-    MODEL_NAME,
-    OPTIMIZER_NAME,
-    RNG_STATE_NAME,
-    SAMPLER_NAME,
-    SCALER_NAME,
-    SCHEDULER_NAME,
     DistributedType,
     broadcast_object_list,
 )
@@ -41,7 +32,6 @@ from torch.utils.data import RandomSampler
 from typing_extensions import override
 
 from air_core import (
-    AirError,
     AsyncCheckpointer,
     ConfigError,
     FlushOnSigterm,
@@ -55,14 +45,11 @@ from air_core import (
     restore_rng,
 )
 
+from .layout import accelerate_files, air_file
 from .plugin import AirPlugin, warn_if_inexact
 
 logger = logging.getLogger(__name__)
 _SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
-
-
-def _air_file(rank: int) -> str:
-    return f"air-rank-{rank:05d}.pt"
 
 
 def _start_epochs_at_iter(prepared: Any) -> None:
@@ -233,57 +220,15 @@ class AirAccelerator(Accelerator):
 
     def _air_files(self, name: str) -> dict[str, Any]:
         """The files ``Accelerator.save_state`` would write for this rank, plus this rank's air state."""
-        files: dict[str, Any] = {}
-
-        def put(filename: str, state: Any) -> None:
-            files[f"{name}/{filename}"] = state
-
-        weights = [self.get_state_dict(m, unwrap=False) for m in self._models]
-        with tempfile.TemporaryDirectory(prefix="air-hooks-") as hook_dir:
-            for hook in self._save_model_state_pre_hook.values():
-                hook(self._models, weights, hook_dir)
-            if os.listdir(hook_dir):
-                raise AirError(
-                    "AirAccelerator.save_state: a save-state pre hook wrote files into output_dir; they "
-                    "would not be part of the commit. Register objects with state_dict()/load_state_dict() "
-                    "through accelerator.register_for_checkpointing(...) instead."
-                )
-        if self.is_main_process:
-            for i, state in enumerate(weights):
-                put(f"{MODEL_NAME}{f'_{i}' if i else ''}.bin", state)
-            for i, opt in enumerate(self._optimizers):
-                put(f"{OPTIMIZER_NAME}{f'_{i}' if i else ''}.bin", opt.state_dict())
-            for i, sched in enumerate(self._schedulers):
-                put(f"{SCHEDULER_NAME}{f'_{i}' if i else ''}.bin", sched.state_dict())
-            for i, dl in enumerate(self._dataloaders):
-                if isinstance(dl.dataset, IterableDatasetShard):
-                    sampler = dl.get_sampler()
-                    if isinstance(sampler, SeedableRandomSampler):
-                        put(f"{SAMPLER_NAME}{f'_{i}' if i else ''}.bin", sampler)
-            if self.scaler is not None:
-                put(SCALER_NAME, self.scaler.state_dict())
-            for i, obj in enumerate(self._custom_objects):
-                put(f"custom_checkpoint_{i}.pkl", obj.state_dict())
-        rng: dict[str, Any] = {
-            "step": self.step,
-            "random_state": random.getstate(),
-            "numpy_random_seed": np.random.get_state(),
-            "torch_manual_seed": torch.get_rng_state(),
+        files = accelerate_files(self)
+        files[air_file(self.process_index)] = {
+            "world_size": self.num_processes,
+            "completed_steps": self.completed_steps,
+            "rng": capture_rng(),
+            "loaders": [self._air_loader_state(dl) for dl in self._dataloaders],
+            "mlflow_run_id": self._air_mlflow_run_id(),
         }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
-        put(f"{RNG_STATE_NAME}_{self.process_index}.pkl", rng)
-        put(
-            _air_file(self.process_index),
-            {
-                "world_size": self.num_processes,
-                "completed_steps": self.completed_steps,
-                "rng": capture_rng(),
-                "loaders": [self._air_loader_state(dl) for dl in self._dataloaders],
-                "mlflow_run_id": self._air_mlflow_run_id(),
-            },
-        )
-        return files
+        return {f"{name}/{filename}": state for filename, state in files.items()}
 
     def _air_loader_state(self, dl: Any) -> dict[str, Any]:
         tracked = self._air_tracked.get(id(dl))
@@ -320,8 +265,8 @@ class AirAccelerator(Accelerator):
                 info = committed[wanted]
             local = self._air.fetch(info, ranks={0, self.process_index})
             name = local.info.name
-            folder = os.path.dirname(local.paths[f"{name}/{_air_file(self.process_index)}"])
-        air_path = os.path.join(folder, _air_file(self.process_index))
+            folder = os.path.dirname(local.paths[f"{name}/{air_file(self.process_index)}"])
+        air_path = os.path.join(folder, air_file(self.process_index))
         air = torch.load(air_path, weights_only=True) if os.path.isfile(air_path) else None
         if air is not None and air["world_size"] != self.num_processes:
             raise ConfigError(
@@ -334,7 +279,7 @@ class AirAccelerator(Accelerator):
                 "AirAccelerator.load_state(%s): no %s; RNG and data position come from Accelerate's files "
                 "only, so the resumed run may repeat or skip samples.",
                 folder,
-                _air_file(self.process_index),
+                air_file(self.process_index),
             )
             return
         self._air_restore(air)

@@ -55,3 +55,15 @@ def test_an_unreachable_server_never_raises_into_the_loop_and_warns_once(caplog)
     ]
     assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]
     assert "MLflow" in warnings[0].getMessage()
+
+
+def test_the_callers_active_run_is_used_when_no_run_is_given(mlflow_server):
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_server.uri)
+    mlflow.set_experiment("active-run")
+    with mlflow.start_run() as run:
+        sink = MlflowSink(tracking_uri=mlflow_server.uri)
+        sink.log({"a": 1.0}, 1)
+        sink.close(timeout_seconds=60)
+    assert sink.run_id == run.info.run_id

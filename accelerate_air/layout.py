@@ -1,0 +1,85 @@
+"""The files ``Accelerator.save_state`` writes, by Accelerate's own names, built in memory for the core.
+
+Keeping Accelerate's layout (``pytorch_model.bin``, ``optimizer.bin``, ``scheduler.bin``, ``scaler.pt``,
+``custom_checkpoint_<i>.pkl``, ``random_states_<rank>.pkl``) is what lets a stock ``load_state`` read a
+downloaded checkpoint and lets ``AirAccelerator.load_state`` hand the fetched folder to Accelerate's
+own loader. Only what a rank would write is built: rank 0 the shared state, every rank its RNG file.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
+from accelerate.utils import (
+    MODEL_NAME,
+    OPTIMIZER_NAME,
+    RNG_STATE_NAME,
+    SAMPLER_NAME,
+    SCALER_NAME,
+    SCHEDULER_NAME,
+)
+
+from air_core import AirError
+
+
+def air_file(rank: int) -> str:
+    """This rank's own state beside Accelerate's files (RNG, loader positions, step, MLflow run)."""
+    return f"air-rank-{rank:05d}.pt"
+
+
+def _indexed(stem: str, i: int, ext: str) -> str:
+    return f"{stem}{f'_{i}' if i else ''}{ext}"
+
+
+def accelerate_files(accelerator: Accelerator) -> dict[str, Any]:
+    """File name -> state, as ``save_state`` would write them on this rank (weights in torch format).
+
+    Raises:
+        AirError: a registered save-state pre hook wrote files into ``output_dir`` (they could not
+            be part of the commit).
+    """
+    acc: Any = accelerator
+    files: dict[str, Any] = {}
+    weights = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
+    with tempfile.TemporaryDirectory(prefix="air-hooks-") as hook_dir:
+        for hook in acc._save_model_state_pre_hook.values():
+            hook(acc._models, weights, hook_dir)
+        if os.listdir(hook_dir):
+            raise AirError(
+                "AirAccelerator.save_state: a save-state pre hook wrote files into output_dir; they would "
+                "not be part of the commit. Register objects with state_dict()/load_state_dict() through "
+                "accelerator.register_for_checkpointing(...) instead."
+            )
+    if acc.is_main_process:
+        for i, state in enumerate(weights):
+            files[_indexed(MODEL_NAME, i, ".bin")] = state
+        for i, opt in enumerate(acc._optimizers):
+            files[_indexed(OPTIMIZER_NAME, i, ".bin")] = opt.state_dict()
+        for i, sched in enumerate(acc._schedulers):
+            files[_indexed(SCHEDULER_NAME, i, ".bin")] = sched.state_dict()
+        for i, dl in enumerate(acc._dataloaders):
+            if isinstance(dl.dataset, IterableDatasetShard):
+                sampler = dl.get_sampler()
+                if isinstance(sampler, SeedableRandomSampler):
+                    files[_indexed(SAMPLER_NAME, i, ".bin")] = sampler
+        if acc.scaler is not None:
+            files[SCALER_NAME] = acc.scaler.state_dict()
+        for i, obj in enumerate(acc._custom_objects):
+            files[f"custom_checkpoint_{i}.pkl"] = obj.state_dict()
+    rng: dict[str, Any] = {
+        "step": acc.step,
+        "random_state": random.getstate(),
+        "numpy_random_seed": np.random.get_state(),
+        "torch_manual_seed": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    files[f"{RNG_STATE_NAME}_{acc.process_index}.pkl"] = rng
+    return files
