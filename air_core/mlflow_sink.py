@@ -19,9 +19,11 @@ import queue
 import sys
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 _BATCH = 1000  # MLflow's limit of metrics per log_batch
 
 
@@ -119,33 +121,38 @@ class MlflowSink:
             if closing:
                 return
 
-    def _connect(self) -> Any:
+    def _retrying(self, fn: Callable[[], T], failure: str) -> T | None:
+        """``fn()``, retried with backoff; on the last failure warn once (``failure``) and return None."""
         for attempt in range(self._retries + 1):
             try:
-                from mlflow import MlflowClient
-
-                client = MlflowClient(tracking_uri=self._tracking_uri)
-                if self._run_id is None:
-                    found = client.get_experiment_by_name(self._experiment)
-                    exp_id = found.experiment_id if found else client.create_experiment(self._experiment)
-                    self._run_id = client.create_run(exp_id, run_name=self._run_name).info.run_id
-                else:
-                    client.get_run(self._run_id)  # it must exist
-                if self._params:
-                    from mlflow.entities import Param
-
-                    params = [Param(k, str(v)) for k, v in self._params.items()]
-                    client.log_batch(self._run_id, params=params, synchronous=True)
-                self._ready.set()
-                return client
+                return fn()
             except Exception as exc:
                 if attempt == self._retries or self._closing.is_set():
-                    self._warn_once(
-                        "connect", f"cannot reach MLflow at {self._tracking_uri} ({exc}); metrics are dropped"
-                    )
+                    self._warn_once(failure, f"{failure} ({exc}); metrics are dropped, training goes on")
                     return None
                 time.sleep(min(2**attempt, 10))
         return None
+
+    def _connect(self) -> Any:
+        def connect() -> Any:
+            from mlflow import MlflowClient
+
+            client = MlflowClient(tracking_uri=self._tracking_uri)
+            if self._run_id is None:
+                found = client.get_experiment_by_name(self._experiment)
+                exp_id = found.experiment_id if found else client.create_experiment(self._experiment)
+                self._run_id = client.create_run(exp_id, run_name=self._run_name).info.run_id
+            else:
+                client.get_run(self._run_id)  # it must exist
+            if self._params:
+                from mlflow.entities import Param
+
+                params = [Param(k, str(v)) for k, v in self._params.items()]
+                client.log_batch(self._run_id, params=params, synchronous=True)
+            self._ready.set()
+            return client
+
+        return self._retrying(connect, f"cannot reach MLflow at {self._tracking_uri}")
 
     def _drain(self) -> list[tuple[str, float, int, int]]:
         items = []
@@ -159,19 +166,13 @@ class MlflowSink:
         from mlflow.entities import Metric
 
         metrics = [Metric(key, value, ts, step) for key, value, ts, step in chunk]
-        for attempt in range(self._retries + 1):
-            try:
-                client.log_batch(self._run_id, metrics=metrics, synchronous=True)
-                self.sent += len(metrics)
-                return True
-            except Exception as exc:
-                if attempt == self._retries or self._closing.is_set():
-                    self._warn_once(
-                        "send", f"MLflow did not accept metrics ({exc}); dropping them, training goes on"
-                    )
-                    return False
-                time.sleep(min(2**attempt, 10))
-        return False
+
+        def send() -> bool:
+            client.log_batch(self._run_id, metrics=metrics, synchronous=True)
+            self.sent += len(metrics)
+            return True
+
+        return bool(self._retrying(send, "MLflow did not accept metrics"))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

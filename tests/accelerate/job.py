@@ -21,12 +21,13 @@ import logging
 import os
 import signal
 import sys
-import time
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Dataset
+
+from tests.kill_at import KillAt
 
 N_SAMPLES, DIM, BATCH = 64, 16, 4
 
@@ -43,34 +44,6 @@ class Numbered(Dataset):
         if not self.augment_from_rng:  # torchdata does not keep loader workers' RNG in its state
             return i, x
         return i, x + 0.01 * torch.randn(DIM)  # augmentation from the global (or loader worker's) RNG
-
-
-class KillAt:
-    """Send ``signum`` to this process when the save of ``step`` reaches ``phase`` on ``rank``.
-
-    It first waits (up to 60 s) for an earlier save to commit, if one was started, so that the crash
-    always has a committed checkpoint to fall back to, however fast the steps are.
-    """
-
-    def __init__(self, step: int, phase: str, rank: int | None, signum: int = signal.SIGKILL) -> None:
-        self.step, self.phase, self.rank, self.signum = step, phase, rank, signum
-        self.started: set[int] = set()
-        self.committed: set[int] = set()
-
-    def on_event(self, event) -> None:
-        phase = getattr(event, "phase", None)
-        if phase == "snapshot_start":
-            self.started.add(event.step)
-        elif phase == "committed":
-            self.committed.add(event.step)
-        if phase != self.phase or event.step != self.step or self.rank not in (None, event.rank):
-            return
-        deadline = time.monotonic() + 60
-        while any(s < self.step for s in self.started) and not any(s < self.step for s in self.committed):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
-        os.kill(os.getpid(), self.signum)
 
 
 def build(args):

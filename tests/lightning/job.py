@@ -23,20 +23,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
 
-from air_core import PhaseEvent
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
+from tests.kill_at import KillAt
 from tests.lightning.model import Model
-
-
-class KillAt:
-    def __init__(self, step: int, phase: str, rank: int | None, signum: int = signal.SIGKILL) -> None:
-        self.step, self.phase, self.rank, self.signum = step, phase, rank, signum
-
-    def on_event(self, event) -> None:
-        if not isinstance(event, PhaseEvent) or (event.step, event.phase) != (self.step, self.phase):
-            return
-        if self.rank is None or event.rank == self.rank:
-            os.kill(os.getpid(), self.signum)
 
 
 def main() -> None:
