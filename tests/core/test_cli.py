@@ -20,13 +20,14 @@ def air(*args: str) -> subprocess.CompletedProcess:
 def _root_with_committed_partial_and_corrupt(tmp_path) -> str:
     root = str(tmp_path / "root")
     with AsyncCheckpointer(root, keep_last=5) as ckpt:
-        for step in (1, 2, 3):
+        for step in (1, 2, 3, 4):
             ckpt.save({"w": torch.full((1000,), float(step))}, step=step).result()
         log = GoodputLog(ckpt.storage, "b" * 32)
         for step in (1, 2, 3):
             log.step(step, 0.1, 0.01)
         log.close()
     os.remove(f"{root}/.air/step-000000003/manifest.json")  # step 3: a partial checkpoint
+    os.truncate(f"{root}/step-000000004/rank-00000.pt", 100)  # step 4: a truncated file
     path = f"{root}/step-000000002/rank-00000.pt"
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0xFF  # step 2: one changed byte, same size
@@ -42,6 +43,7 @@ def test_ls_shows_every_checkpoint_with_its_status(tmp_path):
     assert lines["step-000000001"].endswith("committed")
     assert lines["step-000000002"].endswith("committed"), "a changed byte keeps the size: only verify sees it"
     assert "partial: no manifest" in lines["step-000000003"]
+    assert "corrupt: file step-000000004/rank-00000.pt has 100 bytes" in lines["step-000000004"]
 
 
 def test_verify_finds_the_changed_byte_and_exits_1(tmp_path):
