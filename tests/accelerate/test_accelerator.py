@@ -120,7 +120,7 @@ def test_load_state_by_name_and_latest(tmp_path):
 
 def test_partial_checkpoint_is_never_loaded_and_a_corrupt_one_is_skipped(tmp_path, caplog):
     root = tmp_path / "ckpts"
-    accelerator = air(str(root))
+    accelerator = air(str(root), keep_last=3)  # retention must not race the test's own damage
     model, optimizer, loader, scheduler, counter = setup(accelerator)
     assert accelerator.resume() == 0, "nothing committed: a fresh start"
     train(accelerator, model, optimizer, loader, scheduler, counter, steps=2)
