@@ -352,11 +352,13 @@ class AirAccelerator(Accelerator):
 
     @override
     def end_training(self) -> None:
-        """Commit what is in flight (bounded by ``flush_timeout_seconds``), report goodput (rank 0),
-        then end the trackers."""
+        """Commit what is in flight (bounded by ``flush_timeout_seconds``), end the trackers and the
+        process group (every rank together), then report goodput and flush MLflow (rank 0)."""
         self._air.close()
-        self.air_records.close_window(self.completed_steps)
+        self.air_records.close_window(self.completed_steps, reduce=False)
         self.air_records.log_summary()
+        self._air_preemption.uninstall()
+        super().end_training()
         if self._air_goodput is not None:
             self._air_goodput.close()
             self.air_goodput = goodput_of(self._air.storage)
@@ -365,5 +367,3 @@ class AirAccelerator(Accelerator):
                 self._air_sink.log(self.air_goodput.as_metrics(), self.completed_steps)
         if self._air_sink is not None:
             self._air_sink.close()
-        self._air_preemption.uninstall()
-        super().end_training()

@@ -93,13 +93,15 @@ def write_manifest(storage: Storage, manifest: Manifest) -> None:
 
 def retention_victims(infos: list[CheckpointInfo], *, keep_last: int, busy: set[str]) -> list[CheckpointInfo]:
     """What may be deleted now: committed checkpoints beyond the newest ``keep_last``, and partial
-    ones older than the newest commit that no save of ours is still writing."""
+    ones (with a part record) older than the newest commit that no save of ours is still writing."""
     committed = [i for i in infos if i.status == "committed"]
     if not committed:
         return []
     newest_step = committed[-1].step
     old = committed[:-keep_last] if len(committed) > keep_last else []
-    stale = [i for i in infos if i.status == "partial" and i.step < newest_step and i.name not in busy]
+    # A partial without a readable part record (step -1) may be a save whose first record another
+    # rank is writing this instant: it is left alone (it holds no data file yet).
+    stale = [i for i in infos if i.status == "partial" and 0 <= i.step < newest_step and i.name not in busy]
     return old + stale
 
 

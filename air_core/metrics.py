@@ -93,14 +93,16 @@ class Recorder:
         if len(self._window_fetch) >= self.log_every_n_steps:
             self.close_window(step)
 
-    def close_window(self, step: int) -> None:
-        """Publish the steps not published yet (at the end of training; a collective, like a window)."""
+    def close_window(self, step: int, *, reduce: bool = True) -> None:
+        """Publish the steps not published yet. ``reduce=False`` (at the end of training) publishes this
+        rank's own figures without a collective: a gather right before the process group is destroyed
+        made gloo abort a rank at exit under load (seen in CI)."""
         if not self._window_fetch:
             return
         fetch, steps = self._window_fetch, self._window_steps
         self._window_fetch, self._window_steps = [], []
         mine = [*fetch, sum(fetch) / max(sum(steps), 1e-12)]
-        ranks = self.gather(mine) if self.gather is not None else [mine]
+        ranks = self.gather(mine) if self.gather is not None and reduce else [mine]
         if self.rank != 0:
             return
         n = len(fetch)

@@ -249,7 +249,9 @@ class Storage:
         self.call("delete", rel, rm)
         if self.is_local:  # keep the tree tidy: drop folders the delete left empty
             parent = os.path.dirname(self.path(rel))
-            while parent.startswith(self.base + os.sep):
+            # ...but never the shared record folders: another rank may be about to write into them.
+            shared = {os.path.join(self.base, ".air"), os.path.join(self.base, ".air-events")}
+            while parent.startswith(self.base + os.sep) and parent not in shared:
                 try:
                     os.rmdir(parent)
                 except OSError:

@@ -408,7 +408,7 @@ class AirCallback(Callback):
             self._unwrap()
             self._unwrap = None
         if stage == "fit" and not (self._plugin is not None and self._plugin.exception_in_flight):
-            self.records.close_window(trainer.global_step)
+            self.records.close_window(trainer.global_step, reduce=False)
         if self._goodput_log is not None:
             if self._preemption is not None:  # the last saves' records belong in the goodput log
                 self._preemption.flush("the end of fit")
