@@ -51,8 +51,6 @@ class Recorder:
         self.rank = rank
         self.fetch_seconds: list[float] = []
         """Per training step: how long the loop waited for its batch."""
-        self.step_seconds: list[float] = []
-        """Per training step: wall time since the previous step ended (fetch included)."""
         self.saves: list[SaveRecord] = []
         self.restores: list[RestoreRecord] = []
         self.publish: Publish | None = None
@@ -85,7 +83,6 @@ class Recorder:
         duration, fetch = now - start, self._pending_fetch
         self._last_end, self._pending_fetch = now, 0.0
         self.fetch_seconds.append(fetch)
-        self.step_seconds.append(duration)
         self._window_fetch.append(fetch)
         self._window_steps.append(duration)
         if self.goodput is not None:
