@@ -18,11 +18,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import AirError
+from .errors import AirError, CorruptCheckpointError
 from .goodput import analyze, read_events
 from .manifest import CheckpointInfo
 from .metrics import summarize
-from .recovery import file_crc32, scan
+from .recovery import fetch, scan
 from .storage import Storage
 
 
@@ -68,7 +68,7 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
 
 
 def _verify_one(storage: Storage, info: CheckpointInfo) -> str:
-    """Re-read every file (downloading remote ones to a temp folder), with progress on stderr."""
+    """Re-read every file through ``recovery.fetch`` (remote ones into a temp folder), with progress."""
     if info.manifest is None:
         return info.reason or info.status
     import tempfile
@@ -78,20 +78,16 @@ def _verify_one(storage: Storage, info: CheckpointInfo) -> str:
     done = 0
     with tempfile.TemporaryDirectory(prefix="air-verify-") as tmp:
         for k, entry in enumerate(files, 1):
-            if storage.is_local:
-                local = storage.path(entry.path)
-            else:
-                local = f"{tmp}/{k}"
-                storage.get_file(entry.path, local)
             try:
-                crc = file_crc32(local)
+                fetch(storage, None if storage.is_local else tmp, info.manifest, [entry], max_transfers=1)
+            except CorruptCheckpointError as exc:
+                print(file=sys.stderr)
+                return str(exc)
             except FileNotFoundError:
+                print(file=sys.stderr)
                 return f"{entry.path} is missing"
             done += entry.size
             print(f"\r  {info.name}: {k}/{len(files)} files, {done / total:.0%}", end="", file=sys.stderr)
-            if crc != entry.crc32:
-                print(file=sys.stderr)
-                return f"{entry.path}: CRC-32 differs from the manifest (changed or damaged after the commit)"
     print(file=sys.stderr)
     return ""
 
