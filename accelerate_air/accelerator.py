@@ -108,7 +108,7 @@ class AirAccelerator(Accelerator):
             )
         self.air_plugin = air_plugin
         self.air_records = Recorder(air_plugin.log_every_n_steps, rank=self.process_index)
-        self.air_records.gather = self._air_gather
+        self.air_records.gather = self._air_gather if self.num_processes > 1 else None
         self.completed_steps = 0
         self.start_epoch = 0
         self.air_goodput: Goodput | None = None
@@ -184,8 +184,6 @@ class AirAccelerator(Accelerator):
         self.air_records.record_step(self.completed_steps)
 
     def _air_gather(self, values: list[float]) -> list[list[float]]:
-        if self.num_processes == 1:
-            return [values]
         gathered = self.gather(torch.tensor(values, dtype=torch.float64, device=self.device))
         return gathered.view(self.num_processes, -1).tolist()
 

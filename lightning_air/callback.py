@@ -126,7 +126,8 @@ class AirCallback(Callback):
         )
         plugin.attach(rank=trainer.global_rank, world_size=trainer.world_size, launch_id=self._launch_id)
         self.records.rank = trainer.global_rank
-        self.records.gather = lambda values: _gather(trainer, values)
+        # One process: the Recorder reduces over itself, no collective.
+        self.records.gather = (lambda values: _gather(trainer, values)) if trainer.world_size > 1 else None
         plugin.add_listener(self.records)
         root = getattr(trainer.checkpoint_callback, "dirpath", None)
         if trainer.is_global_zero and root:
@@ -429,7 +430,5 @@ class AirCallback(Callback):
 
 def _gather(trainer: pl.Trainer, values: list[float]) -> list[list[float]]:
     """Every rank's ``values`` (a collective: every rank calls it at the same step)."""
-    if trainer.world_size == 1:
-        return [values]
     gathered = trainer.strategy.all_gather(torch.tensor(values, dtype=torch.float64))
     return gathered.reshape(trainer.world_size, -1).tolist()
