@@ -330,6 +330,7 @@ class AsyncCheckpointer:
                     reason=cand.reason or cand.status,
                 )
             entries = [f for f in cand.manifest.files if f.rank in wanted]
+            self._emit(PhaseEvent("restore_start", cand.name, cand.step, self.config.rank))
             try:
                 paths, source = fetch(
                     self._storage,

@@ -24,14 +24,16 @@ Phase = Literal[
     "part_written",
     "commit_start",
     "committed",
+    "retention_start",
     "retention_deleted",
+    "restore_start",
     "failed",
 ]
 
 
 @dataclass(frozen=True)
 class PhaseEvent:
-    """One save reached ``phase`` (emitted on the thread doing that phase)."""
+    """A save, a retention delete or a restore reached ``phase`` (emitted on the thread doing it)."""
 
     phase: Phase
     name: str

@@ -361,6 +361,7 @@ class Writer:
             )
 
     def _delete(self, info: CheckpointInfo, infos: list[CheckpointInfo]) -> None:
+        self._emit(PhaseEvent("retention_start", info.name, info.step, self._config.rank))
         commit.delete_checkpoint(self._storage, info, others=infos)
         self._emit(PhaseEvent("retention_deleted", info.name, info.step, self._config.rank))
 

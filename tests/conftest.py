@@ -15,6 +15,19 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak",
+        type=int,
+        default=0,
+        metavar="N",
+        help="tests/faults: run N seeded kill trials per adapter (default: a few, sized for CI)",
+    )
+    parser.addoption(
+        "--fault-report", default="", metavar="PATH", help="tests/faults: write each trial's counts (JSON)"
+    )
+
+
 @dataclass(frozen=True)
 class S3Root:
     """A fresh bucket on the moto S3 server: the URL and the storage_options that reach it."""

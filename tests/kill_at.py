@@ -1,23 +1,54 @@
-"""Kill the job's own process when a save reaches a phase: the crash tests' trigger (a core listener)."""
+"""The crash tests' trigger and witness: core listeners installed by the test jobs.
+
+``KillAt`` kills the job's own process when a save (or a retention delete, or a restore) reaches a
+phase, optionally some milliseconds later from a timer, so the kill lands *inside* that phase while it
+runs. ``Journal`` appends what the checkpointer reported (committed, deleted by retention) to a file,
+fsynced before the pipeline goes on, so a test can tell after a SIGKILL what the job was told.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
 import time
 
 
 class KillAt:
     """Send ``signum`` to this process when the save of ``step`` reaches ``phase`` on ``rank``.
 
-    It first waits (up to 60 s) for an earlier save to commit, if one was started, so that the crash
-    always has a committed checkpoint to fall back to, however fast the steps are.
+    ``step`` None matches any step (a restore's step is not known in advance). It first waits (up to
+    60 s) for an earlier save to commit, if one was started, so that the crash always has a committed
+    checkpoint to fall back to, however fast the steps are.
     """
 
-    def __init__(self, step: int, phase: str, rank: int | None, signum: int = signal.SIGKILL) -> None:
+    def __init__(
+        self,
+        step: int | None,
+        phase: str,
+        rank: int | None,
+        signum: int = signal.SIGKILL,
+        delay_seconds: float = 0.0,
+    ) -> None:
         self.step, self.phase, self.rank, self.signum = step, phase, rank, signum
+        self.delay_seconds = delay_seconds
         self.started: set[int] = set()
         self.committed: set[int] = set()
+        self.fired = False
+
+    @classmethod
+    def parse(cls, spec: str, signum: int = signal.SIGKILL) -> KillAt:
+        """``STEP:PHASE[:RANK][+DELAY_MS]``, STEP ``*`` for any step."""
+        spec, _, delay = spec.partition("+")
+        step, phase, *rank = spec.split(":")
+        return cls(
+            None if step == "*" else int(step),
+            phase,
+            int(rank[0]) if rank else None,
+            signum,
+            float(delay or 0) / 1000,
+        )
 
     def on_event(self, event) -> None:
         phase = getattr(event, "phase", None)
@@ -25,11 +56,45 @@ class KillAt:
             self.started.add(event.step)
         elif phase == "committed":
             self.committed.add(event.step)
-        if phase != self.phase or event.step != self.step or self.rank not in (None, event.rank):
+        if self.fired or phase != self.phase or self.step not in (None, event.step):
             return
+        if self.rank not in (None, event.rank):
+            return
+        self.fired = True
         deadline = time.monotonic() + 60
-        while any(s < self.step for s in self.started) and not any(s < self.step for s in self.committed):
+        while any(s < event.step for s in self.started) and not any(s < event.step for s in self.committed):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        os.kill(os.getpid(), self.signum)
+        if self.delay_seconds:  # the phase goes on; the kill lands somewhere inside it
+            timer = threading.Timer(self.delay_seconds, os.kill, (os.getpid(), self.signum))
+            timer.daemon = True
+            timer.start()
+        else:
+            os.kill(os.getpid(), self.signum)
+
+
+class Journal:
+    """Append ``committed`` and retention events of each rank to ``<workdir>/journal-rank<R>.jsonl``."""
+
+    PHASES = ("committed", "retention_start", "retention_deleted")
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+
+    def on_event(self, event) -> None:
+        if getattr(event, "phase", None) not in self.PHASES:
+            return
+        line = json.dumps({"phase": event.phase, "name": event.name, "step": event.step})
+        with open(os.path.join(self.workdir, f"journal-rank{event.rank}.jsonl"), "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_journal(workdir: str, rank: int = 0) -> list[dict]:
+    path = os.path.join(workdir, f"journal-rank{rank}.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -27,7 +27,7 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Dataset
 
-from tests.kill_at import KillAt
+from tests.kill_at import Journal, KillAt
 
 N_SAMPLES, DIM, BATCH = 64, 16, 4
 
@@ -68,12 +68,11 @@ def build(args):
         mlflow=bool(args.mlflow),
         mlflow_experiment=args.experiment,
     )
+    plugin.add_listener(Journal(args.workdir))
     if args.kill:
-        step, phase, *rank = args.kill.split(":")
-        plugin.add_listener(KillAt(int(step), phase, int(rank[0]) if rank else None))
+        plugin.add_listener(KillAt.parse(args.kill))
     if args.sigterm:
-        step, phase = args.sigterm.split(":")
-        plugin.add_listener(KillAt(int(step), phase, None, signal.SIGTERM))
+        plugin.add_listener(KillAt.parse(args.sigterm, signal.SIGTERM))
     return AirAccelerator(air_plugin=plugin, cpu=True, dataloader_config=config, **tracking)
 
 
@@ -84,8 +83,8 @@ def main() -> None:
     p.add_argument("--loader", choices=["plain", "seedable", "stateful"], default="plain")
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--kill", default="", help="STEP:PHASE[:RANK]")
-    p.add_argument("--sigterm", default="", help="STEP:PHASE")
+    p.add_argument("--kill", default="", help="STEP:PHASE[:RANK][+DELAY_MS], STEP * for any")
+    p.add_argument("--sigterm", default="", help="STEP:PHASE[+DELAY_MS]: send SIGTERM instead")
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     p.add_argument("--stock", action="store_true")

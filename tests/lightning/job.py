@@ -1,7 +1,7 @@
 """A small, deterministic Lightning job for the crash tests (run as a script by tests/lightning).
 
     python tests/lightning/job.py WORKDIR [--workers N] [--every K] [--epochs E] [--kill STEP:PHASE]
-        [--devices D] [--root URL --endpoint URL]
+        [--devices D] [--top-k K] [--root URL --endpoint URL]
 
 Trains a dropout MLP on a map-style dataset of numbered samples, checkpointing every K steps through
 AirCheckpointIO (staged), resuming from lightning_air.latest_checkpoint(). Each process appends the
@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
 
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
-from tests.kill_at import KillAt
+from tests.kill_at import Journal, KillAt
 from tests.lightning.model import Model
 
 
@@ -35,9 +35,10 @@ def main() -> None:
     p.add_argument("--loader", choices=["plain", "stateful", "iterable"], default="plain")
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--kill", default="", help="STEP:PHASE[:RANK]")
+    p.add_argument("--top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k); 1 deletes as it goes")
+    p.add_argument("--kill", default="", help="STEP:PHASE[:RANK][+DELAY_MS], STEP * for any")
     p.add_argument("--commit-timeout", type=float, default=600.0)
-    p.add_argument("--sigterm", default="", help="STEP:PHASE: send SIGTERM (preemption) instead")
+    p.add_argument("--sigterm", default="", help="STEP:PHASE[+DELAY_MS]: send SIGTERM instead")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
@@ -59,12 +60,11 @@ def main() -> None:
         storage_options=opts,
         commit_timeout_seconds=args.commit_timeout,
     )
+    plugin.add_listener(Journal(args.workdir))
     if args.kill:
-        step, phase, *rank = args.kill.split(":")
-        plugin.add_listener(KillAt(int(step), phase, int(rank[0]) if rank else None))
+        plugin.add_listener(KillAt.parse(args.kill))
     if args.sigterm:
-        step, phase = args.sigterm.split(":")
-        plugin.add_listener(KillAt(int(step), phase, None, signal.SIGTERM))
+        plugin.add_listener(KillAt.parse(args.sigterm, signal.SIGTERM))
     trainer = pl.Trainer(
         max_epochs=args.epochs,
         accelerator="cpu",
@@ -75,7 +75,7 @@ def main() -> None:
             AirCallback(
                 seed=7, log_every_n_steps=8, mlflow=bool(args.mlflow), mlflow_experiment=args.experiment
             ),
-            ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=-1),
+            ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=args.top_k),
         ],
         logger=MLFlowLogger(args.experiment, tracking_uri=args.mlflow) if args.mlflow_logger else False,
         enable_progress_bar=False,
