@@ -26,6 +26,7 @@ import torch
 from .config import BusyPolicy, CheckpointerConfig, WriterKind, check_name
 from .errors import AirError, ConfigError, CorruptCheckpointError, SaveError
 from .events import Emitter, Listener, PhaseEvent, RestoreRecord
+from .lease import RootLease
 from .manifest import CheckpointInfo, check_relpath, default_file
 from .recovery import fetch, scan, verify
 from .snapshot import BufferPool, take_snapshot
@@ -124,6 +125,8 @@ class AsyncCheckpointer:
         retry_backoff_seconds: float = 0.2,
         commit_timeout_seconds: float = 600.0,
         close_timeout_seconds: float = 600.0,
+        lease_seconds: float = 30.0,
+        read_only: bool = False,
         listeners: Iterable[Listener] = (),
     ) -> None:
         """Validate the settings, then check the destination and staging folder are usable.
@@ -149,6 +152,8 @@ class AsyncCheckpointer:
             retry_backoff_seconds=retry_backoff_seconds,
             commit_timeout_seconds=commit_timeout_seconds,
             close_timeout_seconds=close_timeout_seconds,
+            lease_seconds=lease_seconds,
+            read_only=read_only,
         )
         cfg = self.config
         self._closed = True  # until fully built, so close() from a failed __init__ is a no-op
@@ -176,12 +181,18 @@ class AsyncCheckpointer:
             self._cache_dir = os.path.join(staging, key)
             self._spill_dir = os.path.join(self._cache_dir, ".spill")
         _check_local_dir(self._cache_dir or self._spill_dir, "staging_dir", cfg.staging_dir)
-        self._storage.check_writable()
+        self._lease: RootLease | None = None
+        if not cfg.read_only:
+            self._storage.check_writable()
+            if cfg.rank == 0:
+                self._lease = RootLease(self._storage, cfg.launch_id, lease_seconds=cfg.lease_seconds)
+                self._lease.acquire()
         self._emit = Emitter(listeners)
         self._pool = BufferPool(cfg.host_budget_bytes, cfg.max_in_flight, shared=cfg.writer == "process")
         serializer: Serializer = ProcessSerializer() if cfg.writer == "process" else ThreadSerializer()
         self._serializer = serializer
-        self._writer = Writer(cfg, self._storage, self._cache_dir, self._pool, serializer, self._emit)
+        fence = self._lease.check if self._lease is not None else None
+        self._writer = Writer(cfg, self._storage, self._cache_dir, self._pool, serializer, self._emit, fence)
         self._handles: list[SaveHandle] = []
         self._closed = False
 
@@ -215,7 +226,7 @@ class AsyncCheckpointer:
         ``torch.save`` format and they commit together. Adapters use it to keep a framework's own
         folder layout (one file per model, optimizer, ...).
         """
-        self._check_open("save")
+        self._check_open("save", write=True)
         self._raise_failed()
         name = check_name(name if name is not None else f"step-{_check_step(step):09d}")
         if not files:
@@ -295,7 +306,7 @@ class AsyncCheckpointer:
         The newest committed checkpoint is never deleted: its deletion waits until a newer one commits.
         Returns at once; call on rank 0 only.
         """
-        self._check_open("delete")
+        self._check_open("delete", write=True)
         self._writer.submit(DeleteJob(check_name(name)))
 
     def fetch(
@@ -314,13 +325,22 @@ class AsyncCheckpointer:
         self._check_open("fetch")
         started = time.monotonic()
         wanted = {self.config.rank} if ranks is None else set(ranks)
+        problems = []
         if info is not None:
             candidates = [info]
         else:
-            candidates = [i for i in reversed(self.list()) if i.status == "committed"]
+            candidates = []
+            for found in reversed(self.list()):
+                if found.status == "committed":
+                    candidates.append(found)
+                elif found.status == "corrupt" and not candidates:  # newer than any we may load: say why
+                    logger.warning(
+                        "rank %d: skipping checkpoint %s: %s", self.config.rank, found.name, found.reason
+                    )
+                    problems.append(f"{found.name}: {found.reason}")
             if not candidates:
-                raise FileNotFoundError(f"no committed checkpoint under {self._storage.display()}")
-        problems = []
+                why = f" ({'; '.join(problems)})" if problems else ""
+                raise FileNotFoundError(f"no committed checkpoint under {self._storage.display()}{why}")
         for cand in candidates:
             if cand.manifest is None:
                 raise CorruptCheckpointError(
@@ -432,6 +452,8 @@ class AsyncCheckpointer:
                 )
             self._serializer.close()
             self._pool.close()
+            if self._lease is not None:
+                self._lease.release()
 
     def __enter__(self) -> AsyncCheckpointer:
         return self
@@ -452,9 +474,11 @@ class AsyncCheckpointer:
                 err,
             )
 
-    def _check_open(self, what: str) -> None:
+    def _check_open(self, what: str, *, write: bool = False) -> None:
         if self._closed:
             raise AirError(f"AsyncCheckpointer.{what}(): the checkpointer is closed.")
+        if write and self.config.read_only:
+            raise AirError(f"AsyncCheckpointer.{what}(): opened with read_only=True; it never writes.")
 
 
 def _check_step(step: Any) -> int:

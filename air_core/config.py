@@ -61,6 +61,12 @@ class CheckpointerConfig:
     """How long rank 0 waits for the other ranks' parts before the save fails."""
     close_timeout_seconds: float = 600.0
     """Bound on ``close()`` waiting for in-flight saves."""
+    lease_seconds: float = 30.0
+    """Rank 0 holds the root for its launch and renews the hold every third of this; a launch on
+    another host takes over a root whose holder has not renewed for this long (see ``lease.py``)."""
+    read_only: bool = False
+    """Open the root to list, verify and load only: no probe write, no lease, ``save`` refused.
+    For tools that look at a root while a job may be writing it."""
 
     def __post_init__(self) -> None:
         def bad(arg: str, value: object, why: str) -> ConfigError:
@@ -110,7 +116,14 @@ class CheckpointerConfig:
             object.__setattr__(self, "launch_id", uuid.uuid4().hex)
         _check_int("max_transfers", self.max_transfers, 1)
         _check_int("retries", self.retries, 0)
-        for name in ("retry_backoff_seconds", "commit_timeout_seconds", "close_timeout_seconds"):
+        if not isinstance(self.read_only, bool):
+            raise bad("read_only", self.read_only, "read_only must be True or False.")
+        for name in (
+            "retry_backoff_seconds",
+            "commit_timeout_seconds",
+            "close_timeout_seconds",
+            "lease_seconds",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise bad(name, value, f"{name} must be a number of seconds >= 0.")

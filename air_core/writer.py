@@ -12,6 +12,7 @@ success unless the manifest is written.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import logging
 import os
@@ -188,6 +189,7 @@ class Writer:
         pool: BufferPool,
         serializer: Serializer,
         emit: Emitter,
+        fence: Callable[[str], None] | None = None,
     ) -> None:
         self._config = config
         self._storage = storage
@@ -195,6 +197,8 @@ class Writer:
         self._pool = pool
         self._serializer = serializer
         self._emit = emit
+        self._fence = fence or (lambda what: None)
+        """Rank 0: raises if another launch took the root over (called before a commit or a delete)."""
         self._queue: queue.Queue[SaveJob | DeleteJob | None] = queue.Queue()
         self.busy: set[str] = set()
         self._deferred: set[str] = set()
@@ -251,6 +255,7 @@ class Writer:
         leftovers: list[str] = []
         staged: dict[str, str] = {}
         try:
+            self._fence(f"saving checkpoint {job.name!r}")
             if storage.exists(manifest_path(job.name)):  # checked before any byte is written
                 raise StorageError(
                     f"checkpoint {job.name!r} is already committed at {storage.display(job.name)}; a "
@@ -316,7 +321,8 @@ class Writer:
                     os.unlink(leftover)
             error = SaveError(
                 f"rank {cfg.rank}: saving checkpoint {job.name!r} (step {job.step}) failed during {phase}: "
-                f"{type(exc).__name__}: {exc}. The previous committed checkpoint is untouched.",
+                f"{type(exc).__name__}: {exc}.{self._fix(phase, exc)} The previous committed checkpoint is "
+                "untouched.",
                 step=job.step,
                 phase=phase,
                 rank=cfg.rank,
@@ -336,6 +342,17 @@ class Writer:
                 job.name,
                 exc_info=True,
             )
+
+    def _fix(self, phase: str, exc: Exception) -> str:
+        """The fix for a full local disk (storage errors name their own fix)."""
+        if phase != "serialize" or not (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):
+            return ""
+        if self._cache_dir is None:
+            return " The destination disk is full: free space there or point the root elsewhere."
+        return (
+            f" The staging disk is full: free space under staging_dir ({self._cache_dir}), point staging_dir "
+            "at a larger disk, or lower keep_last (the local cache keeps that many checkpoints)."
+        )
 
     def _run_deletes(self) -> None:
         """Delete what was asked for, except the newest committed checkpoint: that one waits for a newer."""
@@ -361,6 +378,7 @@ class Writer:
             )
 
     def _delete(self, info: CheckpointInfo, infos: list[CheckpointInfo]) -> None:
+        self._fence(f"deleting checkpoint {info.name!r}")
         self._emit(PhaseEvent("retention_start", info.name, info.step, self._config.rank))
         commit.delete_checkpoint(self._storage, info, others=infos)
         self._emit(PhaseEvent("retention_deleted", info.name, info.step, self._config.rank))
@@ -401,6 +419,7 @@ class Writer:
                 files=tuple(f for p in parts for f in p.files),
                 versions=library_versions(),
             )
+            self._fence(f"committing checkpoint {job.name!r}")
             commit.write_manifest(storage, manifest)
         else:
             manifest = commit.wait_for_manifest(

@@ -242,8 +242,10 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
 
     Pass it as ``Trainer.fit(ckpt_path=...)`` so that relaunching the same command resumes.
     """
-    with AsyncCheckpointer(dirpath, storage_options=storage_options, keep_last=_NEVER_BY_COUNT) as ckpt:
+    with AsyncCheckpointer(dirpath, storage_options=storage_options, read_only=True) as ckpt:
         for info in reversed(ckpt.list()):
+            if info.status == "corrupt":
+                logger.warning("skipping checkpoint %s: %s", info.name, info.reason)
             rank0 = info.manifest.files_of(0) if info.status == "committed" and info.manifest else []
             if not rank0:
                 continue

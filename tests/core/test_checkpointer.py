@@ -123,7 +123,7 @@ def test_retention_keeps_newest_and_deletes_only_after_a_newer_commit(tmp_path):
             ckpt.save(_state(step), step=step).result(timeout=60)
     assert "step-000000001" in seen_before_commit[2], "step 1 must survive until step 2 commits"
     assert "step-000000002" in seen_before_commit[3]
-    assert sorted(os.listdir(dst / ".air")) == ["step-000000003"]
+    assert sorted(os.listdir(dst / ".air")) == ["lease.json", "step-000000003"]
     assert sorted(p.name for p in dst.iterdir()) == [".air", "step-000000003"], "old files are deleted too"
 
 

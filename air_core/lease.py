@@ -1,0 +1,197 @@
+"""One writing job per root: a lease that rank 0 takes at construction and renews while it writes.
+
+Two jobs checkpointing into one root would overwrite each other's files (both name their saves by
+step). Object stores have no lock, so rank 0 keeps ``.air/lease.json`` (launch id, host, pid and a
+renewal counter) up to date from a small daemon thread, and a new launch takes the root only when
+the holder is gone:
+
+- no lease, a lease released by a clean ``close()``, or this launch's own: taken at once;
+- the holder ran on this host and its process is gone (a crash, a SIGKILL): taken at once;
+- the holder runs on this host: refused (``ConfigError``), before any training step;
+- another host: the renewal counter is watched for ``lease_seconds``; if it moves the job is alive
+  and this launch is refused, else the holder is dead and the root is taken with a warning.
+
+Before every commit and every retention delete rank 0 checks that it still holds the lease (a job
+whose lease was taken over while it could not renew, e.g. behind a network partition, stops there
+with ``StorageError`` rather than interleave). The check and the write are two requests, not one
+atomic step; the window is one small write.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+from .errors import ConfigError, StorageError
+from .manifest import META_DIR
+from .storage import Storage
+
+logger = logging.getLogger(__name__)
+LEASE_PATH = f"{META_DIR}/lease.json"
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a root: written to the lease file and renewed."""
+
+    launch_id: str
+    host: str
+    pid: int
+    pid_started: str
+    """The process's start time as the OS reports it (tells a live process from a reused pid)."""
+    count: int
+    renewed: float
+    released: bool = False
+
+    def describe(self) -> str:
+        return f"launch {self.launch_id[:8]} (host {self.host}, pid {self.pid})"
+
+
+class RootLease:
+    """Rank 0's claim on a root (see the module docstring). ``acquire`` once, ``release`` at close."""
+
+    def __init__(self, storage: Storage, launch_id: str, *, lease_seconds: float) -> None:
+        self._storage = storage
+        self._launch_id = launch_id
+        self._seconds = lease_seconds
+        self._count = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lost: str = ""
+
+    # -- taking and giving back --------------------------------------------------------------
+    def acquire(self) -> None:
+        """Take the root for this launch, or raise ``ConfigError`` if another live job holds it."""
+        current = self._read()
+        if current is not None and not self._free(current):
+            raise ConfigError(
+                f"AsyncCheckpointer(root={self._storage.display()!r}): {current.describe()} is writing "
+                "checkpoints to this root now; two jobs writing one root would overwrite each other's "
+                "files. Give this job its own root, or stop the other job first."
+            )
+        self._write()
+        self._thread = threading.Thread(target=self._renew, name="air-lease", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop renewing and mark the lease released, so the next launch takes the root at once."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        try:
+            if self.holds():
+                self._write(released=True)
+        except (StorageError, ConfigError, StorageLost) as exc:
+            logger.warning("could not release the lease on %s: %s", self._storage.display(), exc)
+
+    # -- fencing -----------------------------------------------------------------------------
+    def holds(self) -> bool:
+        current = self._read()
+        return current is not None and current.launch_id == self._launch_id
+
+    def check(self, what: str) -> None:
+        """Raise ``StorageLost`` if another launch has taken the root; call before ``what`` writes."""
+        if self._lost or not self.holds():
+            current = self._read()
+            taker = current.describe() if current else "nobody (the lease file is gone)"
+            self._lost = self._lost or taker
+            raise StorageLost(
+                f"{what}: this job no longer holds {self._storage.display()}: {taker} took it over "
+                "(this job could not renew its lease for longer than lease_seconds). Nothing more is "
+                "written, so the two jobs never interleave; stop one of them."
+            )
+
+    # -- internals ---------------------------------------------------------------------------
+    def _free(self, current: Holder) -> bool:
+        if current.released or current.launch_id == self._launch_id:
+            return True
+        if current.host == socket.gethostname():
+            if not _alive(current.pid, current.pid_started):
+                logger.info(
+                    "taking over %s from %s: that process is gone",
+                    self._storage.display(),
+                    current.describe(),
+                )
+                return True
+            return False
+        logger.warning(
+            "%s is held by %s on another host; watching its lease for %gs to tell a live job from a dead one",
+            self._storage.display(),
+            current.describe(),
+            self._seconds,
+        )
+        deadline = time.monotonic() + self._seconds
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, self._seconds / 10))
+            now = self._read()
+            if now is None or now.released:
+                return True
+            if now.launch_id != current.launch_id or now.count != current.count:
+                return False
+        logger.warning(
+            "taking over %s: %s did not renew its lease", self._storage.display(), current.describe()
+        )
+        return True
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self._seconds / 3):
+            try:
+                if not self.holds():
+                    self._lost = (self._read() or _NOBODY).describe()
+                    logger.error("lost the lease on %s to %s", self._storage.display(), self._lost)
+                    return
+                self._write()
+            except Exception:  # a transient outage: the next round retries; a long one loses the lease
+                logger.warning("renewing the lease on %s failed", self._storage.display(), exc_info=True)
+
+    def _write(self, released: bool = False) -> None:
+        self._count += 1
+        holder = Holder(
+            self._launch_id,
+            socket.gethostname(),
+            os.getpid(),
+            _started(os.getpid()),
+            self._count,
+            time.time(),
+            released,
+        )
+        self._storage.write_bytes(LEASE_PATH, json.dumps(asdict(holder)).encode())
+
+    def _read(self) -> Holder | None:
+        try:
+            return Holder(**json.loads(self._storage.read_bytes(LEASE_PATH)))
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError) as exc:
+            logger.warning("ignoring an unreadable lease at %s: %s", self._storage.display(LEASE_PATH), exc)
+            return None
+
+
+class StorageLost(StorageError):
+    """Another launch took over this root; this one must not write there any more."""
+
+
+_NOBODY = Holder("-", "-", 0, "", 0, 0.0)
+
+
+def _started(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _alive(pid: int, started: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    return not started or _started(pid) in ("", started)

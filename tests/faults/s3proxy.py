@@ -1,0 +1,136 @@
+"""A fault-injecting HTTP proxy on 127.0.0.1 in front of moto's S3 server.
+
+s3fs talks to the proxy as if it were S3; each request is forwarded to moto unchanged unless a rule
+matches it first. Rules answer what a real object store does on a bad day: throttling (503 SlowDown),
+access denied (403), a latency spike, a connection dropped half way through an upload, or an upload
+that is read and never answered.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+_ERRORS = {
+    503: ("SlowDown", "Please reduce your request rate."),
+    403: ("AccessDenied", "Access Denied"),
+}
+
+
+@dataclass
+class Rule:
+    """Apply ``action`` to the next ``times`` requests of ``method`` whose path contains ``path``."""
+
+    method: str
+    path: str
+    action: str
+    """``throttle`` | ``deny`` | ``delay`` | ``drop`` | ``hang``."""
+    times: int = 1
+    seconds: float = 0.0
+    hits: int = 0
+
+
+class FaultProxy:
+    def __init__(self, upstream: str) -> None:
+        self.upstream = urlsplit(upstream)
+        self.rules: list[Rule] = []
+        self.log: list[tuple[str, str, str]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _handle(self) -> None:
+                proxy._serve(self)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def add(self, method: str, path: str, action: str, *, times: int = 1, seconds: float = 0.0) -> Rule:
+        rule = Rule(method, path, action, times, seconds)
+        with self._lock:
+            self.rules.append(rule)
+        return rule
+
+    def clear(self) -> None:
+        with self._lock:
+            self.rules.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _match(self, method: str, path: str) -> Rule | None:
+        with self._lock:
+            for rule in self.rules:
+                if rule.method == method and rule.path in path and rule.hits < rule.times:
+                    rule.hits += 1
+                    return rule
+        return None
+
+    def _serve(self, h: BaseHTTPRequestHandler) -> None:
+        length = int(h.headers.get("Content-Length") or 0)
+        rule = self._match(h.command, h.path)
+        self.log.append((h.command, h.path, rule.action if rule else "pass"))
+        if rule is not None and rule.action == "drop":  # half the body, then the connection is gone
+            h.rfile.read(length // 2)
+            h.close_connection = True
+            h.connection.shutdown(2)
+            return
+        body = h.rfile.read(length) if length else b""
+        if rule is not None:
+            if rule.action == "hang":
+                self._stop.wait(rule.seconds or None)
+                h.close_connection = True
+                return
+            if rule.action == "delay":
+                time.sleep(rule.seconds)
+            elif rule.action in ("throttle", "deny"):
+                self._error(h, 503 if rule.action == "throttle" else 403)
+                return
+        conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)
+        try:
+            headers = {k: v for k, v in h.headers.items() if k.lower() not in ("expect", "connection")}
+            conn.request(h.command, h.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            h.send_response(resp.status, resp.reason)
+            head = h.command == "HEAD"  # a HEAD answer keeps the object's length
+            skip = {"transfer-encoding", "connection", "server", "date"} | (
+                set() if head else {"content-length"}
+            )
+            for key, value in resp.getheaders():
+                if key.lower() not in skip:
+                    h.send_header(key, value)
+            if not head:
+                h.send_header("Content-Length", str(len(data)))
+            h.end_headers()
+            if h.command != "HEAD":
+                h.wfile.write(data)
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _error(h: BaseHTTPRequestHandler, status: int) -> None:
+        code, message = _ERRORS[status]
+        data = f"<?xml version='1.0'?><Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+        h.send_response(status)
+        h.send_header("Content-Type", "application/xml")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        if h.command != "HEAD":
+            h.wfile.write(data)
