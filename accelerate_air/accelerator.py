@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections import Counter
 from typing import Any
 
 import torch
@@ -126,7 +125,8 @@ class AirAccelerator(Accelerator):
         self._air_sink: MlflowSink | None = None
         self._air_resumed_run: str | None = None
         self._air_tracked: dict[int, TrackedLoader] = {}
-        self._air_names: Counter[str] = Counter()
+        self._air_taken: set[str] | None = None
+        """Checkpoint names under the root (listed at the first save) and of this launch's saves."""
         self._air_step_hook: Any = None
         self._air_preemption = FlushOnSigterm(
             lambda: self._air,
@@ -199,8 +199,10 @@ class AirAccelerator(Accelerator):
         """Snapshot the state and commit it in the background under ``air_plugin.root``; return its URL.
 
         ``output_dir`` names the checkpoint (its last path segment); by default it is
-        ``step-<completed_steps>``. Model weights are written as ``pytorch_model.bin`` (torch format,
-        whatever ``safe_serialization`` says), which a stock ``load_state`` reads as well.
+        ``step-<completed_steps>`` (``-1``, ``-2``, ... appended when the root holds that name already,
+        e.g. a corrupt checkpoint that resume skipped: a location is never written twice). Model
+        weights are written as ``pytorch_model.bin`` (torch format, whatever ``safe_serialization``
+        says), which a stock ``load_state`` reads as well.
         """
         name = self._air_name(output_dir)
         handle = self._air.save_files(self._air_files(name), step=self.completed_steps, name=name)
@@ -213,8 +215,14 @@ class AirAccelerator(Accelerator):
             base = f"step-{self.completed_steps:09d}"
         else:
             base = os.path.basename(os.path.normpath(str(output_dir)))
-        self._air_names[base] += 1
-        return base if self._air_names[base] == 1 else f"{base}-{self._air_names[base] - 1}"
+        if self._air_taken is None:  # a location is never written twice, not even a corrupt one's
+            self._air_taken = {info.name for info in self._air.list()}
+        name, n = base, 0
+        while name in self._air_taken:
+            n += 1
+            name = f"{base}-{n}"
+        self._air_taken.add(name)
+        return name
 
     def _air_files(self, name: str) -> dict[str, Any]:
         """The files ``Accelerator.save_state`` would write for this rank, plus this rank's air state."""

@@ -42,3 +42,22 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if path := config.getoption("--fault-report"):
         with open(path, "w") as f:
             json.dump({"summary": summary, "trials": RESULTS}, f, indent=1)
+
+
+@pytest.fixture(scope="session")
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The uninterrupted run of each job configuration (a ``trials.Plan``), run once per session."""
+    from tests.faults.trials import launch
+
+    cache: dict[tuple, Any] = {}
+
+    def get(p: Any) -> Any:
+        key = (p.adapter, p.workers, p.processes)
+        if key not in cache:
+            workdir = tmp_path_factory.mktemp(f"clean-{p.adapter}-w{p.workers}-r{p.processes}")
+            rc, stderr = launch(p, workdir, [], None)
+            assert rc == 0, stderr[-4000:]
+            cache[key] = workdir
+        return cache[key]
+
+    return get

@@ -9,26 +9,9 @@ from __future__ import annotations
 import pytest
 
 from tests.faults.conftest import RESULTS
-from tests.faults.trials import launch, plan, run_trial
+from tests.faults.trials import plan, run_trial
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="session")
-def clean_run(tmp_path_factory):
-    """The uninterrupted run of each job configuration, run once per session."""
-    cache = {}
-
-    def get(p):
-        key = (p.adapter, p.workers, p.processes)
-        if key not in cache:
-            workdir = tmp_path_factory.mktemp(f"clean-{p.adapter}-w{p.workers}-r{p.processes}")
-            rc, stderr = launch(p, workdir, [], None)
-            assert rc == 0, stderr[-4000:]
-            cache[key] = workdir
-        return cache[key]
-
-    return get
 
 
 def _trial(p, tmp_path, clean_run, request):
