@@ -43,8 +43,9 @@ from air_core import (
     goodput_of,
     restore_rng,
 )
+from air_core.compat import check_fits
 
-from .layout import accelerate_files, air_file
+from .layout import accelerate_files, air_file, model_file
 from .plugin import AirPlugin, warn_if_inexact
 
 logger = logging.getLogger(__name__)
@@ -279,6 +280,15 @@ class AirAccelerator(Accelerator):
                 f"AirAccelerator.load_state: the checkpoint was written by {air['world_size']} process(es), "
                 f"this run has {self.num_processes}; resume with the same number of processes."
             )
+        for i, model in enumerate(self._models):  # before Accelerate copies any weight
+            path = os.path.join(folder, model_file(i))
+            if os.path.isfile(path):
+                check_fits(
+                    self.unwrap_model(model).state_dict(),
+                    torch.load(path, map_location="cpu", weights_only=True, mmap=True),
+                    what=f"AirAccelerator.load_state: {os.path.basename(folder)}/{model_file(i)}",
+                    fix="Resume with the model it was saved from, or give this run its own AirPlugin root.",
+                )
         super().load_state(folder, load_kwargs, **load_model_func_kwargs)
         if air is None:
             logger.warning(

@@ -38,6 +38,11 @@ def _indexed(stem: str, i: int, ext: str) -> str:
     return f"{stem}{f'_{i}' if i else ''}{ext}"
 
 
+def model_file(i: int) -> str:
+    """The file of the ``i``-th prepared model's weights (as ``save_state`` names it, torch format)."""
+    return _indexed(MODEL_NAME, i, ".bin")
+
+
 def accelerate_files(accelerator: Accelerator) -> dict[str, Any]:
     """File name -> state, as ``save_state`` would write them on this rank (weights in torch format).
 
@@ -59,7 +64,7 @@ def accelerate_files(accelerator: Accelerator) -> dict[str, Any]:
             )
     if acc.is_main_process:
         for i, state in enumerate(weights):
-            files[_indexed(MODEL_NAME, i, ".bin")] = state
+            files[model_file(i)] = state
         for i, opt in enumerate(acc._optimizers):
             files[_indexed(OPTIMIZER_NAME, i, ".bin")] = opt.state_dict()
         for i, sched in enumerate(acc._schedulers):

@@ -194,6 +194,7 @@ class AsyncCheckpointer:
         fence = self._lease.check if self._lease is not None else None
         self._writer = Writer(cfg, self._storage, self._cache_dir, self._pool, serializer, self._emit, fence)
         self._handles: list[SaveHandle] = []
+        self._warned_spill = False
         self._closed = False
 
     # -- saving ------------------------------------------------------------------------------
@@ -256,6 +257,19 @@ class AsyncCheckpointer:
             raise
         handle = SaveHandle(name, step, copy_event=snap.copy_event)
         blocking = time.monotonic() - called
+        if snap.spilled_bytes and not self._warned_spill:
+            self._warned_spill = True
+            largest = max(slot.nbytes for slot in snap.slots)
+            logger.warning(
+                "rank %d: host_budget_bytes=%d is too small for this state (%d bytes; its largest tensor "
+                "is %d bytes): %d bytes spill to staging_dir on every save, and the training thread waits "
+                "for that disk write. Raise host_budget_bytes to hold the state (or None).",
+                self.config.rank,
+                self.config.host_budget_bytes,
+                sum(slot.nbytes for slot in snap.slots),
+                largest,
+                snap.spilled_bytes,
+            )
         self._emit(PhaseEvent("snapshot_done", name, step, self.config.rank))
         self._handles = [h for h in self._handles if not (h.done() and (h.reported or h._error is None))]
         self._handles.append(handle)

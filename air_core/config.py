@@ -18,6 +18,7 @@ from .errors import ConfigError
 WriterKind = Literal["thread", "process"]
 BusyPolicy = Literal["wait", "skip"]
 
+_MIN_BUDGET = 1 << 20
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
 
 
@@ -42,7 +43,7 @@ class CheckpointerConfig:
     writer: WriterKind = "thread"
     """Where serialization runs: a lower-priority ``thread`` or a writer ``process`` fed through
     shared memory. ``benchmarks/checkpoint_stall.py`` measures both."""
-    storage_options: dict[str, Any] = field(default_factory=dict)
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
     """Passed to fsspec untouched (credentials, endpoint). Never logged or written to a manifest."""
     rank: int = 0
     """This process's rank; every rank writes its own part of each checkpoint."""
@@ -89,6 +90,13 @@ class CheckpointerConfig:
                 "staging_dir must be on a local disk (NVMe); pass a local folder, e.g. '/local_nvme/air'.",
             )
         _check_int("host_budget_bytes", self.host_budget_bytes, 1, optional=True)
+        if self.host_budget_bytes is not None and self.host_budget_bytes < _MIN_BUDGET:
+            raise bad(
+                "host_budget_bytes",
+                self.host_budget_bytes,
+                "the unit is bytes and this is under 1 MiB, surely not meant: for 16 GiB pass 16 * 2**30 "
+                "(or None for as much as the state needs).",
+            )
         if not _is_int(self.keep_last) or self.keep_last < 1:
             raise bad(
                 "keep_last",

@@ -261,7 +261,13 @@ class Storage:
     def check_writable(self) -> None:
         """Write and delete a probe under the root, so a bad URL or credential fails before training."""
         rel = f".air/.probe-{uuid.uuid4().hex[:12]}"
-        self.write_bytes(rel, b"probe")
+        try:
+            self.write_bytes(rel, b"probe")
+        except FileNotFoundError as exc:  # object stores: the bucket (container) is not there
+            raise StorageError(
+                f"cannot write under {self.display()}: {exc}. Check that the bucket exists and the URL is "
+                "spelled right."
+            ) from exc
         self.remove(rel)
 
 

@@ -124,7 +124,8 @@ class AirCallback(Callback):
         self._launch_id = trainer.strategy.broadcast(
             uuid.uuid4().hex if trainer.is_global_zero else "", src=0
         )
-        plugin.attach(rank=trainer.global_rank, world_size=trainer.world_size, launch_id=self._launch_id)
+        rank, world = trainer.global_rank, trainer.world_size
+        plugin.attach(rank=rank, world_size=world, launch_id=self._launch_id, module=pl_module)
         self.records.rank = trainer.global_rank
         # One process: the Recorder reduces over itself, no collective.
         self.records.gather = (lambda values: _gather(trainer, values)) if trainer.world_size > 1 else None

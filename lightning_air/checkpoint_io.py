@@ -24,6 +24,7 @@ from air_core import (
     Listener,
     SaveHandle,
 )
+from air_core.compat import check_fits
 from air_core.config import CheckpointerConfig
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class AirCheckpointIO(CheckpointIO):
             **{**self._settings, "storage_options": storage_options or {}},
         )
         self._rank, self._world_size, self._launch_id = 0, 1, ""
+        self._module: Any = None
         self._listeners: list[Listener] = []
         self._ckpt: AsyncCheckpointer | None = None
         self.last_handle: SaveHandle | None = None
@@ -97,11 +99,15 @@ class AirCheckpointIO(CheckpointIO):
         self.returned_at = 0.0
         """``time.monotonic()`` when the last save returned to the training loop (for fetch timing)."""
 
-    def attach(self, *, rank: int, world_size: int, launch_id: str) -> None:
-        """Called by ``AirCallback.setup`` on every rank, on the training thread, before any save."""
+    def attach(self, *, rank: int, world_size: int, launch_id: str, module: Any = None) -> None:
+        """Called by ``AirCallback.setup`` on every rank, on the training thread, before any save.
+
+        ``module`` (the LightningModule) lets ``load_checkpoint`` refuse a checkpoint of another model.
+        """
         if self._ckpt is not None and (rank, world_size) != (self._rank, self._world_size):
             raise ConfigError("AirCheckpointIO: attach() after saves started with another rank layout.")
         self._rank, self._world_size, self._launch_id = rank, world_size, launch_id
+        self._module = module
 
     def add_listener(self, listener: Listener) -> None:
         """Receive the core's events (phases, save and restore records); call before the first save."""
@@ -185,6 +191,14 @@ class AirCheckpointIO(CheckpointIO):
         info = commits[-1]
         location = map_location if map_location is not None else "cpu"
         checkpoint = ckpt.load(info, map_location=location, weights_only=weights_only, rank=0)
+        if self._module is not None and getattr(self._module, "strict_loading", True):
+            check_fits(
+                self._module.state_dict(),
+                checkpoint.get("state_dict", {}),
+                what=f"checkpoint {info.name} under {root}",
+                fix="Resume with the model it was saved from, or give this run its own ModelCheckpoint "
+                "dirpath (set LightningModule.strict_loading = False to load a partial match on purpose).",
+            )
         self.loaded_rank_state = None
         if self._rank != 0 and info.manifest and info.manifest.files_of(self._rank):
             self.loaded_rank_state = ckpt.load(info, map_location="cpu", weights_only=weights_only)

@@ -2,7 +2,7 @@
 
     python tests/accelerate/job.py WORKDIR [--workers N] [--loader plain|seedable|stateful]
         [--every K] [--epochs E] [--kill STEP:PHASE[:RANK]] [--sigterm STEP:PHASE] [--root URL --endpoint URL]
-        [--stock] [--no-augment] [--mlflow URI [--tracker] [--experiment NAME]]
+        [--stock] [--no-augment] [--mlflow URI [--tracker] [--experiment NAME]] [--width W] [--secret S]
 
 Trains a dropout MLP with a scheduler on numbered samples whose features get random noise from the
 global RNG (so data augmentation, dropout and shuffling all depend on restored RNG state), saving
@@ -56,6 +56,8 @@ def build(args):
     from accelerate_air import AirAccelerator, AirPlugin
 
     opts = {"client_kwargs": {"endpoint_url": args.endpoint}} if args.endpoint else None
+    if opts and args.secret:  # credentials in storage_options (moto takes any): they must never leak
+        opts |= {"key": "AKIAAIRTEST", "secret": args.secret}
     plugin = AirPlugin(
         args.root or os.path.join(args.workdir, "ckpts"),
         staging_dir=os.path.join(args.workdir, "nvme"),
@@ -88,20 +90,27 @@ def main() -> None:
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     p.add_argument("--stock", action="store_true")
+    p.add_argument("--debug", action="store_true", help="air_core and accelerate_air log at DEBUG")
+    p.add_argument("--width", type=int, default=32, help="hidden width (another width: another model)")
+    p.add_argument("--secret", default="", help="with --endpoint: a secret key passed in storage_options")
     p.add_argument("--no-augment", action="store_true", help="no augmentation drawn from the RNG")
     p.add_argument("--mlflow", default="", help="tracking URI: send air's metrics to MLflow")
     p.add_argument("--tracker", action="store_true", help="also log the loss through Accelerate's tracker")
     p.add_argument("--experiment", default="air-test", help="MLflow experiment of a new run")
     args = p.parse_args()
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
-    logging.getLogger("accelerate_air").setLevel(logging.INFO)
+    for name in ("accelerate_air", "air_core"):
+        logging.getLogger(name).setLevel(logging.DEBUG if args.debug else logging.INFO)
     set_seed(0)
     if args.mlflow:
         os.environ["MLFLOW_TRACKING_URI"] = args.mlflow
     accelerator = build(args)
     if args.tracker:
         accelerator.init_trackers(args.experiment)
-    model = torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, DIM))
+    width = args.width
+    model = torch.nn.Sequential(
+        torch.nn.Linear(DIM, width), torch.nn.Dropout(0.2), torch.nn.Linear(width, DIM)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
     dataset = Numbered(augment_from_rng=not args.no_augment)

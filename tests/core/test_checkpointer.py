@@ -266,9 +266,12 @@ def test_every_save_delivers_a_latency_record(tmp_path):
 def test_process_writer_saves_the_same_bytes_as_the_thread_writer(tmp_path):
     infos = {}
     for kind in ("thread", "process"):
-        with AsyncCheckpointer(str(tmp_path / kind), writer=kind, host_budget_bytes=40_000) as ckpt:
-            infos[kind] = ckpt.save(_state(3), step=3).result(timeout=120)
-            _assert_state_equal(ckpt.load(), _state(3))
+        state = _state(3) | {"big": torch.arange(600_000, dtype=torch.float32)}  # 2.4 MB: half spills
+        with AsyncCheckpointer(str(tmp_path / kind), writer=kind, host_budget_bytes=1 << 20) as ckpt:
+            infos[kind] = ckpt.save(state, step=3).result(timeout=120)
+            loaded = ckpt.load()
+            _assert_state_equal(loaded, state)
+            assert torch.equal(loaded["big"], state["big"])
     assert infos["thread"].manifest.files[0].crc32 == infos["process"].manifest.files[0].crc32
 
 

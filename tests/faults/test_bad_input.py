@@ -1,0 +1,100 @@
+"""User mistakes fail at construction or at resume, before any training step, with a message that
+names the argument, what is wrong and the fix: never a traceback from deep inside a framework."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from air_core import AsyncCheckpointer, ConfigError, StorageError
+from tests.conftest import REPO
+from tests.faults.trials import Plan, launch
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"root": "nosuch://bucket/run"}, r"root='nosuch://bucket/run'.*scheme fsspec knows"),
+        ({"root": "/tmp/x", "keep_last": 0}, r"keep_last=0.*Pass keep_last=1 or more"),
+        ({"root": "/tmp/x", "keep_last": "2"}, r"keep_last='2'.*at least 1"),  # a string from YAML
+        (
+            {"root": "/tmp/x", "host_budget_bytes": 16},
+            r"host_budget_bytes=16.*the unit is bytes.*16 \* 2\*\*30",
+        ),
+        ({"root": "/tmp/x", "staging_dir": "s3://b/nvme"}, r"staging_dir='s3://b/nvme'.*local disk"),
+        ({"root": "/tmp/x", "max_transfers": 0}, r"max_transfers=0.*integer >= 1"),
+        ({"root": "/tmp/x", "on_busy": "drop"}, r"on_busy='drop'.*one of wait, skip"),
+    ],
+)
+def test_bad_settings_fail_at_construction_naming_the_fix(kwargs, match):
+    root = kwargs.pop("root")
+    with pytest.raises(ConfigError, match=match):
+        AsyncCheckpointer(root, **kwargs)
+
+
+def test_staging_dir_that_is_a_file_or_unwritable_fails_at_construction(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for staging in (str(a_file), "/proc/air-staging"):
+        with pytest.raises(ConfigError, match=r"staging_dir=.*cannot write.*pass a writable folder"):
+            AsyncCheckpointer("memory://air-bad-input/run", staging_dir=staging)
+
+
+def test_missing_bucket_fails_at_construction(s3_root):
+    url = s3_root.url.replace("air-", "missing-air-")
+    with pytest.raises(StorageError, match="Check that the bucket exists"):
+        AsyncCheckpointer(url, storage_options=s3_root.storage_options, retries=0)
+
+
+def test_missing_credentials_fail_at_construction(s3_root, tmp_path, monkeypatch):
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(StorageError, match="Check the credentials"):
+        AsyncCheckpointer(s3_root.url, storage_options=s3_root.storage_options, retries=0)
+
+
+@pytest.mark.slow
+def test_accelerate_resume_into_another_model_is_refused_before_any_step(tmp_path):
+    plan = Plan("accelerate", 0, workers=0, s3=False, processes=1, launches=[])
+    rc, stderr = launch(plan, tmp_path, ["--epochs", "1"], None)
+    assert rc == 0, stderr[-3000:]
+    steps = len((tmp_path / "ids-rank0.jsonl").read_text().splitlines())
+    rc, stderr = launch(plan, tmp_path, ["--epochs", "2", "--width", "48"], None)
+    assert rc != 0
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("air_core.errors.ConfigError: AirAccelerator.load_state: step-000000016/"), last
+    assert "saved from a different model (shape of 0.weight: saved (32, 16), model (48, 16)" in last
+    assert "Resume with the model it was saved from" in last
+    assert len((tmp_path / "ids-rank0.jsonl").read_text().splitlines()) == steps, "no training step ran"
+
+
+@pytest.mark.slow
+def test_lightning_cli_resume_into_another_model_is_refused_before_any_step(tmp_path):
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, os.path.join(REPO, "examples/lightning/train.py"), "fit"]
+            + ["--config", os.path.join(REPO, "examples/lightning/config.yaml"), *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": REPO},
+        )
+
+    first = cli("--trainer.max_epochs", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    steps = len((tmp_path / "ids.jsonl").read_text().splitlines())
+    second = cli("--trainer.max_epochs", "2", "--model.hidden", "128")
+    assert second.returncode != 0
+    last = second.stderr.strip().splitlines()[-1]
+    assert last.startswith("air_core.errors.ConfigError: checkpoint ckpt-000000032-"), last
+    assert (
+        "saved from a different model (shape of" in last and "Resume with the model it was saved from" in last
+    )
+    assert len((tmp_path / "ids.jsonl").read_text().splitlines()) == steps, "no training step ran"
