@@ -507,9 +507,11 @@ def _torch_load(path: str, map_location: Any, weights_only: bool | None, name: s
     except pickle.UnpicklingError as exc:
         if weights_only is False:
             raise
+        lines = [line.strip() for line in str(exc).splitlines()]
+        why = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else "")
         raise ConfigError(
-            f"load({name!r}): the checkpoint holds objects that weights_only=True refuses ({exc}). "
-            "If you trust this checkpoint, pass weights_only=False."
+            f"load({name!r}): the checkpoint holds objects that weights_only=True refuses ({why}); "
+            "unpickling them could run code. If you trust this checkpoint, pass weights_only=False."
         ) from exc
 
 
