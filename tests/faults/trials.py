@@ -22,26 +22,19 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import psutil
 
+from air_core.events import Phase
 from air_core.recovery import scan, verify
 from air_core.storage import Storage
 from tests.conftest import REPO
 from tests.kill_at import read_journal
 
 JOBS = {"lightning": "tests/lightning/job.py", "accelerate": "tests/accelerate/job.py"}
-SAVE_PHASES = [
-    "snapshot_start",
-    "snapshot_done",
-    "serialize_start",
-    "staged",
-    "upload_start",
-    "uploaded",
-    "commit_start",
-    "committed",
-]
+_PHASES = get_args(Phase)
+SAVE_PHASES = list(_PHASES[: _PHASES.index("committed") + 1])  # snapshot_start ... committed
 EVERY, STEPS = 4, 48  # both jobs: 16 batches per epoch (one rank), 3 epochs, a save every 4 steps
 
 
@@ -96,7 +89,7 @@ def plan(adapter: str, seed: int, *, processes: int = 1) -> Plan:
     if kind == "retention":
         kill = f"{step}:retention_start{rank}{delay()}"
         return Plan(adapter, seed, workers, s3, processes, [("SIGKILL", kill)])
-    phase = rng.choice(SAVE_PHASES)
+    phase = rng.choice([p for p in SAVE_PHASES if processes > 1 or p != "part_written"])  # ranks > 1 only
     if kind == "sigterm":
         return Plan(adapter, seed, workers, s3, processes, [("SIGTERM", f"{step}:{phase}{delay()}")])
     launches = [("SIGKILL", f"{step}:{phase}{rank}{delay()}")]
