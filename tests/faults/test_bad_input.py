@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from air_core import AsyncCheckpointer, ConfigError, StorageError
 from tests.conftest import REPO
@@ -98,3 +99,16 @@ def test_lightning_cli_resume_into_another_model_is_refused_before_any_step(tmp_
         "saved from a different model (shape of" in last and "Resume with the model it was saved from" in last
     )
     assert len((tmp_path / "ids.jsonl").read_text().splitlines()) == steps, "no training step ran"
+
+
+def test_a_state_beyond_the_host_budget_spills_and_says_so_once(tmp_path, caplog):
+    state = {"big": torch.arange(600_000, dtype=torch.float32), "small": torch.ones(3)}  # 2.4 MB
+    with AsyncCheckpointer(
+        str(tmp_path), host_budget_bytes=1 << 20, staging_dir=str(tmp_path / "nvme")
+    ) as ckpt:
+        for step in (1, 2):
+            ckpt.save(state, step=step).result(60)
+        assert torch.equal(ckpt.load()["big"], state["big"]), "nothing is lost to the spill"
+    warnings = [r.getMessage() for r in caplog.records if "host_budget_bytes=1048576" in r.getMessage()]
+    assert len(warnings) == 1, "said once, not at every save"
+    assert "largest tensor is 2400000 bytes" in warnings[0] and "Raise host_budget_bytes" in warnings[0]

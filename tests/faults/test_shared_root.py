@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -19,9 +18,11 @@ from air_core.lease import LEASE_PATH, StorageLost
 from tests.conftest import REPO
 
 HOLDER = """
-import sys, time
+import socket, sys
 from air_core import AsyncCheckpointer
-ckpt = AsyncCheckpointer(sys.argv[1])
+if sys.argv[2:]:  # pretend to run on another host
+    socket.gethostname = lambda: sys.argv[2]
+ckpt = AsyncCheckpointer(sys.argv[1], lease_seconds=1.5)
 ckpt.save({"w": 1}, step=1).result(60)
 print("holding", flush=True)
 sys.stdin.read()  # until the test closes stdin (or kills this process)
@@ -29,9 +30,9 @@ ckpt.close()
 """
 
 
-def start_holder(root: str) -> subprocess.Popen:
+def start_holder(root: str, host: str = "") -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, root],
+        [sys.executable, "-c", HOLDER, root, *([host] if host else [])],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -68,44 +69,34 @@ def test_a_clean_close_releases_the_root(tmp_path):
         assert ckpt.latest().step == 1
 
 
-def _other_host_lease(root: str, count: int) -> None:
-    body = {"launch_id": "f" * 32, "host": "other-host", "pid": 1, "pid_started": "", "count": count}
-    body |= {"renewed": time.time(), "released": False}
-    os.makedirs(os.path.join(root, ".air"), exist_ok=True)
-    with open(os.path.join(root, LEASE_PATH), "w") as f:
-        json.dump(body, f)
-
-
-def test_a_live_holder_on_another_host_is_refused_a_silent_one_taken_over(tmp_path, caplog):
+def test_a_live_holder_on_another_host_is_refused_a_dead_one_taken_over(tmp_path, caplog):
     root = str(tmp_path / "root")
-    _other_host_lease(root, 1)
-    stop = threading.Event()
-
-    def renew() -> None:  # the other host's job, alive: its renewal counter moves
-        count = 1
-        while not stop.wait(0.2):
-            count += 1
-            _other_host_lease(root, count)
-
-    renewer = threading.Thread(target=renew)
-    renewer.start()
+    holder = start_holder(root, host="other-host")  # its lease thread renews every 0.5 s
     try:
         with pytest.raises(ConfigError, match="host other-host"):
-            AsyncCheckpointer(root, lease_seconds=2)
+            AsyncCheckpointer(root, lease_seconds=1.5)
     finally:
-        stop.set()
-        renewer.join()
-    # The other host's job died: its lease stops moving, and is taken over after lease_seconds.
-    with AsyncCheckpointer(root, lease_seconds=1) as ckpt:
-        ckpt.save({"w": 1}, step=1).result(60)
+        holder.send_signal(signal.SIGKILL)  # its host is not ours: only the silent lease tells
+        holder.wait()
+    started = time.monotonic()
+    with AsyncCheckpointer(root, lease_seconds=1.5) as ckpt:
+        assert time.monotonic() - started >= 1.5, "taken over only after lease_seconds without a renewal"
+        ckpt.save({"w": 2}, step=2).result(60)
     assert "did not renew its lease" in caplog.text
+
+
+def _other_host_lease(root: str) -> None:
+    body = {"launch_id": "f" * 32, "host": "other-host", "pid": 1, "pid_started": "", "count": 1}
+    body |= {"renewed": time.time(), "released": False}
+    with open(os.path.join(root, LEASE_PATH), "w") as f:
+        json.dump(body, f)
 
 
 def test_a_job_whose_root_was_taken_over_stops_writing_there(tmp_path):
     root = str(tmp_path / "root")
     ckpt = AsyncCheckpointer(root, keep_last=1)
     ckpt.save({"w": torch.ones(4)}, step=1).result(60)
-    _other_host_lease(root, 1)  # as if another job took over while this one could not renew
+    _other_host_lease(root)  # as if another job took over while this one could not renew
     handle = ckpt.save({"w": torch.zeros(4)}, step=2)
     with pytest.raises(SaveError) as err:
         handle.result(60)
