@@ -5,6 +5,7 @@ through the save pipeline (snapshot -> serialize -> stage -> upload -> commit ->
 """
 
 from .checkpointer import AsyncCheckpointer, LocalCheckpoint, SaveHandle
+from .data_cache import FileCache, PrefetchingSampler, RemoteFiles
 from .data_state import ResumableSampler, TrackedLoader, capture_rng, restore_rng
 from .errors import AirError, ConfigError, CorruptCheckpointError, SaveError, StorageError
 from .events import Event, Listener, PhaseEvent, RestoreRecord, SaveRecord
@@ -21,6 +22,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "Event",
+    "FileCache",
     "FileEntry",
     "FlushOnSigterm",
     "Goodput",
@@ -31,7 +33,9 @@ __all__ = [
     "MlflowSink",
     "ResumableSampler",
     "PhaseEvent",
+    "PrefetchingSampler",
     "Recorder",
+    "RemoteFiles",
     "RestoreRecord",
     "SaveError",
     "SaveHandle",

@@ -5,7 +5,8 @@ timings an adapter takes around its loader and optimizer step. Per step it costs
 Every ``log_every_n_steps`` steps it closes a window: the adapter's ``gather`` (a collective on the
 training thread, the same step on every rank) brings every rank's per-step fetch times to rank 0,
 which publishes per-step ``fetch_seconds`` (the slowest rank's), the window's p50/p95/max/sum, the
-data-wait fraction of the slowest rank and which rank that is, and cumulative totals. Checkpoint and
+data-wait fraction of the slowest rank and which rank that is, cumulative totals, and the sums over
+ranks of any ``counters`` (a data cache's hits, misses, wait and bytes, and its hit rate). Checkpoint and
 restore records are published as they arrive. ``publish`` is an ``MlflowSink.log``-like callable;
 ``goodput`` (rank 0) receives every step, save and restore for the goodput event log.
 """
@@ -56,6 +57,9 @@ class Recorder:
         self.publish: Publish | None = None
         self.gather: Gather | None = None
         self.goodput: Any = None
+        self.counters: list[Callable[[], dict[str, float]]] = []
+        """Sources of cumulative counts (a ``FileCache.stats``), summed over ranks at each window; every
+        rank must add the same ones."""
         self._pending_fetch = 0.0
         self._last_end: float | None = None
         self._window_fetch: list[float] = []
@@ -98,11 +102,17 @@ class Recorder:
             return
         fetch, steps = self._window_fetch, self._window_steps
         self._window_fetch, self._window_steps = [], []
-        mine = [*fetch, sum(fetch) / max(sum(steps), 1e-12)]
+        counts = {k: v for source in self.counters for k, v in source().items()}
+        keys = sorted(counts)
+        mine = [*fetch, sum(fetch) / max(sum(steps), 1e-12), *(counts[k] for k in keys)]
         ranks = self.gather(mine) if self.gather is not None and reduce else [mine]
         if self.rank != 0:
             return
         n = len(fetch)
+        summed = {k: sum(r[n + 1 + j] for r in ranks) for j, k in enumerate(keys)}
+        if "data_cache_hits" in summed:
+            reads = summed["data_cache_hits"] + summed["data_cache_misses"]
+            summed["data_cache_hit_rate"] = summed["data_cache_hits"] / reads if reads else 0.0
         slowest = [max(r[i] for r in ranks) for i in range(n)]
         fractions = [r[n] for r in ranks]
         worst = max(range(len(ranks)), key=lambda r: fractions[r])
@@ -125,7 +135,7 @@ class Recorder:
             self.publish({"fetch_seconds": value}, first + i)
         window = {f"fetch_seconds_{k}": v for k, v in s.items()}
         window |= {"data_wait_fraction": fractions[worst], "data_wait_slowest_rank": float(worst)}
-        window |= {"step_seconds_mean": sum(steps) / n, **self._totals}
+        window |= {"step_seconds_mean": sum(steps) / n, **self._totals, **summed}
         self.publish(window, step)
 
     # -- any thread (the writer thread delivers save records) ------------------------------------

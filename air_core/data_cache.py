@@ -1,0 +1,324 @@
+"""Remote training files on local disk before the loader asks for them.
+
+``FileCache`` keeps local copies of files under a remote root (any fsspec URL) in ``cache_dir``,
+within ``budget_bytes``. ``PrefetchingSampler`` wraps the sampler that decides the read order and,
+as it hands out each index, schedules the files of the next ``depth`` indices for download
+(``max_transfers`` at a time). Every read stamps its file in a small shared table; files that were
+read are evicted, least recently read first, when a download needs room, and files fetched but not
+read yet are never evicted. ``RemoteFiles`` is a map-style dataset whose item ``i`` is
+``read(local copy of files[i])``.
+
+Why not fsspec's caching filesystems: ``filecache``/``simplecache`` copy a file when it is opened
+(never ahead of use), have no byte budget, and keep their index in one process; what is reused from
+fsspec is the transfer itself (``Storage.get_file``: retries with backoff, a file that appears only
+when complete).
+
+Processes. The sampler runs in the training process, which alone downloads ahead. DataLoader
+workers get a copy of the cache: a read of a file that is there is a hit; one that a prefetch is
+still writing (a ``.inflight`` marker) waits for it; anything else is a miss, downloaded by the reader
+itself. Hits, misses, the time readers waited and the bytes downloaded are counted in a small shared
+tensor (one row per process), so ``stats()`` in the training process sees the workers' reads too.
+Under DDP each rank's sampler yields its own shard, so each rank prefetches what it will read; ranks
+of one node may share ``cache_dir`` (every write is a unique temp file renamed into place).
+
+Resuming: the cache holds no position of its own. The sampler's position is in the checkpoint
+(``PrefetchingSampler.resume``); a resumed run prefetches from there, reading what a warm cache
+still holds and downloading the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, Sampler, get_worker_info
+
+from .errors import ConfigError, StorageError
+from .storage import Storage
+
+logger = logging.getLogger(__name__)
+_ROWS = 65  # the training process and up to 64 loader workers
+_HITS, _MISSES, _WAIT, _BYTES = range(4)
+
+
+class FileCache:
+    """Local copies of files under ``root``, downloaded ahead of use, within ``budget_bytes``.
+
+    Args:
+        root: the remote folder (any fsspec URL or path).
+        cache_dir: a local (NVMe) folder; ranks of one node may share it.
+        budget_bytes: most bytes of cached files on disk (prefetched and not yet evicted).
+        max_transfers: parallel downloads.
+        storage_options: passed to fsspec untouched.
+        retries, retry_backoff_seconds: for transient download errors.
+
+    Raises:
+        ConfigError: bad settings, or a file larger than the budget.
+        StorageError: the root cannot be listed.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        cache_dir: str,
+        budget_bytes: int,
+        max_transfers: int = 4,
+        storage_options: dict[str, Any] | None = None,
+        retries: int = 5,
+        retry_backoff_seconds: float = 0.2,
+    ) -> None:
+        for arg, value, minimum in (("budget_bytes", budget_bytes, 1), ("max_transfers", max_transfers, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigError(f"FileCache({arg}={value!r}): {arg} must be an integer >= {minimum}.")
+        if not isinstance(cache_dir, str) or "://" in cache_dir:
+            raise ConfigError(
+                f"FileCache(cache_dir={cache_dir!r}): pass a local folder path, e.g. '/nvme/data'."
+            )
+        self._open = (root, storage_options or {}, retries, retry_backoff_seconds)
+        self._storage = self._connect()
+        key = hashlib.sha1(self._storage.url.encode()).hexdigest()[:16]
+        self.cache_dir = os.path.join(cache_dir, key)
+        try:
+            os.makedirs(self.cache_dir, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"FileCache(cache_dir={cache_dir!r}): cannot create it ({exc}).") from exc
+        self.sizes = self._storage.sizes()
+        """Every file under the root and its size (one listing, at construction)."""
+        largest = max(self.sizes.values(), default=0)
+        if largest > budget_bytes:
+            raise ConfigError(
+                f"FileCache(budget_bytes={budget_bytes}): the largest file under {self._storage.display()} "
+                f"has {largest} bytes; the budget must hold at least one file (and a few for prefetch)."
+            )
+        self.budget_bytes = budget_bytes
+        self.max_transfers = max_transfers
+        self._counts = torch.zeros(_ROWS, 4, dtype=torch.float64).share_memory_()
+        self._ids = {rel: i for i, rel in enumerate(sorted(self.sizes))}
+        self._read_at = torch.zeros(len(self._ids), dtype=torch.float64).share_memory_()
+        """Per file: when a reader (any process) last read it; 0 = not read since it was fetched."""
+        self._owner = os.getpid()
+        self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._fetched: set[str] = set()
+        """Files this process's prefetch put (or is putting) on disk and no reader has read yet."""
+        _remove_leftovers(self.cache_dir)
+        for rel in self._on_disk():  # a warm cache from an earlier run: counted, evictable
+            self._read_at[self._ids[rel]] = os.path.getmtime(self.local_path(rel))
+        with self._lock:
+            self._make_room(0)
+
+    # -- reads (any process) ---------------------------------------------------------------------
+    def local_path(self, rel: str) -> str:
+        return os.path.join(self.cache_dir, *rel.split("/"))
+
+    def path(self, rel: str) -> str:
+        """A complete local copy of ``rel``: from the cache, after an in-flight prefetch, or downloaded.
+
+        Raises:
+            StorageError: the download failed after its retries (names the file and the fix).
+        """
+        local = self.local_path(rel)
+        row = self._row()
+        if os.path.exists(local):
+            self._counts[row, _HITS] += 1
+            self._read_at[self._ids[rel]] = time.time()
+            return local
+        started = time.monotonic()
+        marker = f"{local}.inflight"
+        while os.path.exists(marker) and not os.path.exists(local) and time.monotonic() - started < 120:
+            time.sleep(0.002)
+        if os.path.exists(local):  # the prefetch was on its way: a hit, late
+            self._counts[row, _HITS] += 1
+        else:
+            self._download(rel, local, row)
+            self._counts[row, _MISSES] += 1
+        self._counts[row, _WAIT] += time.monotonic() - started
+        self._read_at[self._ids[rel]] = time.time()
+        return local
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative counts over the training process and its loader workers."""
+        hits, misses, wait, nbytes = self._counts.sum(dim=0).tolist()
+        return {
+            "data_cache_hits": hits,
+            "data_cache_misses": misses,
+            "data_cache_wait_seconds": wait,
+            "data_cache_bytes_downloaded": nbytes,
+        }
+
+    # -- prefetch and eviction (the training process) -------------------------------------------------
+    def prefetch(self, rels: Sequence[str]) -> None:
+        """Download ``rels`` in the background, in order, as far as the budget allows."""
+        if os.getpid() != self._owner:
+            return
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_transfers, thread_name_prefix="air-prefetch")
+            for rel in rels:
+                if rel not in self._ids:
+                    raise ConfigError(f"FileCache: {rel!r} is not under {self._storage.display()}.")
+                local = self.local_path(rel)
+                if rel in self._fetched:
+                    continue
+                if self._read_at[self._ids[rel]] > 0 and os.path.exists(local):
+                    self._read_at[self._ids[rel]] = 0  # wanted again: not evictable until read
+                    self._fetched.add(rel)
+                    continue
+                if not self._make_room(self.sizes[rel]):
+                    break  # the budget is full of files not read yet: the next call tries again
+                self._fetched.add(rel)
+                if not os.path.exists(local) and _claim(f"{local}.inflight"):  # else: there, or a rank has it
+                    self._pool.submit(self._prefetch_one, rel, local)
+
+    def close(self) -> None:
+        """Finish the downloads already scheduled (at most ``depth`` files) and stop; the files stay."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def _on_disk(self) -> list[str]:
+        found = []
+        for folder, _, names in os.walk(self.cache_dir):
+            for name in names:
+                rel = os.path.relpath(os.path.join(folder, name), self.cache_dir).replace(os.sep, "/")
+                if self.sizes.get(rel) == os.path.getsize(os.path.join(folder, name)):
+                    found.append(rel)
+        return found
+
+    def _make_room(self, size: int) -> bool:
+        """Evict files already read, least recently read first, until ``size`` more bytes fit."""
+        read_at = self._read_at.tolist()
+        read = sorted((t, rel) for rel, i in self._ids.items() if (t := read_at[i]) > 0)
+        self._fetched = {rel for rel in self._fetched if read_at[self._ids[rel]] == 0}
+        held = sum(self.sizes[rel] for rel in self._fetched) + sum(self.sizes[rel] for _, rel in read)
+        for _, rel in read:
+            if held + size <= self.budget_bytes:
+                break
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.local_path(rel))
+            self._read_at[self._ids[rel]] = 0
+            held -= self.sizes[rel]
+        return held + size <= self.budget_bytes
+
+    def _prefetch_one(self, rel: str, local: str) -> None:
+        marker = f"{local}.inflight"
+        try:
+            if not os.path.exists(local):
+                self._download(rel, local, 0)
+        except Exception as exc:  # the reader downloads it itself, and raises if that fails too
+            logger.warning("prefetch of %s failed: %s", self._storage.display(rel), exc)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(marker)
+
+    def _connect(self) -> Storage:
+        root, options, retries, backoff = self._open
+        self._storage_pid = os.getpid()
+        return Storage(root, storage_options=options, retries=retries, retry_backoff_seconds=backoff)
+
+    def _download(self, rel: str, local: str, row: int) -> None:
+        if os.getpid() != self._storage_pid:  # a forked loader worker: fsspec clients are not fork-safe
+            self._storage = self._connect()
+        try:
+            self._storage.get_file(rel, local)
+        except FileNotFoundError as exc:
+            raise StorageError(
+                f"FileCache: {self._storage.display(rel)} is not there ({exc}); was it removed after the run "
+                "started?"
+            ) from exc
+        with self._count_lock:  # prefetch threads share row 0
+            self._counts[row, _BYTES] += self.sizes[rel]  # the file may be evicted already
+
+    @staticmethod
+    def _row() -> int:
+        info = get_worker_info()
+        return 0 if info is None else 1 + info.id % (_ROWS - 1)
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy for a loader worker: no pool, no lock
+        state = self.__dict__.copy()
+        state.update(_pool=None, _lock=None, _count_lock=None, _fetched=set())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock, self._count_lock = threading.Lock(), threading.Lock()
+
+
+def _claim(marker: str) -> bool:
+    """Create ``marker`` unless it exists (the ``.inflight`` mark that readers wait on)."""
+    os.makedirs(os.path.dirname(marker), exist_ok=True)
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _remove_leftovers(cache_dir: str) -> None:
+    """Marks and temp files a killed run left behind (a reader would wait on a stale mark)."""
+    for folder, _, names in os.walk(cache_dir):
+        for name in names:
+            if name.endswith(".inflight") or ".air-tmp-" in name:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, name))
+
+
+class RemoteFiles(Dataset):
+    """Item ``i`` is ``read(local path of files[i])``, the file served by ``cache``."""
+
+    def __init__(self, cache: FileCache, files: Sequence[str], read: Callable[[str], Any]) -> None:
+        missing = [f for f in files if f not in cache.sizes]
+        if missing:
+            raise ConfigError(f"RemoteFiles(files=...): not under the cache's root: {missing[:5]}")
+        self.cache = cache
+        self.files = list(files)
+        self.read = read
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.read(self.cache.path(self.files[i]))
+
+
+class PrefetchingSampler(Sampler[int]):
+    """Yields ``sampler``'s indices; keeps the next ``depth`` items' files downloading ahead.
+
+    ``sampler`` may be a ``ResumableSampler`` (or any sampler with ``set_epoch``/``resume``); each epoch's
+    order is taken from it when the epoch starts, so the cache knows what comes next.
+    """
+
+    def __init__(self, sampler: Sampler[int], dataset: RemoteFiles, *, depth: int = 16) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"PrefetchingSampler(depth={depth!r}): depth must be an integer >= 1.")
+        self.sampler = sampler
+        self.dataset = dataset
+        self.depth = depth
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+
+    def resume(self, epoch: int, consumed: int) -> None:
+        """Continue epoch ``epoch`` after its first ``consumed`` indices (prefetch starts there)."""
+        self.sampler.resume(epoch, consumed)  # type: ignore[attr-defined]
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(self.sampler)
+        files, cache = self.dataset.files, self.dataset.cache
+        for k, index in enumerate(order):
+            cache.prefetch([files[i] for i in order[k : k + self.depth + 1]])
+            yield index
