@@ -29,6 +29,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     summary = {
         "trials": len(RESULTS),
         "trials_by_adapter": dict(Counter(r["trial"].split()[0] for r in RESULTS)),
+        "trials_without_a_fault": sum(1 for r in RESULTS if not r["faults"]),
         "faults_injected": sum(faults.values()),
         "faults_by_kind": dict(sorted(faults.items())),
         "committed_checkpoints_seen": sum(r["committed_seen"] for r in RESULTS),

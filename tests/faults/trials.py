@@ -75,17 +75,21 @@ def plan(adapter: str, seed: int, *, processes: int = 1) -> Plan:
     def delay() -> str:
         return "" if rng.random() < 0.4 else f"+{rng.randint(1, 40)}"
 
-    # retention starts with the second save in the Lightning job (save_top_k=1), the fourth in the
-    # Accelerate job (keep_last=3); a kill needs an earlier commit to fall back to.
-    first_retention = 8 if adapter == "lightning" else 16
-    kind = rng.choices(["save", "retention", "restore", "sigterm"], weights=[6, 2, 1, 1])[0]
+    kind = rng.choices(["save", "retention", "restore", "sigterm"], weights=[6, 2, 1, 2])[0]
     rank = f":{rng.randint(0, processes - 1)}" if processes > 1 else ""
     if processes > 1:  # one rank killed while the others go on; the launcher tears the job down
         kind = rng.choice(["save", "retention"])
         if kind == "retention":
             rank = ":0"  # rank 0 alone deletes
     steps = STEPS // processes  # the ranks share each epoch's batches
-    step = rng.randrange(first_retention if kind == "retention" else 2 * EVERY, steps - EVERY + 1, EVERY)
+    if kind == "retention":
+        # A retention event carries the step of the checkpoint it deletes: the Lightning job keeps 1
+        # (save_top_k=1), the Accelerate job 3 (keep_last=3); the last deletion is left out, so that a
+        # delayed kill still lands before the job ends.
+        keep = 1 if adapter == "lightning" else 3
+        step = rng.randrange(EVERY, steps - (keep + 1) * EVERY + 1, EVERY)
+    else:  # a save after the second: the kill always has a committed checkpoint to fall back to
+        step = rng.randrange(2 * EVERY, steps - EVERY + 1, EVERY)
     if kind == "retention":
         kill = f"{step}:retention_start{rank}{delay()}"
         return Plan(adapter, seed, workers, s3, processes, [("SIGKILL", kill)])
