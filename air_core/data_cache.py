@@ -5,8 +5,10 @@ within ``budget_bytes``. ``PrefetchingSampler`` wraps the sampler that decides t
 as it hands out each index, schedules the files of the next ``depth`` indices for download
 (``max_transfers`` at a time). Every read stamps its file in a small shared table; files that were
 read are evicted, least recently read first, when a download needs room, and files fetched but not
-read yet are never evicted. ``RemoteFiles`` is a map-style dataset whose item ``i`` is
-``read(local copy of files[i])``.
+read yet are never evicted. Set ``depth`` to cover the loader's own read-ahead (``num_workers`` x
+``prefetch_factor`` x batch size, in items): a reader that outruns the prefetch downloads its file
+itself (a miss), after evicting read files if that makes room, else past the budget by that file.
+``RemoteFiles`` is a map-style dataset whose item ``i`` is ``read(local copy of files[i])``.
 
 Why not fsspec's caching filesystems: ``filecache``/``simplecache`` copy a file when it is opened
 (never ahead of use), have no byte budget, and keep their index in one process; what is reused from
@@ -16,8 +18,9 @@ when complete).
 Processes. The sampler runs in the training process, which alone downloads ahead. DataLoader
 workers get a copy of the cache: a read of a file that is there is a hit; one that a prefetch is
 still writing (a ``.inflight`` marker) waits for it; anything else is a miss, downloaded by the reader
-itself. Hits, misses, the time readers waited and the bytes downloaded are counted in a small shared
-tensor (one row per process), so ``stats()`` in the training process sees the workers' reads too.
+itself. The per-file state and the counts (hits, misses, the time readers waited, bytes downloaded;
+one row per process) live in shared-memory tensors, so eviction and ``stats()`` see the workers'
+reads too.
 Under DDP each rank's sampler yields its own shard, so each rank prefetches what it will read; ranks
 of one node may share ``cache_dir`` (every write is a unique temp file renamed into place).
 
@@ -47,6 +50,7 @@ from .storage import Storage
 logger = logging.getLogger(__name__)
 _ROWS = 65  # the training process and up to 64 loader workers
 _HITS, _MISSES, _WAIT, _BYTES = range(4)
+_ABSENT, _WANTED, _READ = 0, 1, 2
 
 
 class FileCache:
@@ -102,20 +106,23 @@ class FileCache:
         self.budget_bytes = budget_bytes
         self.max_transfers = max_transfers
         self._counts = torch.zeros(_ROWS, 4, dtype=torch.float64).share_memory_()
-        self._ids = {rel: i for i, rel in enumerate(sorted(self.sizes))}
-        self._read_at = torch.zeros(len(self._ids), dtype=torch.float64).share_memory_()
-        """Per file: when a reader (any process) last read it; 0 = not read since it was fetched."""
+        self._names = sorted(self.sizes)
+        self._ids = {rel: i for i, rel in enumerate(self._names)}
+        self._size_of = torch.tensor([self.sizes[rel] for rel in self._names], dtype=torch.float64)
+        self._state = torch.zeros(len(self._names), dtype=torch.int8).share_memory_()
+        """Per file, shared by the loader workers: ABSENT, WANTED (fetched or being fetched, not read
+        since) or READ (evictable)."""
+        self._read_at = torch.zeros(len(self._names), dtype=torch.float64).share_memory_()
+        """Per file: when it was last read (least recently read is evicted first)."""
         self._owner = os.getpid()
         self._lock = threading.Lock()
         self._count_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._fetched: set[str] = set()
-        """Files this process's prefetch put (or is putting) on disk and no reader has read yet."""
         _remove_leftovers(self.cache_dir)
         for rel in self._on_disk():  # a warm cache from an earlier run: counted, evictable
+            self._state[self._ids[rel]] = _READ
             self._read_at[self._ids[rel]] = os.path.getmtime(self.local_path(rel))
-        with self._lock:
-            self._make_room(0)
+        self._make_room(0)
 
     # -- reads (any process) ---------------------------------------------------------------------
     def local_path(self, rel: str) -> str:
@@ -127,11 +134,11 @@ class FileCache:
         Raises:
             StorageError: the download failed after its retries (names the file and the fix).
         """
-        local = self.local_path(rel)
+        local, i = self.local_path(rel), self._ids[rel]
         row = self._row()
         if os.path.exists(local):
             self._counts[row, _HITS] += 1
-            self._read_at[self._ids[rel]] = time.time()
+            self._state[i], self._read_at[i] = _READ, time.time()
             return local
         started = time.monotonic()
         marker = f"{local}.inflight"
@@ -139,11 +146,12 @@ class FileCache:
             time.sleep(0.002)
         if os.path.exists(local):  # the prefetch was on its way: a hit, late
             self._counts[row, _HITS] += 1
-        else:
+        else:  # the readers outran the prefetch: make room if read files allow, and fetch it here
+            self._make_room(self.sizes[rel])
             self._download(rel, local, row)
             self._counts[row, _MISSES] += 1
         self._counts[row, _WAIT] += time.monotonic() - started
-        self._read_at[self._ids[rel]] = time.time()
+        self._state[i], self._read_at[i] = _READ, time.time()
         return local
 
     def stats(self) -> dict[str, float]:
@@ -156,7 +164,7 @@ class FileCache:
             "data_cache_bytes_downloaded": nbytes,
         }
 
-    # -- prefetch and eviction (the training process) -------------------------------------------------
+    # -- prefetch (the training process) -----------------------------------------------------------
     def prefetch(self, rels: Sequence[str]) -> None:
         """Download ``rels`` in the background, in order, as far as the budget allows."""
         if os.getpid() != self._owner:
@@ -167,16 +175,15 @@ class FileCache:
             for rel in rels:
                 if rel not in self._ids:
                     raise ConfigError(f"FileCache: {rel!r} is not under {self._storage.display()}.")
-                local = self.local_path(rel)
-                if rel in self._fetched:
+                i, local = self._ids[rel], self.local_path(rel)
+                if self._state[i] == _WANTED:
                     continue
-                if self._read_at[self._ids[rel]] > 0 and os.path.exists(local):
-                    self._read_at[self._ids[rel]] = 0  # wanted again: not evictable until read
-                    self._fetched.add(rel)
+                if self._state[i] == _READ and os.path.exists(local):
+                    self._state[i] = _WANTED  # read before, wanted again: not evictable until read
                     continue
                 if not self._make_room(self.sizes[rel]):
                     break  # the budget is full of files not read yet: the next call tries again
-                self._fetched.add(rel)
+                self._state[i] = _WANTED
                 if not os.path.exists(local) and _claim(f"{local}.inflight"):  # else: there, or a rank has it
                     self._pool.submit(self._prefetch_one, rel, local)
 
@@ -197,18 +204,21 @@ class FileCache:
         return found
 
     def _make_room(self, size: int) -> bool:
-        """Evict files already read, least recently read first, until ``size`` more bytes fit."""
-        read_at = self._read_at.tolist()
-        read = sorted((t, rel) for rel, i in self._ids.items() if (t := read_at[i]) > 0)
-        self._fetched = {rel for rel in self._fetched if read_at[self._ids[rel]] == 0}
-        held = sum(self.sizes[rel] for rel in self._fetched) + sum(self.sizes[rel] for _, rel in read)
-        for _, rel in read:
+        """Evict files already read, least recently read first, until ``size`` more bytes fit.
+
+        Any process may call it (vectorized over the shared table: cheap with a million files).
+        """
+        held = float(self._size_of[self._state != _ABSENT].sum())
+        if held + size <= self.budget_bytes:
+            return True
+        read = torch.nonzero(self._state == _READ).flatten()
+        for i in read[torch.argsort(self._read_at[read])].tolist():
             if held + size <= self.budget_bytes:
                 break
+            self._state[i] = _ABSENT
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.local_path(rel))
-            self._read_at[self._ids[rel]] = 0
-            held -= self.sizes[rel]
+                os.unlink(self.local_path(self._names[i]))
+            held -= self.sizes[self._names[i]]
         return held + size <= self.budget_bytes
 
     def _prefetch_one(self, rel: str, local: str) -> None:
@@ -247,7 +257,7 @@ class FileCache:
 
     def __getstate__(self) -> dict[str, Any]:  # a copy for a loader worker: no pool, no lock
         state = self.__dict__.copy()
-        state.update(_pool=None, _lock=None, _count_lock=None, _fetched=set())
+        state.update(_pool=None, _lock=None, _count_lock=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
