@@ -143,6 +143,8 @@ class FileCache:
         started = time.monotonic()
         marker = f"{local}.inflight"
         while os.path.exists(marker) and not os.path.exists(local) and time.monotonic() - started < 120:
+            if os.getpid() != self._owner and os.getppid() != self._owner:
+                break  # the training process (whose prefetch made the mark) is gone: stop waiting
             time.sleep(0.002)
         if os.path.exists(local):  # the prefetch was on its way: a hit, late
             self._counts[row, _HITS] += 1
