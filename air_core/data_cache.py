@@ -131,30 +131,43 @@ class FileCache:
     def path(self, rel: str) -> str:
         """A complete local copy of ``rel``: from the cache, after an in-flight prefetch, or downloaded.
 
+        The file is not evicted until ``done(rel)``: call it once the copy has been read.
+
         Raises:
             StorageError: the download failed after its retries (names the file and the fix).
         """
         local, i = self.local_path(rel), self._ids[rel]
         row = self._row()
+        self._state[i] = _WANTED
         if os.path.exists(local):
             self._counts[row, _HITS] += 1
-            self._state[i], self._read_at[i] = _READ, time.time()
             return local
         started = time.monotonic()
         marker = f"{local}.inflight"
-        while os.path.exists(marker) and not os.path.exists(local) and time.monotonic() - started < 120:
-            if os.getpid() != self._owner and os.getppid() != self._owner:
-                break  # the training process (whose prefetch made the mark) is gone: stop waiting
-            time.sleep(0.002)
-        if os.path.exists(local):  # the prefetch was on its way: a hit, late
-            self._counts[row, _HITS] += 1
-        else:  # the readers outran the prefetch: make room if read files allow, and fetch it here
-            self._make_room(self.sizes[rel])
-            self._download(rel, local, row)
-            self._counts[row, _MISSES] += 1
+        while not os.path.exists(local):
+            gone = os.getpid() != self._owner and os.getppid() != self._owner  # the prefetching process
+            if _claim(marker) or gone or time.monotonic() - started > 120:
+                try:  # the readers outran the prefetch: make room if read files allow, and fetch it here
+                    if os.path.exists(local):  # the prefetch finished between the check and the claim
+                        self._counts[row, _HITS] += 1
+                        break
+                    self._make_room(self.sizes[rel])
+                    self._download(rel, local, row)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(marker)
+                self._counts[row, _MISSES] += 1
+                break
+            time.sleep(0.002)  # a prefetch (or another reader) is fetching it
+        else:
+            self._counts[row, _HITS] += 1  # late: the prefetch was on its way
         self._counts[row, _WAIT] += time.monotonic() - started
-        self._state[i], self._read_at[i] = _READ, time.time()
         return local
+
+    def done(self, rel: str) -> None:
+        """``rel`` has been read: it may be evicted (least recently read first) when room is needed."""
+        i = self._ids[rel]
+        self._state[i], self._read_at[i] = _READ, time.time()
 
     def stats(self) -> dict[str, float]:
         """Cumulative counts over the training process and its loader workers."""
@@ -301,7 +314,16 @@ class RemoteFiles(Dataset):
         return len(self.files)
 
     def __getitem__(self, i: int) -> Any:
-        return self.read(self.cache.path(self.files[i]))
+        rel = self.files[i]
+        for attempt in range(3):
+            try:
+                item = self.read(self.cache.path(rel))
+                break
+            except FileNotFoundError:  # evicted between the check and the open (a race): fetch it again
+                if attempt == 2:
+                    raise
+        self.cache.done(rel)
+        return item
 
 
 class PrefetchingSampler(Sampler[int]):
