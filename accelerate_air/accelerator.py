@@ -200,10 +200,10 @@ class AirAccelerator(Accelerator):
         """Snapshot the state and commit it in the background under ``air_plugin.root``; return its URL.
 
         ``output_dir`` names the checkpoint (its last path segment); by default it is
-        ``step-<completed_steps>`` (``-1``, ``-2``, ... appended when the root holds that name already,
-        e.g. a corrupt checkpoint that resume skipped: a location is never written twice). Model
-        weights are written as ``pytorch_model.bin`` (torch format, whatever ``safe_serialization``
-        says), which a stock ``load_state`` reads as well.
+        ``step-<completed_steps>`` (``-1``, ``-2``, ... appended when the root holds a committed or
+        corrupt checkpoint of that name, e.g. one that resume skipped: such a location is never
+        written twice). Model weights are written as ``pytorch_model.bin`` (torch format, whatever
+        ``safe_serialization`` says), which a stock ``load_state`` reads as well.
         """
         name = self._air_name(output_dir)
         handle = self._air.save_files(self._air_files(name), step=self.completed_steps, name=name)
@@ -216,8 +216,11 @@ class AirAccelerator(Accelerator):
             base = f"step-{self.completed_steps:09d}"
         else:
             base = os.path.basename(os.path.normpath(str(output_dir)))
-        if self._air_taken is None:  # a location is never written twice, not even a corrupt one's
-            self._air_taken = {info.name for info in self._air.list()}
+        if self._air_taken is None:  # a committed location is never written twice, not even a corrupt one
+            # Partial saves do not count: they are never loaded, and another rank's first intent record
+            # may already be there (every rank must choose the same name). No commit of this launch can
+            # exist before every rank has listed, so the ranks agree.
+            self._air_taken = {info.name for info in self._air.list() if info.status != "partial"}
         name, n = base, 0
         while name in self._air_taken:
             n += 1
