@@ -27,7 +27,7 @@ demo-core: venv
 	$(PY) examples/core_demo.py
 
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 lint: venv
 	$(VENV)/bin/ruff check air_core lightning_air accelerate_air tests benchmarks examples

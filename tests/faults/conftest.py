@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-CI_TRIALS = 3  # per adapter, one process; --soak N runs N (and N // 8 two-process trials)
+CI_TRIALS = 2  # per adapter, one process; --soak N runs N (and N // 8 two-process trials)
 RESULTS: list[dict[str, Any]] = []
 
 

@@ -18,7 +18,7 @@ import tests.faultfs  # noqa: F401  (registers flaky://)
 from air_core import AsyncCheckpointer, SaveError
 from tests.faults.s3proxy import FaultProxy
 
-BIG = 3 << 20  # a data file of 12 MiB: several requests' worth, so a drop lands mid-upload
+BIG = 1 << 20  # a data file of 4 MiB: a dropped connection lands half way through its body
 
 
 def state(step: int) -> dict:
@@ -31,7 +31,7 @@ def proxied(s3_root):
     proxy = FaultProxy(s3_root.endpoint)
     options = {
         "client_kwargs": {"endpoint_url": proxy.url},
-        "config_kwargs": {"read_timeout": 2, "connect_timeout": 2, "retries": {"max_attempts": 1}},
+        "config_kwargs": {"read_timeout": 1, "connect_timeout": 1, "retries": {"max_attempts": 1}},
     }
     yield proxy, s3_root.url, options
     proxy.close()
@@ -59,7 +59,7 @@ def data_puts(proxy: FaultProxy, action: str) -> int:
     ("action", "times", "seconds"),
     [
         ("throttle", 7, 0.0),  # 503 SlowDown, more often than s3fs retries by itself: ours go on
-        ("delay", 1, 1.0),  # a latency spike (below the read timeout): no retry needed
+        ("delay", 1, 0.5),  # a latency spike (below the read timeout): no retry needed
         ("drop", 2, 0.0),  # the connection is dropped half way through the upload
         ("hang", 2, 0.0),  # the upload is read and never answered: it times out and is retried
     ],
@@ -82,7 +82,7 @@ def test_transient_s3_faults_are_retried_and_the_save_commits(proxied, tmp_path,
 )
 def test_a_permanent_s3_fault_fails_the_save_and_keeps_the_previous(proxied, tmp_path, action, fix):
     proxy, url, options = proxied
-    ckpt = open_ckpt(url, options, tmp_path, retries=1)
+    ckpt = open_ckpt(url, options, tmp_path, retries=0)  # s3fs retries 5 times by itself
     ckpt.save(state(1), step=1).result(120)
     proxy.add("PUT", "/run/step-000000002/rank-", action, times=1000)
     with pytest.raises(SaveError, match=f"step 2.*during upload.*{fix}") as err:
