@@ -69,6 +69,12 @@ class RootLease:
         """Take the root for this launch, or raise ``ConfigError`` if another live job holds it."""
         current = self._read()
         if current is not None and not self._free(current):
+            if current.host == socket.gethostname() and current.pid == os.getpid():
+                raise ConfigError(
+                    f"AsyncCheckpointer(root={self._storage.display()!r}): another AsyncCheckpointer in "
+                    "this process writes to this root; close it first, or open this one with read_only=True "
+                    "to list, verify or load."
+                )
             raise ConfigError(
                 f"AsyncCheckpointer(root={self._storage.display()!r}): {current.describe()} is writing "
                 "checkpoints to this root now; two jobs writing one root would overwrite each other's "

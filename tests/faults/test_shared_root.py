@@ -60,6 +60,14 @@ def test_a_second_writer_is_refused_and_a_killed_holder_is_taken_over_at_once(tm
         assert ckpt.latest().step == 2
 
 
+def test_a_second_writer_in_the_same_process_is_told_to_close_the_first_or_read_only(tmp_path):
+    with AsyncCheckpointer(str(tmp_path)):
+        with pytest.raises(ConfigError, match="another AsyncCheckpointer in this process.*read_only=True"):
+            AsyncCheckpointer(str(tmp_path))
+        AsyncCheckpointer(str(tmp_path), read_only=True).close()
+    AsyncCheckpointer(str(tmp_path)).close()  # released by the first one's close
+
+
 def test_a_clean_close_releases_the_root(tmp_path):
     root = str(tmp_path / "root")
     holder = start_holder(root)
