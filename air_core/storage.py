@@ -120,7 +120,7 @@ class Storage:
                         raise
                     raise StorageError(
                         f"{what} {self.display(rel)} failed after {attempt + 1} attempt(s): "
-                        f"{type(exc).__name__}: {exc}. {_fix_for(exc)}"
+                        f"{type(exc).__name__}: {exc}. {fix_for(exc)}"
                     ) from exc
                 delay = self._backoff * (2**attempt) * (0.5 + random.random())
                 logger.warning(
@@ -285,7 +285,8 @@ def _rename_durably(tmp: str, final: str) -> None:
         os.close(fd)
 
 
-def _fix_for(exc: BaseException) -> str:
+def fix_for(exc: BaseException) -> str:
+    """What a user can do about a storage error (credentials, a full disk, a missing bucket, ...)."""
     if isinstance(exc, PermissionError) or "credential" in str(exc).lower() or "AccessDenied" in str(exc):
         return "Check the credentials in storage_options or the environment, and the permissions of the root."
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:

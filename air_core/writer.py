@@ -34,7 +34,7 @@ from .events import Emitter, Phase, PhaseEvent, SaveRecord
 from .manifest import CheckpointInfo, FileEntry, Manifest, PartRecord, library_versions, manifest_path
 from .recovery import scan, write_cached_manifest
 from .snapshot import BufferPool, Snapshot, materialize, materialize_parts
-from .storage import Storage
+from .storage import Storage, fix_for
 
 logger = logging.getLogger(__name__)
 _IDLE_EXIT_SECONDS = 0.5
@@ -344,11 +344,11 @@ class Writer:
             )
 
     def _fix(self, phase: str, exc: Exception) -> str:
-        """The fix for a full local disk (storage errors name their own fix)."""
+        """The fix for a full local disk while serializing (storage errors name their own fix)."""
         if phase != "serialize" or not (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):
             return ""
-        if self._cache_dir is None:
-            return " The destination disk is full: free space there or point the root elsewhere."
+        if self._cache_dir is None:  # written straight to a local destination
+            return f" {fix_for(exc)}"
         return (
             f" The staging disk is full: free space under staging_dir ({self._cache_dir}), point staging_dir "
             "at a larger disk, or lower keep_last (the local cache keeps that many checkpoints)."
