@@ -45,7 +45,7 @@ import torch
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from .errors import ConfigError, StorageError
-from .storage import Storage
+from .storage import TEMP_TAG, Storage
 
 logger = logging.getLogger(__name__)
 _ROWS = 65  # the training process and up to 64 loader workers
@@ -118,8 +118,7 @@ class FileCache:
         self._lock = threading.Lock()
         self._count_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        _remove_leftovers(self.cache_dir)
-        for rel in self._on_disk():  # a warm cache from an earlier run: counted, evictable
+        for rel in self._scan_disk():  # a warm cache from an earlier run: counted, evictable
             self._state[self._ids[rel]] = _READ
             self._read_at[self._ids[rel]] = os.path.getmtime(self.local_path(rel))
         self._make_room(0)
@@ -209,12 +208,19 @@ class FileCache:
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def _on_disk(self) -> list[str]:
+    def _scan_disk(self) -> list[str]:
+        """Complete files already in the cache; marks and temp files a killed run left are removed
+        (a reader would wait on a stale mark). One walk of the folder."""
         found = []
         for folder, _, names in os.walk(self.cache_dir):
             for name in names:
-                rel = os.path.relpath(os.path.join(folder, name), self.cache_dir).replace(os.sep, "/")
-                if self.sizes.get(rel) == os.path.getsize(os.path.join(folder, name)):
+                path = os.path.join(folder, name)
+                if name.endswith(".inflight") or TEMP_TAG in name:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                    continue
+                rel = os.path.relpath(path, self.cache_dir).replace(os.sep, "/")
+                if self.sizes.get(rel) == os.path.getsize(path):
                     found.append(rel)
         return found
 
@@ -288,15 +294,6 @@ def _claim(marker: str) -> bool:
     except FileExistsError:
         return False
     return True
-
-
-def _remove_leftovers(cache_dir: str) -> None:
-    """Marks and temp files a killed run left behind (a reader would wait on a stale mark)."""
-    for folder, _, names in os.walk(cache_dir):
-        for name in names:
-            if name.endswith(".inflight") or ".air-tmp-" in name:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(folder, name))
 
 
 class RemoteFiles(Dataset):

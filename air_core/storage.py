@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "abfs": "azure", "az": "azure", "adl": "azure"}
+TEMP_TAG = ".air-tmp-"
+"""In the name of every temp file this module writes (a killed process may leave one behind)."""
 _TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.EIO, errno.EREMOTEIO}
 
 
@@ -273,7 +275,7 @@ class Storage:
 
 def _temp_name(final: str) -> str:
     head, tail = os.path.split(final)
-    return os.path.join(head, f".{tail}.air-tmp-{uuid.uuid4().hex[:8]}")
+    return os.path.join(head, f".{tail}{TEMP_TAG}{uuid.uuid4().hex[:8]}")
 
 
 def _rename_durably(tmp: str, final: str) -> None:
