@@ -1,12 +1,12 @@
 """``AirAccelerator``: Accelerate's ``save_state``/``load_state``, asynchronous, committed, exactly resumable.
 
 Accelerate has no checkpoint-IO extension point (its save-state hooks run before a synchronous write
-they cannot replace), so the plugin is an ``Accelerator`` subclass that overrides four documented
-methods: ``prepare_data_loader`` (track each loader's position per rank), ``prepare_optimizer``
-(count optimizer steps), ``save_state`` (hand the files Accelerate would write to the core's
-``AsyncCheckpointer.save_files``: the call returns after the host copy) and ``load_state`` (fetch the
-newest committed, verified checkpoint and load it with Accelerate's own loader, then restore what
-Accelerate does not keep: every rank's RNG and data position, the step, the MLflow run).
+they cannot replace), so the plugin is an ``Accelerator`` subclass that overrides documented methods
+and translates them into ``air_core.session.TrainingSession`` calls: ``prepare_data_loader`` (track each
+loader's position per rank), ``prepare_optimizer`` (count steps; gate the step on the last snapshot),
+``save_state`` (the files Accelerate would write, committed in the background), ``load_state`` (the
+newest committed, verified checkpoint through Accelerate's own loader, then every rank's RNG and data
+position) and ``end_training``.
 
 The folder layout is Accelerate's own (``pytorch_model.bin``, ``optimizer.bin``, ``random_states_<r>.pkl``
 ...), so a downloaded checkpoint loads with a stock ``Accelerator.load_state(local_dir)``; the extra
@@ -17,35 +17,19 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderShard
-from accelerate.utils import (
-    DistributedType,
-    broadcast_object_list,
-)
+from accelerate.utils import DistributedType, broadcast_object_list
 from torch.utils.data import RandomSampler
 from typing_extensions import override
 
-from air_core import (
-    AsyncCheckpointer,
-    ConfigError,
-    FlushOnSigterm,
-    Goodput,
-    GoodputLog,
-    MlflowSink,
-    Recorder,
-    TrackedLoader,
-    capture_rng,
-    goodput_of,
-    restore_rng,
-)
-from air_core.compat import check_fits
+from air_core import ConfigError
+from air_core.session import TrainingSession
 
-from .layout import accelerate_files, air_file, model_file
+from .layout import accelerate_files, air_file, model_file, rank_state_of
 from .plugin import AirPlugin, warn_if_inexact
 
 logger = logging.getLogger(__name__)
@@ -53,13 +37,12 @@ _SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MUL
 
 
 def _start_epochs_at_iter(prepared: Any) -> None:
-    """Make a stateful loader draw each epoch's order when it is iterated, from state a checkpoint keeps.
+    """Make a stateful loader draw each epoch's order when it is iterated, as a plain loader does.
 
     Accelerate asks a new multi-worker ``StatefulDataLoader`` for its state, which makes it start its
-    first epoch (and draw that epoch's order) inside ``prepare``; that iterator is dropped so the
-    first epoch starts at ``iter()`` like the others. A restored loader rebuilds the epoch's order from
-    its sampler's generator, so a shuffling sampler without one gets one (as Accelerate does for its
-    multi-process loaders); otherwise it would draw a seed from a global RNG that no longer matches.
+    first epoch (and draw that epoch's order) inside ``prepare``; that iterator is dropped so the first
+    epoch starts at ``iter()`` like the others. A shuffling sampler without a generator gets one (as
+    Accelerate does for its multi-process loaders), so its order is part of the saved position.
     """
     base = prepared.base_dataloader
     if getattr(base, "_initial_iter_for_state_dict", False):  # torchdata's flag for that early iterator
@@ -83,7 +66,8 @@ class AirAccelerator(Accelerator):
         start_epoch: the epoch the training loop (re-)enters after a resume: the one the first prepared
             loader was in (a loop re-entering it after its last batch gets no batches, and runs the
             rest of that epoch's code); 0 for a fresh run.
-        air_records: ``fetch_seconds`` per training batch and the save/restore records of this rank.
+        air_session: this rank's training session (``air_session.records``: fetch times, save and
+            restore records; ``air_session.goodput`` on rank 0 after ``end_training``).
     """
 
     def __init__(self, *args: Any, air_plugin: AirPlugin, **kwargs: Any) -> None:
@@ -107,34 +91,23 @@ class AirAccelerator(Accelerator):
                 "for FSDP, DeepSpeed, Megatron-LM and XLA."
             )
         self.air_plugin = air_plugin
-        self.air_records = Recorder(air_plugin.log_every_n_steps, rank=self.process_index)
-        self.air_records.gather = self._air_gather if self.num_processes > 1 else None
         self.completed_steps = 0
         self.start_epoch = 0
-        self.air_goodput: Goodput | None = None
-        """Rank 0, after ``end_training``: the goodput of every launch of this job so far."""
-        launch_id = broadcast_object_list([uuid.uuid4().hex if self.is_main_process else ""])[0]
-        self._air = AsyncCheckpointer(
-            **air_plugin.checkpointer_kwargs,
+        self.air_session = TrainingSession(
+            air_plugin.session,
+            checkpointer=air_plugin.checkpointer,
             rank=self.process_index,
             world_size=self.num_processes,
-            launch_id=launch_id,
-            listeners=[self.air_records, *air_plugin.listeners],
+            broadcast=lambda value: broadcast_object_list([value])[0],
+            gather=self._air_gather,
+            listeners=air_plugin.listeners,
         )
-        self._air_goodput = GoodputLog(self._air.storage, launch_id) if self.is_main_process else None
-        self.air_records.goodput = self._air_goodput
-        self._air_sink: MlflowSink | None = None
-        self._air_resumed_run: str | None = None
-        self._air_tracked: dict[int, TrackedLoader] = {}
+        self._air = self.air_session.open(air_plugin.root)
+        self._air_tracked: set[int] = set()
         self._air_taken: set[str] | None = None
         """Checkpoint names under the root (listed at the first save) and of this launch's saves."""
         self._air_step_hook: Any = None
-        self._air_preemption = FlushOnSigterm(
-            lambda: self._air,
-            timeout_seconds=air_plugin.flush_timeout_seconds,
-            who="AirAccelerator",
-            log=logger,
-        )
+        self._air_started = False
 
     # -- preparation -------------------------------------------------------------------------
     @override
@@ -155,34 +128,47 @@ class AirAccelerator(Accelerator):
             )
             return prepared
         warn_if_inexact(prepared)
-        if getattr(prepared, "use_stateful_dataloader", False):
+        stateful = getattr(prepared, "use_stateful_dataloader", False)
+        if stateful:
             _start_epochs_at_iter(prepared)
-        tracked = TrackedLoader(
+        prepared.base_dataloader = self.air_session.track(
             prepared.base_dataloader,
             epoch=lambda: int(prepared.iteration),
             lookahead=1,  # a DataLoaderShard fetches one batch ahead to detect the end
+            # Accelerate corrects a stateful loader's state for that batch.
+            exact_state=(prepared.state_dict, prepared.load_state_dict) if stateful else None,
             on_fetch=self._air_record_fetch,
+            reenter=True,  # resume() returns the finished epoch: the loop runs the code after its batches
         )
-        prepared.base_dataloader = tracked
-        self._air_tracked[id(prepared)] = tracked
+        self._air_tracked.add(id(prepared))
         return prepared
 
     @override
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Any = None) -> Any:
         prepared = super().prepare_optimizer(optimizer, device_placement)
         if self._air_step_hook is None:  # the first optimizer's applied steps are the run's steps
+            # A save's device-to-host copy overlaps the next forward/backward; it lands before the step.
+            prepared.optimizer.register_step_pre_hook(lambda *_: self.air_session.before_optimizer_step())
             self._air_step_hook = prepared.optimizer.register_step_post_hook(self._air_count_step)
         return prepared
 
     def _air_count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._air_started:  # the first step of this launch
+            self._air_started = True
+            tracker = self._air_tracker_run_id()
+            self.air_session.start(mlflow_run_id=tracker, run_is_ours=tracker is None)
         self.completed_steps += 1
-        if self._air_sink is None and self.is_main_process and self.air_plugin.mlflow:
-            self._air_sink = MlflowSink(
-                run_id=self._air_resumed_run or self._air_tracker_run_id(),
-                experiment=self.air_plugin.mlflow_experiment,
-            )
-            self.air_records.attach(self._air_sink.log)
-        self.air_records.record_step(self.completed_steps)
+        self.air_session.record_step(self.completed_steps)
+
+    @property
+    def air_records(self) -> Any:
+        """This rank's ``fetch_seconds`` per training batch and its save/restore records."""
+        return self.air_session.records
+
+    @property
+    def air_goodput(self) -> Any:
+        """Rank 0, after ``end_training``: the goodput of every launch of this job so far."""
+        return self.air_session.goodput
 
     def _air_gather(self, values: list[float]) -> list[list[float]]:
         gathered = self.gather(torch.tensor(values, dtype=torch.float64, device=self.device))
@@ -190,7 +176,7 @@ class AirAccelerator(Accelerator):
 
     def _air_record_fetch(self, seconds: float) -> None:
         if any(m.training for m in self._models) or not self._models:  # training batches only
-            self.air_records.record_fetch(seconds)
+            self.air_session.record_fetch(seconds)
 
     # -- save --------------------------------------------------------------------------------
     @override
@@ -203,11 +189,19 @@ class AirAccelerator(Accelerator):
         ``step-<completed_steps>`` (``-1``, ``-2``, ... appended when the root holds a committed or
         corrupt checkpoint of that name, e.g. one that resume skipped: such a location is never
         written twice). Model weights are written as ``pytorch_model.bin`` (torch format, whatever
-        ``safe_serialization`` says), which a stock ``load_state`` reads as well.
+        ``safe_serialization`` says), which a stock ``load_state`` reads as well. Returns after the
+        host copy; on a GPU the copy finishes by the next optimizer step.
         """
         name = self._air_name(output_dir)
-        handle = self._air.save_files(self._air_files(name), step=self.completed_steps, name=name)
-        handle.wait_snapshot()  # CUDA copies land before training mutates the tensors again
+        rank_state = self.air_session.rank_state()
+        files = accelerate_files(self, rank_state["rng"])
+        files[air_file(self.process_index)] = {
+            "completed_steps": self.completed_steps,
+            "rank_state": rank_state,
+        }
+        self.air_session.save(
+            {f"{name}/{f}": state for f, state in files.items()}, step=self.completed_steps, name=name
+        )
         self.project_configuration.iteration += 1
         return f"{self.air_plugin.root.rstrip('/')}/{name}"
 
@@ -227,25 +221,6 @@ class AirAccelerator(Accelerator):
             name = f"{base}-{n}"
         self._air_taken.add(name)
         return name
-
-    def _air_files(self, name: str) -> dict[str, Any]:
-        """The files ``Accelerator.save_state`` would write for this rank, plus this rank's air state."""
-        files = accelerate_files(self)
-        files[air_file(self.process_index)] = {
-            "world_size": self.num_processes,
-            "completed_steps": self.completed_steps,
-            "rng": capture_rng(),
-            "loaders": [self._air_loader_state(dl) for dl in self._dataloaders],
-            "mlflow_run_id": self._air_mlflow_run_id(),
-        }
-        return {f"{name}/{filename}": state for filename, state in files.items()}
-
-    def _air_loader_state(self, dl: Any) -> dict[str, Any]:
-        tracked = self._air_tracked.get(id(dl))
-        return {
-            "position": tracked.position() if tracked is not None else None,
-            "state": dl.state_dict() if getattr(dl, "use_stateful_dataloader", False) else None,
-        }
 
     # -- load --------------------------------------------------------------------------------
     @override
@@ -278,22 +253,21 @@ class AirAccelerator(Accelerator):
             folder = os.path.dirname(local.paths[f"{name}/{air_file(self.process_index)}"])
         air_path = os.path.join(folder, air_file(self.process_index))
         air = torch.load(air_path, weights_only=True) if os.path.isfile(air_path) else None
-        if air is not None and air["world_size"] != self.num_processes:
-            raise ConfigError(
-                f"AirAccelerator.load_state: the checkpoint was written by {air['world_size']} process(es), "
-                f"this run has {self.num_processes}; resume with the same number of processes."
-            )
+        what = f"AirAccelerator.load_state: the checkpoint {os.path.basename(folder)}"
+        rank_state = rank_state_of(air) if air is not None else None
+        if rank_state is not None:
+            self.air_session.check_world_size(rank_state["world_size"], what=what)
         for i, model in enumerate(self._models):  # before Accelerate copies any weight
             path = os.path.join(folder, model_file(i))
             if os.path.isfile(path):
-                check_fits(
+                self.air_session.check_model(
                     self.unwrap_model(model).state_dict(),
                     torch.load(path, map_location="cpu", weights_only=True, mmap=True),
-                    what=f"AirAccelerator.load_state: {os.path.basename(folder)}/{model_file(i)}",
+                    what=f"{what}/{model_file(i)}",
                     fix="Resume with the model it was saved from, or give this run its own AirPlugin root.",
                 )
         super().load_state(folder, load_kwargs, **load_model_func_kwargs)
-        if air is None:
+        if air is None or rank_state is None:
             logger.warning(
                 "AirAccelerator.load_state(%s): no %s; RNG and data position come from Accelerate's files "
                 "only, so the resumed run may repeat or skip samples.",
@@ -301,31 +275,18 @@ class AirAccelerator(Accelerator):
                 air_file(self.process_index),
             )
             return
-        self._air_restore(air)
-
-    def _air_restore(self, air: dict[str, Any]) -> None:
-        if len(air["loaders"]) != len(self._dataloaders):
-            raise ConfigError(
-                f"AirAccelerator.load_state: the checkpoint tracked {len(air['loaders'])} dataloader(s), "
-                f"this run prepared {len(self._dataloaders)}; prepare the same loaders before load_state()."
-            )
         self.completed_steps = air["completed_steps"]
-        restore_rng(air["rng"])
-        for dl, saved in zip(self._dataloaders, air["loaders"], strict=True):
-            tracked, position, state = self._air_tracked.get(id(dl)), saved["position"], saved["state"]
-            if tracked is None or position is None:
+        self.air_session.restore_rank_state(rank_state, what=what)
+        for dl, position in zip(self._dataloaders, rank_state["loaders"], strict=True):
+            if position is None:
                 continue
-            if state is not None and position["where"] == "inside":
-                dl.load_state_dict(state)
-            epoch = tracked.resume(position, stateful=state is not None)
             # At an epoch's end the loop re-enters that epoch for the code after its batches; the
             # loader's next real pass is the following epoch.
-            dl.iteration = epoch + (1 if position["where"] == "end" else 0)
+            dl.iteration = position["epoch"] + (1 if position["where"] == "end" else 0)
             if dl is self._dataloaders[0]:
-                self.start_epoch = epoch
-        if air.get("mlflow_run_id"):
-            self._air_resumed_run = air["mlflow_run_id"]
-            self._air_continue_mlflow_run(air["mlflow_run_id"])
+                self.start_epoch = position["epoch"]
+        if self.air_session.resumed_mlflow_run:
+            self._air_continue_mlflow_run(self.air_session.resumed_mlflow_run)
 
     def resume(self) -> int:
         """Load the newest committed checkpoint if there is one; return ``start_epoch`` (0 when fresh).
@@ -345,11 +306,6 @@ class AirAccelerator(Accelerator):
         run = getattr(tracker, "active_run", None)
         return run.info.run_id if run is not None else None
 
-    def _air_mlflow_run_id(self) -> str | None:
-        """The run this job's metrics go to: Accelerate's tracker's, else our sink's."""
-        sink = self._air_sink.run_id if self._air_sink is not None else None
-        return self._air_tracker_run_id() or sink or self._air_resumed_run
-
     def _air_continue_mlflow_run(self, run_id: str) -> None:
         """Make Accelerate's MLflow tracker log into the checkpoint's run instead of a fresh one."""
         tracker = next((t for t in self.trackers if t.name == "mlflow"), None)
@@ -367,22 +323,11 @@ class AirAccelerator(Accelerator):
     # -- shutdown ----------------------------------------------------------------------------
     def wait_for_checkpoints(self, timeout: float | None = None) -> None:
         """Block until every save so far is committed (raises the first failure)."""
-        self._air.flush(self.air_plugin.flush_timeout_seconds if timeout is None else timeout)
+        self._air.flush(self.air_plugin.session.flush_timeout_seconds if timeout is None else timeout)
 
     @override
     def end_training(self) -> None:
-        """Commit what is in flight (bounded by ``flush_timeout_seconds``), end the trackers and the
-        process group (every rank together), then report goodput and flush MLflow (rank 0)."""
-        self._air.close()
-        self.air_records.close_window(self.completed_steps, reduce=False)
-        self.air_records.log_summary()
-        self._air_preemption.uninstall()
+        """Commit what is in flight (bounded by ``flush_timeout_seconds``), report goodput and end the
+        MLflow run the session started (rank 0), then end the trackers and the process group."""
+        self.air_session.close(self.completed_steps)
         super().end_training()
-        if self._air_goodput is not None:
-            self._air_goodput.close()
-            self.air_goodput = goodput_of(self._air.storage)
-            logger.info("AirAccelerator: %s", self.air_goodput.report())
-            if self._air_sink is not None:
-                self._air_sink.log(self.air_goodput.as_metrics(), self.completed_steps)
-        if self._air_sink is not None:
-            self._air_sink.close()

@@ -9,12 +9,9 @@ own loader. Only what a rank would write is built: rank 0 the shared state, ever
 from __future__ import annotations
 
 import os
-import random
 import tempfile
 from typing import Any
 
-import numpy as np
-import torch
 from accelerate import Accelerator
 from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
 from accelerate.utils import (
@@ -27,6 +24,7 @@ from accelerate.utils import (
 )
 
 from air_core import AirError
+from air_core.session import raw_from_safe
 
 
 def air_file(rank: int) -> str:
@@ -43,8 +41,11 @@ def model_file(i: int) -> str:
     return _indexed(MODEL_NAME, i, ".bin")
 
 
-def accelerate_files(accelerator: Accelerator) -> dict[str, Any]:
+def accelerate_files(accelerator: Accelerator, rng: dict[str, Any]) -> dict[str, Any]:
     """File name -> state, as ``save_state`` would write them on this rank (weights in torch format).
+
+    ``rng`` is the session's capture of this save (``capture_rng``): Accelerate's RNG file is made from
+    it, so the generators are read once per save.
 
     Raises:
         AirError: a registered save-state pre hook wrote files into ``output_dir`` (they could not
@@ -78,13 +79,40 @@ def accelerate_files(accelerator: Accelerator) -> dict[str, Any]:
             files[SCALER_NAME] = acc.scaler.state_dict()
         for i, obj in enumerate(acc._custom_objects):
             files[f"custom_checkpoint_{i}.pkl"] = obj.state_dict()
-    rng: dict[str, Any] = {
+    python, numpy_state, torch_state = raw_from_safe(rng)
+    stock: dict[str, Any] = {
         "step": acc.step,
-        "random_state": random.getstate(),
-        "numpy_random_seed": np.random.get_state(),
-        "torch_manual_seed": torch.get_rng_state(),
+        "random_state": python,
+        "numpy_random_seed": numpy_state,
+        "torch_manual_seed": torch_state,
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
-    files[f"{RNG_STATE_NAME}_{acc.process_index}.pkl"] = rng
+    if "cuda" in rng:
+        stock["torch_cuda_manual_seed"] = rng["cuda"]
+    files[f"{RNG_STATE_NAME}_{acc.process_index}.pkl"] = stock
     return files
+
+
+def rank_state_of(air: dict[str, Any]) -> dict[str, Any]:
+    """The session's rank state in an ``air-rank-<r>.pt``, also from the 0.1 layout (before the session
+    existed: RNG and loader positions at the top level). A 0.1 position resumes by re-reading, which
+    the session's skip gives too; it has no loader workers' RNG, so with workers their augmentation
+    restarts at the resume point."""
+    if "rank_state" in air:
+        return air["rank_state"]
+    loaders: list[dict[str, Any] | None] = []
+    for saved in air["loaders"]:
+        old = saved["position"]
+        if old is None:
+            loaders.append(None)
+            continue
+        position = {k: old[k] for k in ("where", "epoch", "consumed")}
+        position["generators"] = old["now"]["generators"]
+        if old["where"] == "inside":
+            position |= {"epoch_start": old["epoch_start"], "ahead": old["ahead"]}
+        loaders.append(position)
+    return {
+        "world_size": air["world_size"],
+        "rng": air["rng"],
+        "loaders": loaders,
+        "mlflow_run_id": air.get("mlflow_run_id"),
+    }

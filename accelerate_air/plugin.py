@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from typing import Any, Literal
 
 from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from air_core import ConfigError, Listener
-from air_core.config import CheckpointerConfig
+from air_core import CheckpointerConfig, Listener
+from air_core.session import SessionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +49,7 @@ class AirPlugin:
         mlflow: bool | None = None,
         mlflow_experiment: str = "air-plugins",
     ) -> None:
-        self.checkpointer_kwargs: dict[str, Any] = dict(
-            root=root,
+        self.checkpointer: dict[str, Any] = dict(
             staging_dir=staging_dir,
             host_budget_bytes=host_budget_bytes,
             keep_last=keep_last,
@@ -64,22 +62,17 @@ class AirPlugin:
             commit_timeout_seconds=commit_timeout_seconds,
             close_timeout_seconds=flush_timeout_seconds,
         )
-        CheckpointerConfig(**self.checkpointer_kwargs)  # validates every setting now
-        if not isinstance(flush_timeout_seconds, (int, float)) or flush_timeout_seconds <= 0:
-            raise ConfigError(
-                f"AirPlugin(flush_timeout_seconds={flush_timeout_seconds!r}): must be > 0 seconds."
-            )
-        if (
-            isinstance(log_every_n_steps, bool)
-            or not isinstance(log_every_n_steps, int)
-            or log_every_n_steps < 1
-        ):
-            raise ConfigError(f"AirPlugin(log_every_n_steps={log_every_n_steps!r}): must be an integer >= 1.")
+        """``AsyncCheckpointer`` settings other than the root (validated now)."""
+        CheckpointerConfig(root=root, **self.checkpointer)
+        self.session = SessionConfig(
+            log_every_n_steps=log_every_n_steps,
+            flush_timeout_seconds=flush_timeout_seconds,
+            mlflow=mlflow,
+            mlflow_experiment=mlflow_experiment,
+            owner="AirPlugin",
+        )
+        """The training session's settings (validated now)."""
         self.root = root
-        self.flush_timeout_seconds = float(flush_timeout_seconds)
-        self.log_every_n_steps = log_every_n_steps
-        self.mlflow = importlib.util.find_spec("mlflow") is not None if mlflow is None else bool(mlflow)
-        self.mlflow_experiment = mlflow_experiment
         self.listeners: list[Listener] = []
 
     def add_listener(self, listener: Listener) -> None:

@@ -1,48 +1,33 @@
 """air_core: asynchronous, staged, committed checkpoints for PyTorch, free of any training framework.
 
-The public names are exactly ``__all__``. Start with ``AsyncCheckpointer``; ``docs/design.md`` walks
-through the save pipeline (snapshot -> serialize -> stage -> upload -> commit -> retention).
+The public names are exactly ``__all__``: the checkpointer, its handle, settings, records, events and
+errors. ``air_core.session`` holds what runs a training session (used by the adapters and by loops
+that use the core directly); ``air_core.data`` the resumable sampler and the remote-data cache.
+``docs/design.md`` walks through the save pipeline.
 """
 
 from .checkpointer import AsyncCheckpointer, LocalCheckpoint, SaveHandle
-from .data_cache import FileCache, PrefetchingSampler, RemoteFiles
-from .data_state import ResumableSampler, TrackedLoader, capture_rng, restore_rng
+from .config import CheckpointerConfig
 from .errors import AirError, ConfigError, CorruptCheckpointError, SaveError, StorageError
 from .events import Event, Listener, PhaseEvent, RestoreRecord, SaveRecord
-from .goodput import Goodput, GoodputLog, goodput_of
 from .manifest import CheckpointInfo, FileEntry, Manifest
-from .metrics import Recorder
-from .mlflow_sink import MlflowSink
-from .preemption import FlushOnSigterm
 
 __all__ = [
     "AirError",
     "AsyncCheckpointer",
     "CheckpointInfo",
+    "CheckpointerConfig",
     "ConfigError",
     "CorruptCheckpointError",
     "Event",
-    "FileCache",
     "FileEntry",
-    "FlushOnSigterm",
-    "Goodput",
-    "GoodputLog",
-    "LocalCheckpoint",
     "Listener",
+    "LocalCheckpoint",
     "Manifest",
-    "MlflowSink",
-    "ResumableSampler",
     "PhaseEvent",
-    "PrefetchingSampler",
-    "Recorder",
-    "RemoteFiles",
     "RestoreRecord",
     "SaveError",
     "SaveHandle",
     "SaveRecord",
     "StorageError",
-    "TrackedLoader",
-    "capture_rng",
-    "goodput_of",
-    "restore_rng",
 ]

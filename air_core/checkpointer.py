@@ -1,95 +1,38 @@
 """``AsyncCheckpointer``: the one public object of the core; wires the parts and owns their lifecycle.
 
-The training thread calls ``save`` (blocks only for the snapshot), ``latest``/``list``/``load`` (for
-recovery) and ``flush``/``close``. Everything after the snapshot runs on the writer (see
-``writer.py``). A failed background save is raised here, once, at the next ``save``, ``flush`` or
+The training thread calls ``save`` (blocks only for the snapshot), ``latest``/``list``/``fetch``/
+``load`` (recovery) and ``flush``/``close``; everything after the snapshot runs on the writer thread
+(``writer.py``). It holds no pipeline logic: strategies (destination, serializer) are chosen once in
+``__init__``. A failed background save is raised here, once, at the next ``save``, ``flush`` or
 ``close`` (or from its handle's ``result``), as ``SaveError`` carrying its step.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import pickle
-import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
-import torch
-
-from .config import BusyPolicy, CheckpointerConfig, WriterKind, check_name
-from .errors import AirError, ConfigError, CorruptCheckpointError, SaveError
-from .events import Emitter, Listener, PhaseEvent, RestoreRecord
+from . import layout
+from .catalog import scan
+from .config import BusyPolicy, CheckpointerConfig, WriterKind, check_filename, check_name, check_step
+from .errors import AirError, ConfigError
+from .events import Emitter, Listener, PhaseEvent
+from .handle import SaveHandle
 from .lease import RootLease
-from .manifest import CheckpointInfo, check_relpath, default_file
-from .recovery import fetch, scan, verify
+from .manifest import CheckpointInfo
+from .recovery import LocalCheckpoint, load_file, restore, verify_with
+from .serializer import make_serializer
 from .snapshot import BufferPool, take_snapshot
+from .staging import choose_destination
 from .storage import Storage
-from .writer import DeleteJob, ProcessSerializer, SaveJob, Serializer, ThreadSerializer, Writer
+from .writer import DeleteJob, SaveJob, Writer
 
+__all__ = ["AsyncCheckpointer", "LocalCheckpoint", "SaveHandle"]  # the last two live in handle/recovery
 logger = logging.getLogger(__name__)
-
-
-class SaveHandle:
-    """The future of one ``save``. ``done`` never blocks; ``wait_snapshot`` and ``result`` do."""
-
-    def __init__(self, name: str, step: int, *, copy_event: Any = None, skipped: bool = False) -> None:
-        self.name = name
-        self.step = step
-        self.skipped = skipped
-        """True when ``on_busy='skip'`` dropped this save; ``result()`` then returns None."""
-        self._copy_event = copy_event
-        self._finished = threading.Event()
-        self._info: CheckpointInfo | None = None
-        self._error: SaveError | None = None
-        self.reported = False
-        if skipped:
-            self._finished.set()
-
-    def wait_snapshot(self) -> None:
-        """Block until the device-to-host copy is done: call before the optimizer mutates the weights.
-
-        Returns at once for CPU state, which ``save`` already copied.
-        """
-        if self._copy_event is not None:
-            self._copy_event.synchronize()
-
-    def done(self) -> bool:
-        return self._finished.is_set()
-
-    def result(self, timeout: float | None = None) -> CheckpointInfo | None:
-        """Wait for the commit; return its info (None if skipped).
-
-        Raises:
-            SaveError: the save failed (it is then not raised again by the checkpointer).
-            TimeoutError: not finished within ``timeout`` seconds.
-        """
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"checkpoint {self.name!r} (step {self.step}) not committed within {timeout}s")
-        if self._error is not None:
-            self.reported = True
-            raise self._error
-        return self._info
-
-    def _finish(self, info: CheckpointInfo | None, error: SaveError | None) -> None:
-        self._info, self._error = info, error
-        self._finished.set()
-
-
-@dataclass(frozen=True)
-class LocalCheckpoint:
-    """Verified local copies of some files of a committed checkpoint (from ``AsyncCheckpointer.fetch``)."""
-
-    info: CheckpointInfo
-    paths: dict[str, str]
-    """Path relative to the root -> local file."""
-    source: Literal["local", "cache", "remote"]
 
 
 class AsyncCheckpointer:
@@ -163,24 +106,8 @@ class AsyncCheckpointer:
             retries=cfg.retries,
             retry_backoff_seconds=cfg.retry_backoff_seconds,
         )
-        key = hashlib.sha1(self._storage.url.encode()).hexdigest()[:16]
-        if cfg.staging_dir is None and self._storage.is_local:
-            self._cache_dir: str | None = None  # write the destination directly: never stage twice
-            self._spill_dir = os.path.join(tempfile.gettempdir(), "air-spill", key)
-        else:
-            staging = (
-                _local_dir(cfg.staging_dir)
-                if cfg.staging_dir
-                else os.path.join(tempfile.gettempdir(), "air-staging")
-            )
-            if cfg.staging_dir is None:
-                logger.info(
-                    "no staging_dir given: staging in %s (pass staging_dir= to use a local NVMe disk)",
-                    staging,
-                )
-            self._cache_dir = os.path.join(staging, key)
-            self._spill_dir = os.path.join(self._cache_dir, ".spill")
-        _check_local_dir(self._cache_dir or self._spill_dir, "staging_dir", cfg.staging_dir)
+        self._dest = choose_destination(cfg, self._storage)
+        self._cache_dir = self._dest.cache_dir  # None: the root is written in place
         self._lease: RootLease | None = None
         if not cfg.read_only:
             self._storage.check_writable()
@@ -189,10 +116,9 @@ class AsyncCheckpointer:
                 self._lease.acquire()
         self._emit = Emitter(listeners)
         self._pool = BufferPool(cfg.host_budget_bytes, cfg.max_in_flight, shared=cfg.writer == "process")
-        serializer: Serializer = ProcessSerializer() if cfg.writer == "process" else ThreadSerializer()
-        self._serializer = serializer
+        self._serializer = make_serializer(cfg.writer)
         fence = self._lease.check if self._lease is not None else None
-        self._writer = Writer(cfg, self._storage, self._cache_dir, self._pool, serializer, self._emit, fence)
+        self._writer = Writer(cfg, self._storage, self._dest, self._pool, self._serializer, self._emit, fence)
         self._handles: list[SaveHandle] = []
         self._warned_spill = False
         self._closed = False
@@ -216,8 +142,10 @@ class AsyncCheckpointer:
             SaveError: an earlier save failed; raised once, carrying that save's step.
             ConfigError: bad arguments, or ``name`` is being saved already.
         """
-        name = check_name(name if name is not None else f"step-{_check_step(step):09d}")
-        filename = check_relpath(filename or default_file(name, self.config.rank), where="save(filename=...)")
+        name = check_name(name if name is not None else layout.default_name(check_step(step)))
+        filename = check_filename(
+            filename or layout.default_file(name, self.config.rank), call="save(filename=...)"
+        )
         return self.save_files({filename: state}, step=step, name=name)
 
     def save_files(self, files: Mapping[str, Any], *, step: int, name: str | None = None) -> SaveHandle:
@@ -229,11 +157,11 @@ class AsyncCheckpointer:
         """
         self._check_open("save", write=True)
         self._raise_failed()
-        name = check_name(name if name is not None else f"step-{_check_step(step):09d}")
+        name = check_name(name if name is not None else layout.default_name(check_step(step)))
         if not files:
             raise ConfigError(f"save_files(name={name!r}): no files given.")
         for rel in files:
-            check_relpath(rel, where="save_files(files=...)")
+            check_filename(rel, call="save_files(files=...)")
         if name in self._writer.busy:
             raise ConfigError(f"save(name={name!r}): a save of this name is still in flight; use a new name.")
         called = time.monotonic()
@@ -249,7 +177,7 @@ class AsyncCheckpointer:
             snap = take_snapshot(
                 dict(files),
                 buffer,
-                spill_dir=self._spill_dir,
+                spill_dir=self._dest.spill_dir,
                 spill_name=f"{name}-r{self.config.rank}-{uuid.uuid4().hex[:6]}.spill",
             )
         except BaseException:
@@ -259,19 +187,9 @@ class AsyncCheckpointer:
         blocking = time.monotonic() - called
         if snap.spilled_bytes and not self._warned_spill:
             self._warned_spill = True
-            largest = max(slot.nbytes for slot in snap.slots)
-            logger.warning(
-                "rank %d: host_budget_bytes=%d is too small for this state (%d bytes; its largest tensor "
-                "is %d bytes): %d bytes spill to staging_dir on every save, and the training thread waits "
-                "for that disk write. Raise host_budget_bytes to hold the state (or None).",
-                self.config.rank,
-                self.config.host_budget_bytes,
-                sum(slot.nbytes for slot in snap.slots),
-                largest,
-                snap.spilled_bytes,
-            )
+            logger.warning("rank %d: %s", self.config.rank, snap.spill_warning(self.config.host_budget_bytes))
         self._emit(PhaseEvent("snapshot_done", name, step, self.config.rank))
-        self._handles = [h for h in self._handles if not (h.done() and (h.reported or h._error is None))]
+        self._handles = [h for h in self._handles if not h.done() or h.unreported_error() is not None]
         self._handles.append(handle)
         job = SaveJob(name, step, tuple(files), snap, called, waited, blocking, handle._finish)
         self._writer.submit(job)
@@ -287,18 +205,19 @@ class AsyncCheckpointer:
         deadline = None if timeout is None else time.monotonic() + timeout
         for h in list(self._handles):
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            if not h._finished.wait(left):
+            if not h.wait(left):
                 raise TimeoutError(f"checkpoint {h.name!r} (step {h.step}) still in flight after {timeout}s")
         self._raise_failed()
 
     def _raise_failed(self) -> None:
-        failed = [h for h in self._handles if h.done() and h._error is not None and not h.reported]
-        for h in failed:
-            h.reported = True
-        for h in failed[1:]:
-            logger.error("rank %d: %s", self.config.rank, h._error)
+        """Raise the first failed save not yet reported (log any others); each is reported once."""
+        failed = [err for h in self._handles if (err := h.unreported_error()) is not None]
+        for h in self._handles:
+            h.reported = h.reported or h.unreported_error() is not None
+        for err in failed[1:]:
+            logger.error("rank %d: %s", self.config.rank, err)
         if failed:
-            raise failed[0]._error  # type: ignore[misc]
+            raise failed[0]
 
     # -- recovery ----------------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
@@ -312,7 +231,7 @@ class AsyncCheckpointer:
 
     def verify(self, info: CheckpointInfo) -> str:
         """Re-read every file of ``info`` and check its CRC-32; return the problem or ``""``."""
-        return verify(self._storage, info, self._cache_dir, max_transfers=self.config.max_transfers)
+        return verify_with(self._dest, info, max_transfers=self.config.max_transfers)
 
     def delete(self, name: str) -> None:
         """Delete checkpoint ``name`` on the writer thread, after every save submitted before.
@@ -337,64 +256,14 @@ class AsyncCheckpointer:
             CorruptCheckpointError: ``info`` (or every committed checkpoint) fails verification.
         """
         self._check_open("fetch")
-        started = time.monotonic()
-        wanted = {self.config.rank} if ranks is None else set(ranks)
-        problems = []
-        if info is not None:
-            candidates = [info]
-        else:
-            candidates = []
-            for found in reversed(self.list()):
-                if found.status == "committed":
-                    candidates.append(found)
-                elif found.status == "corrupt" and not candidates:  # newer than any we may load: say why
-                    logger.warning(
-                        "rank %d: skipping checkpoint %s: %s", self.config.rank, found.name, found.reason
-                    )
-                    problems.append(f"{found.name}: {found.reason}")
-            if not candidates:
-                why = f" ({'; '.join(problems)})" if problems else ""
-                raise FileNotFoundError(f"no committed checkpoint under {self._storage.display()}{why}")
-        for cand in candidates:
-            if cand.manifest is None:
-                raise CorruptCheckpointError(
-                    f"load({cand.name!r}): {cand.status} checkpoint ({cand.reason}); only committed "
-                    "checkpoints load.",
-                    path=self._storage.display(cand.name),
-                    reason=cand.reason or cand.status,
-                )
-            entries = [f for f in cand.manifest.files if f.rank in wanted]
-            self._emit(PhaseEvent("restore_start", cand.name, cand.step, self.config.rank))
-            try:
-                paths, source = fetch(
-                    self._storage,
-                    self._cache_dir,
-                    cand.manifest,
-                    entries,
-                    max_transfers=self.config.max_transfers,
-                )
-            except CorruptCheckpointError as exc:
-                if info is not None:
-                    raise
-                logger.warning("rank %d: skipping checkpoint %s: %s", self.config.rank, cand.name, exc)
-                problems.append(f"{cand.name}: {exc.reason}")
-                continue
-            seconds = time.monotonic() - started
-            nbytes = sum(e.size for e in entries)
-            self._emit(RestoreRecord(cand.name, cand.step, self.config.rank, seconds, source, nbytes))
-            logger.info(
-                "rank %d fetched %s (step %d) from %s in %.2fs",
-                self.config.rank,
-                cand.name,
-                cand.step,
-                source,
-                seconds,
-            )
-            return LocalCheckpoint(cand, paths, source)
-        raise CorruptCheckpointError(
-            f"no committed checkpoint under {self._storage.display()} verifies: {'; '.join(problems)}",
-            path=self._storage.display(),
-            reason="all corrupt",
+        return restore(
+            self._storage,
+            self._dest,
+            info,
+            ranks={self.config.rank} if ranks is None else set(ranks),
+            max_transfers=self.config.max_transfers,
+            rank=self.config.rank,
+            emit=self._emit,
         )
 
     def load(
@@ -418,16 +287,7 @@ class AsyncCheckpointer:
         """
         rank = self.config.rank if rank is None else rank
         local = self.fetch(info, ranks=[rank])
-        if len(local.paths) != 1:
-            manifest = local.info.manifest
-            assert manifest is not None
-            raise ConfigError(
-                f"load({local.info.name!r}) on rank {rank}: the checkpoint was written by "
-                f"{manifest.world_size} rank(s) and holds {len(local.paths)} file(s) of this rank; "
-                "resume with the world size it was saved with (or use fetch() for multi-file parts)."
-            )
-        (path,) = local.paths.values()
-        return _torch_load(path, map_location, weights_only, local.info.name)
+        return load_file(local, rank=rank, map_location=map_location, weights_only=weights_only)
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -493,42 +353,3 @@ class AsyncCheckpointer:
             raise AirError(f"AsyncCheckpointer.{what}(): the checkpointer is closed.")
         if write and self.config.read_only:
             raise AirError(f"AsyncCheckpointer.{what}(): opened with read_only=True; it never writes.")
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ConfigError(f"save(step={step!r}): step must be an integer >= 0.")
-    return step
-
-
-def _torch_load(path: str, map_location: Any, weights_only: bool | None, name: str) -> Any:
-    try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
-    except pickle.UnpicklingError as exc:
-        if weights_only is False:
-            raise
-        lines = [line.strip() for line in str(exc).splitlines()]
-        why = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else "")
-        raise ConfigError(
-            f"load({name!r}): the checkpoint holds objects that weights_only=True refuses ({why}); "
-            "unpickling them could run code. If you trust this checkpoint, pass weights_only=False."
-        ) from exc
-
-
-def _local_dir(path: str) -> str:
-    return path[len("file://") :] if path.startswith("file://") else path
-
-
-def _check_local_dir(path: str, arg: str, value: str | None) -> None:
-    """Create ``path`` and prove it writable, so a bad staging folder fails before training."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".probe-{uuid.uuid4().hex[:8]}")
-        with open(probe, "wb") as f:
-            f.write(b"probe")
-        os.unlink(probe)
-    except OSError as exc:
-        raise ConfigError(
-            f"AsyncCheckpointer({arg}={value!r}): cannot write to {path} ({exc.strerror or exc}); pass a "
-            "writable folder on a local disk."
-        ) from exc

@@ -18,11 +18,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .catalog import scan
 from .errors import AirError, CorruptCheckpointError
-from .goodput import analyze, read_events
 from .manifest import CheckpointInfo
-from .metrics import summarize
-from .recovery import fetch, scan
+from .recovery import fetch
+from .session.goodput import analyze, read_events
+from .session.metrics import summarize
 from .storage import Storage
 
 

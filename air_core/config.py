@@ -1,9 +1,10 @@
-"""Every setting of the checkpointer, with its default, unit and validation.
+"""Every setting of the checkpointer, with its default, unit and validation, and the checks of save's names.
 
 Nothing else in air_core reads raw user arguments: ``AsyncCheckpointer`` builds one frozen
-``CheckpointerConfig`` and the parts read from it. Whatever can be checked without I/O is checked
-here, at construction, so a mistake fails before any training step; checks that need I/O (is the
-staging directory writable, is the bucket reachable) run in ``AsyncCheckpointer.__init__``.
+``CheckpointerConfig`` and the parts read from it; ``check_name``/``check_filename`` vet what a
+``save`` call names. Whatever can be checked without I/O fails here with ``ConfigError``, so a mistake
+fails before any training step; checks that need I/O (is the staging folder writable, is the bucket
+reachable) run when the checkpointer is built (``staging.py``, ``storage.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .layout import unsafe_reason
 
 WriterKind = Literal["thread", "process"]
 BusyPolicy = Literal["wait", "skip"]
@@ -145,6 +147,27 @@ def check_name(name: str, *, what: str = "name") -> str:
             "and . _ = + - (no '/', no leading dot), e.g. 'step-000100'."
         )
     return name
+
+
+def check_step(step: Any) -> int:
+    """Return ``step`` if it is an integer >= 0, else raise ``ConfigError``."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"save(step={step!r}): step must be an integer >= 0.")
+    return step
+
+
+def check_filename(path: str, *, call: str) -> str:
+    """Return ``path`` if it is a safe file path relative to the root, else raise ``ConfigError``.
+
+    ``call`` is the argument as the user wrote it, e.g. ``save(filename=...)``.
+    """
+    why = unsafe_reason(path)
+    if why:
+        raise ConfigError(
+            f"{call}: refusing file path {path!r}: {why}. Pass a path relative to the root, e.g. "
+            "'step-000100/model.pt'."
+        )
+    return path
 
 
 def _is_int(value: object) -> bool:

@@ -1,32 +1,11 @@
 """Remote training files on local disk before the loader asks for them.
 
-``FileCache`` keeps local copies of files under a remote root (any fsspec URL) in ``cache_dir``,
-within ``budget_bytes``. ``PrefetchingSampler`` wraps the sampler that decides the read order and,
-as it hands out each index, schedules the files of the next ``depth`` indices for download
-(``max_transfers`` at a time). Every read stamps its file in a small shared table; files that were
-read are evicted, least recently read first, when a download needs room, and files fetched but not
-read yet are never evicted. Set ``depth`` to cover the loader's own read-ahead (``num_workers`` x
-``prefetch_factor`` x batch size, in items): a reader that outruns the prefetch downloads its file
-itself (a miss), after evicting read files if that makes room, else past the budget by that file.
-``RemoteFiles`` is a map-style dataset whose item ``i`` is ``read(local copy of files[i])``.
-
-Why not fsspec's caching filesystems: ``filecache``/``simplecache`` copy a file when it is opened
-(never ahead of use), have no byte budget, and keep their index in one process; what is reused from
-fsspec is the transfer itself (``Storage.get_file``: retries with backoff, a file that appears only
-when complete).
-
-Processes. The sampler runs in the training process, which alone downloads ahead. DataLoader
-workers get a copy of the cache: a read of a file that is there is a hit; one that a prefetch is
-still writing (a ``.inflight`` marker) waits for it; anything else is a miss, downloaded by the reader
-itself. The per-file state and the counts (hits, misses, the time readers waited, bytes downloaded;
-one row per process) live in shared-memory tensors, so eviction and ``stats()`` see the workers'
-reads too.
-Under DDP each rank's sampler yields its own shard, so each rank prefetches what it will read; ranks
-of one node may share ``cache_dir`` (every write is a unique temp file renamed into place).
-
-Resuming: the cache holds no position of its own. The sampler's position is in the checkpoint
-(``PrefetchingSampler.resume``); a resumed run prefetches from there, reading what a warm cache
-still holds and downloading the rest.
+``FileCache`` keeps local copies of a remote root's files in ``cache_dir`` within ``budget_bytes``;
+``PrefetchingSampler`` schedules the files of the next ``depth`` indices as it hands each one out
+(``max_transfers`` at a time, in the training process); ``RemoteFiles`` is a map-style dataset over
+them. Per-file state and counters are shared-memory tensors, so loader workers' reads count. It keeps
+no position (that is in the checkpoint). Key decision, not fsspec's ``filecache``: that copies on
+open, never ahead, has no byte budget and a per-process index. ``docs/design.md`` has the details.
 """
 
 from __future__ import annotations
@@ -327,7 +306,9 @@ class PrefetchingSampler(Sampler[int]):
     """Yields ``sampler``'s indices; keeps the next ``depth`` items' files downloading ahead.
 
     ``sampler`` may be a ``ResumableSampler`` (or any sampler with ``set_epoch``/``resume``); each epoch's
-    order is taken from it when the epoch starts, so the cache knows what comes next.
+    order is taken from it when the epoch starts, so the cache knows what comes next. Set ``depth`` to
+    cover the loader's own read-ahead (``num_workers`` x ``prefetch_factor`` x batch size, in items): a
+    reader that outruns the prefetch downloads its file itself (a miss).
     """
 
     def __init__(self, sampler: Sampler[int], dataset: RemoteFiles, *, depth: int = 16) -> None:

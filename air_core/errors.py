@@ -1,8 +1,9 @@
-"""The exceptions air_core raises.
+"""Every exception air_core raises, in one hierarchy; no other module defines one.
 
 Each one subclasses the builtin a caller would already catch (``ValueError`` for configuration,
 ``OSError`` for storage), so existing ``except`` clauses keep working; none derives from
-``BaseException``. Messages name the call as written, what is wrong, why, and the fix.
+``BaseException``. This module only defines them: messages (the call as written, what is wrong,
+why, and the fix) are written where the error is raised.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ class ConfigError(AirError, ValueError):
 
 class StorageError(AirError, OSError):
     """The destination or the staging directory cannot be used (after retries, if transient)."""
+
+
+class StorageLost(StorageError):
+    """Another launch took over this root (see ``lease.py``); this one must not write there any more."""
 
 
 class SaveError(AirError):

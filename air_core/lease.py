@@ -1,20 +1,11 @@
 """One writing job per root: a lease that rank 0 takes at construction and renews while it writes.
 
-Two jobs checkpointing into one root would overwrite each other's files (both name their saves by
-step). Object stores have no lock, so rank 0 keeps ``.air/lease.json`` (launch id, host, pid and a
-renewal counter) up to date from a small daemon thread, and a new launch takes the root only when
-the holder is gone:
-
-- no lease, a lease released by a clean ``close()``, or this launch's own: taken at once;
-- the holder ran on this host and its process is gone (a crash, a SIGKILL): taken at once;
-- the holder runs on this host: refused (``ConfigError``), before any training step;
-- another host: the renewal counter is watched for ``lease_seconds``; if it moves the job is alive
-  and this launch is refused, else the holder is dead and the root is taken with a warning.
-
-Before every commit and every retention delete rank 0 checks that it still holds the lease (a job
-whose lease was taken over while it could not renew, e.g. behind a network partition, stops there
-with ``StorageError`` rather than interleave). The check and the write are two requests, not one
-atomic step; the window is one small write.
+Object stores have no lock, so rank 0 keeps ``layout.LEASE_PATH`` (launch id, host, pid, a renewal
+counter) fresh from a daemon thread; a new launch takes the root only when the holder released it,
+its process on this host is gone, or (another host) its counter stops moving for ``lease_seconds``.
+Before each save, commit and retention delete, ``check`` raises ``StorageLost`` if the root was taken
+over. It does not make check-then-write atomic (two requests; the window is one small write), and no
+clocks are compared between hosts. ``docs/design.md`` ("One writing job per root") has the cases.
 """
 
 from __future__ import annotations
@@ -27,12 +18,13 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from .errors import ConfigError, StorageError
-from .manifest import META_DIR
+from .errors import ConfigError, StorageError, StorageLost
+from .layout import LEASE_PATH
 from .storage import Storage
 
+# LEASE_PATH and StorageLost now live in layout.py and errors.py; tests/faults import them from here.
+__all__ = ["LEASE_PATH", "Holder", "RootLease", "StorageLost"]
 logger = logging.getLogger(__name__)
-LEASE_PATH = f"{META_DIR}/lease.json"
 
 
 @dataclass(frozen=True)
@@ -176,10 +168,6 @@ class RootLease:
         except (ValueError, TypeError) as exc:
             logger.warning("ignoring an unreadable lease at %s: %s", self._storage.display(LEASE_PATH), exc)
             return None
-
-
-class StorageLost(StorageError):
-    """Another launch took over this root; this one must not write there any more."""
 
 
 _NOBODY = Holder("-", "-", 0, "", 0, 0.0)

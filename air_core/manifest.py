@@ -1,63 +1,35 @@
-"""What a committed checkpoint is: its manifest, the per-rank part records, and their JSON form.
+"""What a committed checkpoint is: ``Manifest``, the per-rank ``PartRecord``s, and their JSON form.
 
-Layout under the destination root (``name`` is one path segment, never reused once committed)::
-
-    <file paths chosen by the writer, default <name>/rank-00000.pt>
-    .air/<name>/rank-00000.json    part record: written by that rank before its files (intent) and
-                                   again once they are uploaded (complete)
-    .air/<name>/manifest.json      the commit: written last, by rank 0, after every part record
-
-Readers trust nothing without a manifest. Checksums are CRC-32 (zlib, ~6 GB/s, releases the GIL):
-they detect storage corruption and truncation, not tampering. Paths are validated on both write and
-read: no absolute path, no ``..``, so a hostile manifest cannot make a reader touch other files.
+Records only: where they live is ``layout.py``, reading and writing them is ``commit.py`` and
+``catalog.py``. Readers trust nothing without a manifest. Checksums are CRC-32 (zlib, ~6 GB/s,
+releases the GIL): they catch corruption and truncation, not tampering. Every path a record names is
+checked when it is read (no absolute path, no ``..``), so a hostile manifest cannot make a reader
+touch other files; such a record is a ``CorruptCheckpointError``.
 """
 
 from __future__ import annotations
 
 import json
 import platform
-import posixpath
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
 
 from .errors import CorruptCheckpointError
+from .layout import unsafe_reason
 
 FORMAT_VERSION = 1
-META_DIR = ".air"
 Status = Literal["committed", "partial", "corrupt"]
 
 
-def manifest_path(name: str) -> str:
-    """Relative path of the commit record of checkpoint ``name``."""
-    return f"{META_DIR}/{name}/manifest.json"
-
-
-def part_path(name: str, rank: int) -> str:
-    """Relative path of rank ``rank``'s part record of checkpoint ``name``."""
-    return f"{META_DIR}/{name}/rank-{rank:05d}.json"
-
-
-def default_file(name: str, rank: int) -> str:
-    """Relative path of the file one rank writes when the caller names none."""
-    return f"{name}/rank-{rank:05d}.pt"
-
-
 def check_relpath(path: str, *, where: str) -> str:
-    """Return ``path`` if it is a safe relative POSIX path, else raise ``CorruptCheckpointError``."""
-    norm = posixpath.normpath(path) if isinstance(path, str) and path else ""
-    if (
-        not norm
-        or norm != path
-        or path.startswith("/")
-        or "\\" in path
-        or ":" in path.split("/")[0]
-        or any(part in ("", ".", "..") for part in path.split("/"))
-    ):
+    """Return ``path`` if it is a safe relative POSIX path, else raise ``CorruptCheckpointError``.
+
+    For paths *read* from a record; a caller's bad argument is ``config.check_filename``'s job.
+    """
+    why = unsafe_reason(path)
+    if why:
         raise CorruptCheckpointError(
-            f"{where}: refusing file path {path!r}: paths in a checkpoint must be relative, without "
-            "'..', '.', '\\' or a drive/scheme.",
-            path=str(path),
-            reason="unsafe path",
+            f"{where}: refusing file path {path!r}: {why}.", path=str(path), reason="unsafe path"
         )
     return path
 

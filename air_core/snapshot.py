@@ -1,13 +1,10 @@
 """Copy a state into reused host buffers, so training may go on mutating it.
 
-``take_snapshot`` pickles the state's structure with every tensor replaced by a reference (so any
-picklable object is copied at that moment, aliasing is kept, and no live object reaches the writer),
-then copies each distinct tensor storage into a ``HostBuffer`` that lives across saves: pinned
-(page-locked with ``cudaHostRegister``, never the power-of-two caching allocator) with copies queued on
-a side stream when tensors are on a GPU, plain or shared memory on CPU. What does not fit in the
-buffer spills to a file in the local staging folder, so the host budget is never exceeded.
-``materialize`` turns a snapshot back into the state, with tensors that view the buffer and the
-spill file; the writer serializes that. This module never writes the checkpoint itself.
+``take_snapshot`` pickles the structure with tensors by reference (any picklable object is copied
+then, aliasing kept), then copies each tensor storage into a ``HostBuffer`` that lives across saves:
+pinned with ``cudaHostRegister`` and copied on a side stream for GPU tensors (never the caching
+allocator), plain or shared memory on CPU; what exceeds the budget spills to a staging-folder file.
+``materialize`` rebuilds the state as views of the buffer. It never writes the checkpoint itself.
 """
 
 from __future__ import annotations
@@ -154,6 +151,21 @@ class Snapshot:
         if self.copy_event is not None:
             self.copy_event.synchronize()
         self._sources.clear()
+
+    def remove_spill(self) -> None:
+        """Delete the spill file, if any (once the serializer no longer needs it)."""
+        if self.spill_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.spill_path)
+
+    def spill_warning(self, budget_bytes: int | None) -> str:
+        """Why this snapshot spilled, and the fix (the checkpointer logs it once)."""
+        return (
+            f"host_budget_bytes={budget_bytes} is too small for this state ({self.nbytes} bytes; its "
+            f"largest tensor is {max(slot.nbytes for slot in self.slots)} bytes): {self.spilled_bytes} "
+            "bytes spill to staging_dir on every save, and the training thread waits for that disk write. "
+            "Raise host_budget_bytes to hold the state (or None)."
+        )
 
 
 class _RefPickler(pickle.Pickler):

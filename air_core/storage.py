@@ -1,12 +1,10 @@
 """The destination: the only module that imports fsspec.
 
-Turns a root URL into a filesystem instance of our own (outside fsspec's instance cache, so two
-checkpointers never share settings), and gives the rest of the core a few verbs over paths relative
-to the root. Every verb places a file at its final name only when complete: on a POSIX filesystem by
-temp file, fsync, rename and fsync of the folder; on an object store by one completed PUT (a multipart
-upload is invisible until completed), never by rename. Transient errors (timeouts, throttling,
-dropped connections) are retried with exponential backoff and jitter; anything else raises
-``StorageError`` at once, naming the path and the fix.
+A root URL becomes a filesystem of our own (outside fsspec's instance cache) with a few verbs over
+root-relative paths. A file appears at its final name only when complete: on POSIX by temp file,
+fsync, rename and folder fsync; on an object store by one completed PUT, never by rename. Transient
+errors are retried with backoff and jitter; anything else is a ``StorageError`` naming the path and
+the fix. ``transfer_all`` bounds parallel transfers. It knows nothing of checkpoints or layouts.
 """
 
 from __future__ import annotations
@@ -20,19 +18,21 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .errors import ConfigError, StorageError
+from .layout import RESERVED_DIRS, TEMP_MARK, probe_path
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "abfs": "azure", "az": "azure", "adl": "azure"}
-TEMP_TAG = ".air-tmp-"
+TEMP_TAG = f"{TEMP_MARK}-"
 """In the name of every temp file this module writes (a killed process may leave one behind)."""
 _TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.EIO, errno.EREMOTEIO}
 
@@ -200,6 +200,13 @@ class Storage:
         """Read a whole (small) file; ``FileNotFoundError`` if absent."""
         return self.call("read", rel, lambda: self.fs.cat_file(self.path(rel)))
 
+    def read_if_present(self, rel: str) -> bytes | None:
+        """Read a whole (small) file, or None if absent: one GET, where ``exists`` may list a prefix."""
+        try:
+            return self.read_bytes(rel)
+        except FileNotFoundError:
+            return None
+
     def get_file(self, rel: str, local_path: str) -> None:
         """Download ``rel`` to ``local_path``, which appears only when complete."""
         os.makedirs(os.path.dirname(local_path), exist_ok=True)
@@ -252,7 +259,7 @@ class Storage:
         if self.is_local:  # keep the tree tidy: drop folders the delete left empty
             parent = os.path.dirname(self.path(rel))
             # ...but never the shared record folders: another rank may be about to write into them.
-            shared = {os.path.join(self.base, ".air"), os.path.join(self.base, ".air-events")}
+            shared = {os.path.join(self.base, folder) for folder in RESERVED_DIRS}
             while parent.startswith(self.base + os.sep) and parent not in shared:
                 try:
                     os.rmdir(parent)
@@ -262,7 +269,7 @@ class Storage:
 
     def check_writable(self) -> None:
         """Write and delete a probe under the root, so a bad URL or credential fails before training."""
-        rel = f".air/.probe-{uuid.uuid4().hex[:12]}"
+        rel = probe_path(uuid.uuid4().hex[:12])
         try:
             self.write_bytes(rel, b"probe")
         except FileNotFoundError as exc:  # object stores: the bucket (container) is not there
@@ -271,6 +278,29 @@ class Storage:
                 "spelled right."
             ) from exc
         self.remove(rel)
+
+
+def transfer_all(
+    transfer: Callable[[T], object], items: Iterable[T], *, max_transfers: int, name: str
+) -> None:
+    """Run ``transfer(item)`` for every item, at most ``max_transfers`` at a time, on threads ``name-N``.
+
+    Blocks until all are done. The first failure cancels the transfers not yet started, waits for
+    the running ones and is raised; one item runs on the calling thread (no pool for nothing).
+    """
+    todo = list(items)
+    if len(todo) <= 1 or max_transfers <= 1:
+        for item in todo:
+            transfer(item)
+        return
+    with ThreadPoolExecutor(min(max_transfers, len(todo)), thread_name_prefix=name) as pool:
+        futures = [pool.submit(transfer, item) for item in todo]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
 
 
 def _temp_name(final: str) -> str:

@@ -29,8 +29,9 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from air_core import FileCache, PrefetchingSampler, Recorder, RemoteFiles, ResumableSampler  # noqa: E402
-from air_core.metrics import summarize  # noqa: E402
+from air_core.data import FileCache, PrefetchingSampler, RemoteFiles, ResumableSampler  # noqa: E402
+from air_core.session import Recorder  # noqa: E402
+from air_core.session.metrics import summarize  # noqa: E402
 from tests.faults.s3proxy import FaultProxy  # noqa: E402
 
 DIM = 1024

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from typing import Any, Literal
 
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -22,10 +21,11 @@ from air_core import (
     ConfigError,
     CorruptCheckpointError,
     Listener,
-    SaveHandle,
 )
 from air_core.compat import check_fits
 from air_core.config import CheckpointerConfig
+from air_core.layout import record_dir
+from air_core.session import SessionConfig, TrainingSession
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,11 @@ def split_path(path: str) -> tuple[str, str]:
     if not head or not tail:
         raise ConfigError(f"AirCheckpointIO: cannot split {path!r} into a folder and a file name.")
     return head, tail
+
+
+def rank_part_file(name: str, rank: int) -> str:
+    """The file of rank ``rank``'s part (RNG, data position) in checkpoint ``name`` (ranks > 0)."""
+    return f"{record_dir(name)}/part-rank-{rank:05d}.pt"
 
 
 def commit_name(filename: str, step: int) -> str:
@@ -86,54 +91,49 @@ class AirCheckpointIO(CheckpointIO):
             keep_last=_NEVER_BY_COUNT,
             **{**self._settings, "storage_options": storage_options or {}},
         )
-        self._rank, self._world_size, self._launch_id = 0, 1, ""
+        self._settings["keep_last"] = _NEVER_BY_COUNT
         self._module: Any = None
         self._listeners: list[Listener] = []
-        self._ckpt: AsyncCheckpointer | None = None
-        self.last_handle: SaveHandle | None = None
-        """The newest save's handle (``AirCallback`` gates the optimizer step on its snapshot)."""
+        self._session: TrainingSession | None = None
         self.loaded_rank_state: Any = None
         """This rank's own part of the checkpoint the last ``load_checkpoint`` read (ranks > 0)."""
-        self.exception_in_flight = False
         self._owners: dict[str, list[str]] = {}
-        self.returned_at = 0.0
-        """``time.monotonic()`` when the last save returned to the training loop (for fetch timing)."""
-
-    def attach(self, *, rank: int, world_size: int, launch_id: str, module: Any = None) -> None:
-        """Called by ``AirCallback.setup`` on every rank, on the training thread, before any save.
-
-        ``module`` (the LightningModule) lets ``load_checkpoint`` refuse a checkpoint of another model.
-        """
-        if self._ckpt is not None and (rank, world_size) != (self._rank, self._world_size):
-            raise ConfigError("AirCheckpointIO: attach() after saves started with another rank layout.")
-        self._rank, self._world_size, self._launch_id = rank, world_size, launch_id
-        self._module = module
 
     def add_listener(self, listener: Listener) -> None:
-        """Receive the core's events (phases, save and restore records); call before the first save."""
-        if self._ckpt is not None:
-            raise ConfigError("AirCheckpointIO.add_listener(): call it before the first save or load.")
+        """Receive the core's events (phases, save and restore records); call before training starts."""
+        if self._session is not None:
+            raise ConfigError("AirCheckpointIO.add_listener(): call it before the Trainer starts.")
         if listener not in self._listeners:
             self._listeners.append(listener)
 
-    def checkpointer(self, root: str) -> AsyncCheckpointer:
-        """The core checkpointer for ``root`` (one per plugin; created on first use)."""
-        if self._ckpt is None:
-            self._ckpt = AsyncCheckpointer(
-                root,
-                keep_last=_NEVER_BY_COUNT,
-                rank=self._rank,
-                world_size=self._world_size,
-                launch_id=self._launch_id,
+    def new_session(self, config: SessionConfig, **ranks: Any) -> TrainingSession:
+        """The session of this fit (``AirCallback.setup``, every rank): this plugin's checkpointer
+        settings and listeners, ``ranks`` = rank, world_size, broadcast, gather."""
+        if self._session is not None and self._session.checkpointer is not None:
+            raise ConfigError("AirCheckpointIO: a new session while the last one still has saves open.")
+        self._session = TrainingSession(
+            config, checkpointer=self._settings, listeners=self._listeners, **ranks
+        )
+        return self._session
+
+    def attach(self, module: Any) -> None:
+        """``module`` (the LightningModule) lets ``load_checkpoint`` refuse a checkpoint of another model."""
+        self._module = module
+
+    @property
+    def session(self) -> TrainingSession:
+        """The training session (a one-rank session without metrics when no ``AirCallback`` made one)."""
+        if self._session is None:
+            self._session = TrainingSession(
+                SessionConfig(owner="AirCheckpointIO", mlflow=False),
+                checkpointer=self._settings,
                 listeners=self._listeners,
-                **self._settings,
             )
-        elif self._ckpt.config.root.rstrip("/") != root.rstrip("/"):
-            raise ConfigError(
-                f"AirCheckpointIO writes under one dirpath: got {root!r} after {self._ckpt.config.root!r}. "
-                "Give every ModelCheckpoint the same dirpath."
-            )
-        return self._ckpt
+        return self._session
+
+    def checkpointer(self, root: str) -> AsyncCheckpointer:
+        """The core checkpointer for ``root`` (one per session; created on first use)."""
+        return self.session.open(root)
 
     def latest_checkpoint(self, dirpath: str) -> str | None:
         """``latest_checkpoint(dirpath)`` with this plugin's storage_options."""
@@ -157,15 +157,13 @@ class AirCheckpointIO(CheckpointIO):
         for older in owners:  # Lightning rewrites last.ckpt in place: retire its previous commit
             ckpt.delete(older)
         owners[:] = [name]
-        self.last_handle = ckpt.save(checkpoint, step=step, name=name, filename=filename)
-        self.returned_at = time.monotonic()
+        self.session.save({filename: checkpoint}, step=step, name=name)
 
     def save_rank_part(self, root: str, state: Any, *, step: int, name: str) -> None:
         """Ranks > 0: add this rank's part to the commit rank 0 makes of ``name``."""
-        ckpt = self.checkpointer(root)
-        filename = f".air/{name}/part-rank-{self._rank:05d}.pt"
-        self.last_handle = ckpt.save(state, step=step, name=name, filename=filename)
-        self.returned_at = time.monotonic()
+        self.checkpointer(root)
+        session = self.session
+        session.save({rank_part_file(name, session.rank): state}, step=step, name=name)
 
     @override
     def load_checkpoint(
@@ -200,7 +198,7 @@ class AirCheckpointIO(CheckpointIO):
                 "dirpath (set LightningModule.strict_loading = False to load a partial match on purpose).",
             )
         self.loaded_rank_state = None
-        if self._rank != 0 and info.manifest and info.manifest.files_of(self._rank):
+        if self.session.rank != 0 and info.manifest and info.manifest.files_of(self.session.rank):
             self.loaded_rank_state = ckpt.load(info, map_location="cpu", weights_only=weights_only)
         return checkpoint
 
@@ -216,14 +214,9 @@ class AirCheckpointIO(CheckpointIO):
     @override
     def teardown(self) -> None:
         """Flush and close; a failed save is raised, unless another exception is already propagating."""
-        ckpt, self._ckpt = self._ckpt, None
         self._owners = {}
-        if ckpt is None:
-            return
-        if self.exception_in_flight:
-            ckpt.__exit__(RuntimeError, RuntimeError("training failed"), None)
-        else:
-            ckpt.close()
+        if self._session is not None:
+            self._session.close_checkpointer()
 
     def _owners_of(self, ckpt: AsyncCheckpointer, filename: str) -> list[str]:
         """Names of the checkpoints whose rank-0 file is ``filename`` (a live list; rank 0 only).

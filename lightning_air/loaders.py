@@ -1,43 +1,22 @@
-"""Rebuilding and fast-forwarding train loaders, for ``AirCallback``'s per-rank exact resume."""
+"""A train loader made resumable before the session tracks it (Lightning hands loaders over as built)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch.utils.data import DataLoader
-
-from air_core import ResumableSampler
+from torch.utils.data import DataLoader, IterableDataset
 
 
-def is_stateful(loader: Any) -> bool:
-    return all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict"))
-
-
-def has_len(loader: Any) -> bool:
+def resumable(loader: Any) -> Any:
+    """``loader``, or for a plain ``DataLoader`` over an iterable dataset a torchdata
+    ``StatefulDataLoader`` with the same settings (its state replaces re-reading the epoch); as is
+    without torchdata."""
+    if type(loader) is not DataLoader or not isinstance(loader.dataset, IterableDataset):
+        return loader
     try:
-        len(loader)
-    except TypeError:
-        return False
-    return True
-
-
-def fast_forward(loader: Any, batches: int) -> tuple[Any, bool]:
-    """The loader's state after ``batches`` more batches, and whether that is the end of the epoch."""
-    iterator = iter(loader)
-    for _ in range(batches):
-        next(iterator)
-    state = loader.state_dict()
-    try:
-        next(iterator)
-    except StopIteration:  # the checkpoint closed the epoch: resume past its end, as the run did
-        del iterator
-        return loader.state_dict(), True
-    del iterator
-    return state, False
-
-
-def loader_settings(loader: DataLoader) -> dict[str, Any]:
-    """Every setting of a plain DataLoader except its dataset and sampling, to rebuild it."""
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        return loader
     kwargs: dict[str, Any] = dict(
         batch_size=loader.batch_size,
         num_workers=loader.num_workers,
@@ -52,21 +31,4 @@ def loader_settings(loader: DataLoader) -> dict[str, Any]:
     )
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
-    return kwargs
-
-
-def to_stateful(loader: DataLoader) -> Any:
-    """A torchdata StatefulDataLoader with the same settings, or None without torchdata."""
-    try:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-    except ImportError:
-        return None
-    return StatefulDataLoader(loader.dataset, **loader_settings(loader))
-
-
-def with_sampler(loader: DataLoader, sampler: ResumableSampler) -> DataLoader:
-    """The same plain DataLoader with another sampler (every other setting kept)."""
-    kwargs = loader_settings(loader) | {"sampler": sampler, "pin_memory_device": loader.pin_memory_device}
-    if hasattr(loader, "in_order"):
-        kwargs["in_order"] = loader.in_order
-    return DataLoader(loader.dataset, **kwargs)
+    return StatefulDataLoader(loader.dataset, **kwargs)

@@ -1,7 +1,8 @@
-"""Is a resumed run the uninterrupted one? Sample ids per step (per rank) and final weights, bitwise.
+"""Is a resumed run the uninterrupted one? Sample ids and augmentation per step (per rank), final weights.
 
-Both adapters' jobs append ``{"step": s, "ids": [...]}`` per step to ``ids-rank<R>.jsonl`` and write the
-final weights to ``final.pt``.
+Both adapters' jobs append ``{"step": s, "ids": [...], "aug": [...]}`` per step to ``ids-rank<R>.jsonl``
+(``aug``: each sample's augmented features summed in float64, so it shows the RNG that augmented it;
+optional) and write the final weights to ``final.pt``.
 """
 
 from __future__ import annotations
@@ -12,18 +13,37 @@ from pathlib import Path
 import torch
 
 
-def step_ids(workdir: Path, rank: int = 0) -> list[list[int]]:
-    """Sample ids per step; a step replayed after a crash counts once (its last run)."""
-    by_step: dict[int, list[int]] = {}
+def step_records(workdir: Path, rank: int = 0) -> list[dict]:
+    """The record of each step; a step replayed after a crash counts once (its last run)."""
+    by_step: dict[int, dict] = {}
     for line in (workdir / f"ids-rank{rank}.jsonl").read_text().splitlines():
         record = json.loads(line)
-        by_step[record["step"]] = record["ids"]
+        by_step[record["step"]] = record
     assert sorted(by_step) == list(range(len(by_step))), "every step ran, none was skipped"
     return [by_step[s] for s in sorted(by_step)]
 
 
+def step_ids(workdir: Path, rank: int = 0) -> list[list[int]]:
+    """Sample ids per step; a step replayed after a crash counts once (its last run)."""
+    return [r["ids"] for r in step_records(workdir, rank)]
+
+
+def _first_difference(got: list, want: list) -> str:
+    for step, (g, w) in enumerate(zip(got, want, strict=False)):
+        if g != w:
+            return f"first at step {step}: {g} != {w}"
+    return f"{len(got)} steps != {len(want)} steps"
+
+
 def assert_same_run(resumed: Path, reference: Path, ranks: int = 1) -> None:
     for rank in range(ranks):
-        assert step_ids(resumed, rank) == step_ids(reference, rank), f"rank {rank} saw other samples"
+        got, want = step_records(resumed, rank), step_records(reference, rank)
+        got_ids, want_ids = [r["ids"] for r in got], [r["ids"] for r in want]
+        assert got_ids == want_ids, f"rank {rank} saw other samples ({_first_difference(got_ids, want_ids)})"
+        if all("aug" in r for r in got + want):  # jobs that record no augmentation compare ids only
+            got_aug, want_aug = [r["aug"] for r in got], [r["aug"] for r in want]
+            assert got_aug == want_aug, (
+                f"rank {rank} got other augmentation ({_first_difference(got_aug, want_aug)})"
+            )
     got, want = torch.load(resumed / "final.pt"), torch.load(reference / "final.pt")
     assert all(torch.equal(got[k], want[k]) for k in want), "final weights must be bitwise equal"

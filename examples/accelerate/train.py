@@ -22,7 +22,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Dataset
 
 from accelerate_air import AirAccelerator, AirPlugin
-from air_core.metrics import summarize
+from air_core.session.metrics import summarize
 
 
 class Noisy(Dataset):

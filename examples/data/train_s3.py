@@ -28,17 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from air_core import (
-    AsyncCheckpointer,
-    FileCache,
-    MlflowSink,
-    PrefetchingSampler,
-    Recorder,
-    RemoteFiles,
-    ResumableSampler,
-    capture_rng,
-    restore_rng,
-)
+from air_core import AsyncCheckpointer
+from air_core.data import FileCache, PrefetchingSampler, RemoteFiles, ResumableSampler
+from air_core.session import MlflowSink, Recorder, capture_rng, restore_rng
 
 DIM = 64
 

@@ -7,10 +7,11 @@
 Trains a dropout MLP with a scheduler on numbered samples whose features get random noise from the
 global RNG (so data augmentation, dropout and shuffling all depend on restored RNG state), saving
 every K optimizer steps with ``accelerator.save_state()`` and resuming with ``accelerator.resume()``.
-Each process appends the sample ids of every step to WORKDIR/ids-rank<R>.jsonl; at the end rank 0
-writes the final weights to WORKDIR/final.pt. --kill SIGKILLs the process (of RANK, default every
-rank) when the save of STEP reaches PHASE. --stock runs a plain Accelerator (stock save_state into
-WORKDIR/stock, no resume), for comparisons.
+Each process appends the sample ids and the augmented features' sums (float64) of every step to
+WORKDIR/ids-rank<R>.jsonl; at the end rank 0 writes the final weights to WORKDIR/final.pt. --kill
+SIGKILLs the process (of RANK, default every rank) when the save of STEP reaches PHASE. With loader
+workers the noise comes from each worker's RNG (--no-augment: none). --stock runs a plain
+Accelerator (stock save_state into WORKDIR/stock, no resume), for comparisons.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Numbered(Dataset):
 
     def __getitem__(self, i: int):
         x = torch.randn(DIM, generator=torch.Generator().manual_seed(i))
-        if not self.augment_from_rng:  # torchdata does not keep loader workers' RNG in its state
+        if not self.augment_from_rng:
             return i, x
         return i, x + 0.01 * torch.randn(DIM)  # augmentation from the global (or loader worker's) RNG
 
@@ -126,7 +127,8 @@ def main() -> None:
         model.train()
         for ids, x in loader:
             with open(ids_file, "a") as f:
-                f.write(json.dumps({"step": step, "ids": ids.tolist()}) + "\n")
+                record = {"step": step, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
+                f.write(json.dumps(record) + "\n")
             loss = (model(x) - x).pow(2).mean()
             if args.tracker:
                 accelerator.log({"loss": loss.item()}, step=step)

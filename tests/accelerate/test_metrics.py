@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from air_core import goodput_of
+from air_core.session import goodput_of
 from air_core.storage import Storage
 from tests.accelerate.runs import JOB, run_job
 from tests.conftest import REPO, start_mlflow_server

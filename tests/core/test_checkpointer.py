@@ -327,5 +327,19 @@ def test_save_files_commits_several_files_per_rank_and_fetch_returns_verified_co
         assert local.source == "cache", "the staged copy serves the fetch"
         with pytest.raises(ConfigError, match="holds 2 file"):
             ckpt.load(info)  # load() is for one file per rank; fetch() for several
-        with pytest.raises(CorruptCheckpointError, match="must be relative"):
+        with pytest.raises(ConfigError, match="must be relative"):
             ckpt.save_files({"../escape.pt": {}}, step=2)
+
+
+@pytest.mark.parametrize("call", ["save", "save_files"])
+def test_bad_filename_argument_is_a_config_error_not_a_corrupt_checkpoint(tmp_path, call):
+    with AsyncCheckpointer(str(tmp_path / "root")) as ckpt:
+        with pytest.raises(ConfigError) as info:
+            if call == "save":
+                ckpt.save({"w": torch.ones(1)}, step=1, filename="../outside.pt")
+            else:
+                ckpt.save_files({"ok.pt": {}, "/abs.pt": {}}, step=1)
+        assert not isinstance(info.value, CorruptCheckpointError), "a bad argument is no damaged checkpoint"
+        assert f"{call}(" in str(info.value), f"the message must quote the call: {info.value}"
+        assert ckpt.list() == [], "nothing may be written for a refused save"
+    assert not (tmp_path / "outside.pt").exists()

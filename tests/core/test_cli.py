@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from air_core import AsyncCheckpointer, GoodputLog
+from air_core import AsyncCheckpointer
+from air_core.session import GoodputLog
 from tests.conftest import REPO
 
 

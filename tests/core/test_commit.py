@@ -1,19 +1,24 @@
-"""A checkpoint commits only when every rank's part is at the destination (2 gloo processes)."""
+"""A checkpoint commits only when every rank's part is at the destination (2 gloo processes), and a
+commit lists the root once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
+import uuid
 
+import fsspec
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 
-from air_core import AsyncCheckpointer
+from air_core import AsyncCheckpointer, FileEntry
+from air_core.manifest import PartRecord
 from tests.conftest import REPO
 from tests.dist_worker import rank_state
-
-pytestmark = pytest.mark.slow
 
 
 def _launch(root: str, tmp_path, scenario: str) -> list[subprocess.CompletedProcess]:
@@ -44,6 +49,7 @@ def _launch(root: str, tmp_path, scenario: str) -> list[subprocess.CompletedProc
     return outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["ok", "slow"])
 def test_manifest_lists_every_ranks_part_and_each_rank_loads_its_own(tmp_path, scenario):
     root = str(tmp_path / "root")
@@ -62,6 +68,7 @@ def test_manifest_lists_every_ranks_part_and_each_rank_loads_its_own(tmp_path, s
         assert loaded["rank"] == r and torch.equal(loaded["w"], rank_state(r, 2)["w"])
 
 
+@pytest.mark.slow
 def test_rank_killed_before_its_part_leaves_the_previous_checkpoint_newest(tmp_path):
     root = str(tmp_path / "root")
     rank0, rank1 = _launch(root, tmp_path, "die")
@@ -71,3 +78,99 @@ def test_rank_killed_before_its_part_leaves_the_previous_checkpoint_newest(tmp_p
         statuses = {i.step: i.status for i in reader.list()}
         assert statuses == {1: "committed", 2: "partial"}
         assert reader.latest().step == 1
+
+
+class _ListingCounter(MemoryFileSystem):
+    """Memory storage that records every listing, counting a lookup of a missing path as one: that is
+    what an object store answers it with (s3fs lists the prefix when a HEAD finds no key)."""
+
+    protocol = "listcount"
+    root_marker = "/"
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.listings: list[tuple[str, str]] = []
+        self._depth = threading.local()
+
+    @contextlib.contextmanager
+    def _call(self):
+        depth = getattr(self._depth, "n", 0)
+        self._depth.n = depth + 1
+        try:
+            yield depth == 0  # only the outermost call counts, not what fsspec does inside it
+        finally:
+            self._depth.n = depth
+
+    def find(self, path, *args, **kw):
+        with self._call() as outer:
+            if outer:
+                self.listings.append(("find", path))
+            return super().find(path, *args, **kw)
+
+    def ls(self, path, *args, **kw):
+        with self._call() as outer:
+            if outer:
+                self.listings.append(("ls", path))
+            return super().ls(path, *args, **kw)
+
+    def info(self, path, **kw):
+        with self._call() as outer:
+            try:
+                return super().info(path, **kw)
+            except FileNotFoundError:
+                if outer:
+                    self.listings.append(("lookup of a missing path", path))
+                raise
+
+    def _quiet(name):  # reads, writes and deletes are not listings, whatever they call inside
+        def call(self, *args, **kw):
+            with self._call():
+                return getattr(MemoryFileSystem, name)(self, *args, **kw)
+
+        return call
+
+    cat_file = _quiet("cat_file")
+    pipe_file = _quiet("pipe_file")
+    put_file = _quiet("put_file")
+    get_file = _quiet("get_file")
+    rm = _quiet("rm")
+
+
+fsspec.register_implementation("listcount", _ListingCounter, clobber=True)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_commit_lists_the_root_once_and_only_on_rank_0(tmp_path, world_size):
+    root = f"listcount://lc-{uuid.uuid4().hex[:8]}"
+    ranks = [
+        AsyncCheckpointer(
+            root,
+            staging_dir=str(tmp_path / f"r{r}"),
+            rank=r,
+            world_size=world_size,
+            launch_id="L",
+            keep_last=1,
+        )
+        for r in range(world_size)
+    ]
+    # A stale partial (an intent record and its file) for retention to delete along the way.
+    storage = ranks[0].storage
+    storage.write_bytes("old/rank-00000.pt", b"x")
+    intent = PartRecord("old", 0, 0, "x", (FileEntry("old/rank-00000.pt", -1, 0, 0),), complete=False)
+    storage.write_bytes(".air/old/rank-00000.json", intent.to_json())
+    for ckpt in ranks:
+        ckpt.storage.fs.listings.clear()
+    for step in (1, 2, 3):
+        handles = [ckpt.save({"w": torch.full((8,), float(step))}, step=step) for ckpt in ranks]
+        for h in handles:
+            h.result(timeout=60)
+    for ckpt in reversed(ranks):
+        ckpt.close()  # waits for the retention that follows each commit
+    listings = [ckpt.storage.fs.listings for ckpt in ranks]
+    assert len(listings[0]) == 3, f"rank 0: one listing per commit (3 commits), got {listings[0]}"
+    assert all(not seen for seen in listings[1:]), f"ranks > 0 never list the root: {listings[1:]}"
+    with AsyncCheckpointer(root, read_only=True) as reader:
+        assert [(i.name, i.status) for i in reader.list()] == [("step-000000003", "committed")], (
+            "retention (keep_last=1) and the stale partial's cleanup ran from that one listing"
+        )
+    assert not storage.fs.exists(storage.path("old/rank-00000.pt")), "the partial's file is deleted"

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from air_core import ConfigError, FileCache, PrefetchingSampler, RemoteFiles, ResumableSampler, StorageError
+from air_core import ConfigError, StorageError
+from air_core.data import FileCache, PrefetchingSampler, RemoteFiles, ResumableSampler
 from tests.faults.s3proxy import FaultProxy
 
 N, SIZE = 40, 64 << 10  # 40 files of 64 KiB

@@ -6,8 +6,9 @@ import time
 
 import pytest
 
-from air_core import GoodputLog, RestoreRecord, SaveRecord, goodput_of
-from air_core.goodput import analyze, read_events
+from air_core import RestoreRecord, SaveRecord
+from air_core.session import GoodputLog, goodput_of
+from air_core.session.goodput import analyze, read_events
 from air_core.storage import Storage
 
 

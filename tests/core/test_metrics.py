@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from air_core import Recorder, RestoreRecord, SaveRecord
+from air_core import RestoreRecord, SaveRecord
+from air_core.session import Recorder
 
 
 def _run_steps(recorder: Recorder, fetches: list[float]) -> None:

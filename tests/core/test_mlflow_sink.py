@@ -6,7 +6,7 @@ import logging
 import socket
 import time
 
-from air_core import MlflowSink
+from air_core.session import MlflowSink
 
 
 def test_metrics_and_params_land_with_their_steps(mlflow_server):
@@ -41,7 +41,7 @@ def test_an_unreachable_server_never_raises_into_the_loop_and_warns_once(caplog)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
-    with caplog.at_level(logging.WARNING, logger="air_core.mlflow_sink"):
+    with caplog.at_level(logging.WARNING, logger="air_core.session.mlflow_sink"):
         sink = MlflowSink(tracking_uri=f"http://127.0.0.1:{port}", retries=0, flush_every_seconds=0.1)
         started = time.perf_counter()
         for step in range(20_000):
@@ -51,7 +51,7 @@ def test_an_unreachable_server_never_raises_into_the_loop_and_warns_once(caplog)
     print(f"MlflowSink.log: {per_call * 1e6:.2f} us per call while the server is down")
     assert sink.sent == 0 and sink.run_id is None
     warnings = [
-        r for r in caplog.records if r.name == "air_core.mlflow_sink" and r.levelno == logging.WARNING
+        r for r in caplog.records if r.name == "air_core.session.mlflow_sink" and r.levelno == logging.WARNING
     ]
     assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]
     assert "MLflow" in warnings[0].getMessage()
@@ -67,3 +67,17 @@ def test_the_callers_active_run_is_used_when_no_run_is_given(mlflow_server):
         sink.log({"a": 1.0}, 1)
         sink.close(timeout_seconds=60)
     assert sink.run_id == run.info.run_id
+
+
+def test_a_run_the_sink_owns_ends_with_the_status_given_and_one_it_does_not_stays_open(mlflow_server):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    owned = MlflowSink(tracking_uri=mlflow_server.uri, experiment="sink-end", end_run=True)
+    owned.log({"x": 1.0}, 1)
+    owned.close(timeout_seconds=60, status="FAILED")
+    assert client.get_run(owned.run_id).info.status == "FAILED"
+    borrowed = MlflowSink(tracking_uri=mlflow_server.uri, experiment="sink-end")  # a framework logger's run
+    borrowed.log({"x": 1.0}, 1)
+    borrowed.close(timeout_seconds=60)
+    assert client.get_run(borrowed.run_id).info.status == "RUNNING", "the logger that made it ends it"

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 import uuid
 
+import fsspec
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 
 import tests.faultfs  # noqa: F401  (registers flaky://)
 from air_core import AsyncCheckpointer, ConfigError, SaveError, StorageError
@@ -74,3 +77,49 @@ def test_local_put_leaves_no_partial_file_at_the_final_name(tmp_path):
 
 def test_redact_drops_credentials_and_tokens():
     assert redact("s3://KEY:SECRET@bucket/p?token=abc") == "s3://bucket/p"
+
+
+class _GatedFileSystem(MemoryFileSystem):
+    """Memory storage whose uploads wait (up to a second) for one more concurrent upload than allowed,
+    so the largest concurrency seen is exactly the pipeline's bound, whatever the machine's speed."""
+
+    protocol = "gated"
+    root_marker = "/"
+
+    def __init__(self, *, allowed: int = 1, **kw):
+        super().__init__(**kw)
+        self.allowed = allowed
+        self.active = 0
+        self.most = 0
+        self._cond = threading.Condition()
+
+    def put_file(self, lpath, rpath, **kw):
+        with self._cond:
+            self.active += 1
+            self.most = max(self.most, self.active)
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self.active > self.allowed, timeout=1.0)
+        try:
+            return super().put_file(lpath, rpath, **kw)
+        finally:
+            with self._cond:
+                self.active -= 1
+
+
+fsspec.register_implementation("gated", _GatedFileSystem, clobber=True)
+
+
+def test_uploads_of_one_save_run_in_parallel_bounded_by_max_transfers(tmp_path):
+    files = {f"ck/part-{i}.pt": {"w": torch.full((64,), float(i))} for i in range(5)}
+    with AsyncCheckpointer(
+        f"gated://up-{uuid.uuid4().hex[:8]}",
+        staging_dir=str(tmp_path),
+        max_transfers=2,
+        storage_options={"allowed": 2},
+    ) as ckpt:
+        info = ckpt.save_files(files, step=1, name="ck").result(timeout=60)
+        most = ckpt.storage.fs.most
+        local = ckpt.fetch(info, ranks=[0])
+    assert most == 2, f"5 files with max_transfers=2 must upload 2 at a time, saw {most} at once"
+    for rel, state in files.items():
+        assert torch.equal(torch.load(local.paths[rel])["w"], state["w"]), f"{rel} must round-trip"

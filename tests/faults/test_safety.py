@@ -84,7 +84,7 @@ def test_lightning_checkpoint_io_loads_with_weights_only(tmp_path):
     io = AirCheckpointIO()
     path = f"{tmp_path}/ckpts/epoch=0-step=1.ckpt"
     io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, path)
-    info = io.last_handle.result(60)
+    info = io.session.last_handle.result(60)
     plant(
         tmp_path / "ckpts", info.name, {"state_dict": {"w": torch.ones(2)}, "global_step": 1, "evil": Evil()}
     )

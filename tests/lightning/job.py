@@ -1,11 +1,15 @@
 """A small, deterministic Lightning job for the crash tests (run as a script by tests/lightning).
 
-    python tests/lightning/job.py WORKDIR [--workers N] [--every K] [--epochs E] [--kill STEP:PHASE]
+    python tests/lightning/job.py WORKDIR [--workers N] [--loader plain|stateful|iterable]
+        [--source module|fit|datamodule] [--every K] [--epochs E] [--kill STEP:PHASE]
         [--devices D] [--top-k K] [--root URL --endpoint URL]
 
-Trains a dropout MLP on a map-style dataset of numbered samples, checkpointing every K steps through
-AirCheckpointIO (staged), resuming from lightning_air.latest_checkpoint(). Each process appends the
-sample ids of every step to WORKDIR/ids-rank<R>.jsonl and, at the end, writes the final weights to
+Trains a dropout MLP on a map-style dataset of numbered samples augmented from the global RNG (of the
+loader worker, or of the main process), checkpointing every K steps through AirCheckpointIO (staged),
+resuming from lightning_air.latest_checkpoint(). The train loader comes from
+``Model.train_dataloader()`` (--source module), ``trainer.fit(model, loader)`` (fit) or a
+LightningDataModule (datamodule). Each process appends the sample ids and the augmented features' sums
+of every step to WORKDIR/ids-rank<R>.jsonl and, at the end, rank 0 writes the final weights to
 WORKDIR/final.pt. --kill SIGKILLs the process (of RANK, default every rank) when the save of STEP
 reaches PHASE.
 """
@@ -25,7 +29,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
 from tests.kill_at import Journal, KillAt
-from tests.lightning.model import Model
+from tests.lightning.model import Model, NumberedData, make_loader
 
 
 def main() -> None:
@@ -33,6 +37,7 @@ def main() -> None:
     p.add_argument("workdir")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--loader", choices=["plain", "stateful", "iterable"], default="plain")
+    p.add_argument("--source", choices=["module", "fit", "datamodule"], default="module")
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k); 1 deletes as it goes")
@@ -73,7 +78,7 @@ def main() -> None:
         plugins=[plugin],
         callbacks=[
             AirCallback(
-                seed=7, log_every_n_steps=8, mlflow=bool(args.mlflow), mlflow_experiment=args.experiment
+                log_every_n_steps=8, mlflow=bool(args.mlflow), mlflow_experiment=args.experiment
             ),
             ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=args.top_k),
         ],
@@ -83,8 +88,14 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    model = Model(args.workdir, args.workers, args.loader)
-    trainer.fit(model, ckpt_path=latest_checkpoint(root, storage_options=opts))
+    model = Model(args.workdir, args.workers, args.loader, args.source)
+    ckpt_path = latest_checkpoint(root, storage_options=opts)
+    if args.source == "fit":
+        trainer.fit(model, make_loader(args.loader, args.workers), ckpt_path=ckpt_path)
+    elif args.source == "datamodule":
+        trainer.fit(model, datamodule=NumberedData(args.workers, args.loader), ckpt_path=ckpt_path)
+    else:
+        trainer.fit(model, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         torch.save(model.state_dict(), os.path.join(args.workdir, "final.pt"))
 

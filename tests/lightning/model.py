@@ -13,47 +13,79 @@ N_SAMPLES, DIM, BATCH = 64, 16, 4
 
 
 class Numbered(Dataset):
+    """Numbered samples; ``augment`` adds noise drawn from the global RNG of the process that loads the
+    sample (a loader worker's, or the main process's with ``num_workers=0``), so a resume is exact only
+    if that RNG is where the uninterrupted run had it."""
+
+    def __init__(self, augment: bool = True) -> None:
+        self.augment = augment
+
     def __len__(self) -> int:
         return N_SAMPLES
 
     def __getitem__(self, i: int):
-        g = torch.Generator().manual_seed(i)
-        return i, torch.randn(DIM, generator=g)
+        x = torch.randn(DIM, generator=torch.Generator().manual_seed(i))
+        if not self.augment:
+            return i, x
+        return i, x + 0.1 * torch.randn(DIM)
 
 
 class NumberedStream(IterableDataset):
-    """The same samples as a stream without a length (sharded across loader workers)."""
+    """The same samples as a stream without a length (sharded across loader workers), not augmented."""
 
     def __iter__(self):
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         for i in range(N_SAMPLES):
             if i % nw == wid:
-                yield Numbered()[i]
+                yield Numbered(augment=False)[i]
+
+
+def make_loader(loader: str, workers: int):
+    """The train loader of the tests: ``plain`` (shuffled DataLoader), ``stateful`` (torchdata) or
+    ``iterable`` (an unsized stream)."""
+    if loader == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(Numbered(), batch_size=BATCH, shuffle=True, num_workers=workers)
+    if loader == "iterable":
+        return DataLoader(NumberedStream(), batch_size=BATCH, num_workers=workers)
+    return DataLoader(Numbered(), batch_size=BATCH, shuffle=True, num_workers=workers)
+
+
+class NumberedData(pl.LightningDataModule):
+    """The same train loader from a LightningDataModule."""
+
+    def __init__(self, workers: int, loader: str = "plain") -> None:
+        super().__init__()
+        self.workers, self.loader = workers, loader
+
+    def train_dataloader(self):
+        return make_loader(self.loader, self.workers)
 
 
 class Model(pl.LightningModule):
-    def __init__(self, workdir: str, workers: int, loader: str = "plain") -> None:
+    """``source`` says where the job's train loader comes from: ``module`` (this ``train_dataloader``),
+    ``fit`` (``trainer.fit(model, loader)``) or ``datamodule``; with the last two this module's
+    ``train_dataloader`` must not be used."""
+
+    def __init__(self, workdir: str, workers: int, loader: str = "plain", source: str = "module") -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(DIM, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, DIM)
         )
-        self.workdir, self.workers, self.loader = workdir, workers, loader
+        self.workdir, self.workers, self.loader, self.source = workdir, workers, loader, source
 
     def train_dataloader(self):
-        if self.loader == "stateful":
-            from torchdata.stateful_dataloader import StatefulDataLoader
-
-            return StatefulDataLoader(Numbered(), batch_size=BATCH, shuffle=True, num_workers=self.workers)
-        if self.loader == "iterable":
-            return DataLoader(NumberedStream(), batch_size=BATCH, num_workers=self.workers)
-        return DataLoader(Numbered(), batch_size=BATCH, shuffle=True, num_workers=self.workers)
+        assert self.source == "module", f"the train loader comes from {self.source}, not the module"
+        return make_loader(self.loader, self.workers)
 
     def training_step(self, batch, batch_idx):
         ids, x = batch
+        record = {"step": self.global_step, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
         with open(os.path.join(self.workdir, f"ids-rank{self.global_rank}.jsonl"), "a") as f:
-            f.write(json.dumps({"step": self.global_step, "ids": ids.tolist()}) + "\n")
+            f.write(json.dumps(record) + "\n")
         loss = (self.net(x) - x).pow(2).mean()
         self.log("loss", loss)
         return loss

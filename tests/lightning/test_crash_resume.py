@@ -2,7 +2,9 @@
 
 Each test kills ``tests/lightning/job.py`` when a chosen save reaches a chosen phase, relaunches the
 same command (it resumes through ``latest_checkpoint``), and compares the final weights and the
-sample ids of every step with an uninterrupted run of the same job.
+sample ids and augmentation of every step with an uninterrupted run of the same job. The job's map-style
+dataset adds noise from the global RNG of whichever process loads the sample (the main process, or a
+loader worker), so shuffling, augmentation and dropout all depend on restored RNG state.
 """
 
 from __future__ import annotations
@@ -60,30 +62,37 @@ def test_sigkill_mid_epoch_during_each_save_phase_resumes_exactly(tmp_path, refe
     assert_same_run(tmp_path, reference(workers))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_resume_exactly_at_an_epoch_boundary(tmp_path, reference, workers):
-    # 16 batches per epoch: the checkpoint of step 16 closes epoch 0; the save of step 20 is killed.
-    args = ["--workers", str(workers), "--every", "4"]
-    run_job(tmp_path, *args, "--kill", "20:upload_start", expect_kill=True)
-    run_job(tmp_path, *args)
-    assert_same_run(tmp_path, reference(workers))
-
-
-@pytest.mark.parametrize("workers", [0, 2])
-def test_two_crashes_within_one_epoch(tmp_path, reference, workers):
-    args = ["--workers", str(workers), "--every", "4"]
-    run_job(tmp_path, *args, "--kill", "24:commit_start", expect_kill=True)  # resumes from step 20
+# 16 batches per epoch, a save every 4 steps. The first launch is killed in the save of step 20: the
+# relaunch resumes from step 16, the checkpoint that closed epoch 0. That one is killed in the save of
+# step 28: the third resumes from step 24 (20 if 24 had not committed yet), a checkpoint written after
+# the first resume, mid-epoch 1.
+# The train loader comes from the LightningModule, from trainer.fit(model, loader) or from a
+# LightningDataModule; each must be made resumable alike, so each shares the module's reference run.
+@pytest.mark.parametrize(
+    ("source", "loader", "workers"),
+    [
+        ("fit", "plain", 0),
+        ("fit", "plain", 2),
+        ("datamodule", "plain", 2),
+        ("module", "plain", 2),
+        ("module", "stateful", 0),
+    ],
+)
+def test_resume_after_an_epoch_closing_checkpoint_and_again_mid_epoch(
+    tmp_path, reference, source, loader, workers
+):
+    args = ["--workers", str(workers), "--loader", loader, "--source", source, "--every", "4"]
+    run_job(tmp_path, *args, "--kill", "20:upload_start", expect_kill=True)  # resumes from step 16
     run_job(tmp_path, *args, "--kill", "28:serialize_start", expect_kill=True)  # resumes from step 24
     run_job(tmp_path, *args)
-    assert_same_run(tmp_path, reference(workers))
+    assert_same_run(tmp_path, reference(workers, loader))
 
 
 @pytest.mark.parametrize(
     ("loader", "workers", "kill"),
     [
-        ("stateful", 2, "24:upload_start"),  # torchdata StatefulDataLoader, resumes mid-epoch (step 20)
-        ("stateful", 0, "20:commit_start"),  # resumes from step 16: the epoch boundary
-        ("stateful", 2, "28:serialize_start"),  # resumes from step 24
+        # torchdata StatefulDataLoader, resumes mid-epoch (step 20); augmentation from the workers' RNG
+        ("stateful", 2, "24:upload_start"),
         ("iterable", 0, "24:serialize_start"),  # IterableDataset without a length, mid-epoch
         ("iterable", 2, "24:upload_start"),
         ("iterable", 0, "20:upload_start"),  # epoch boundary

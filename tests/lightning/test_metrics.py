@@ -43,3 +43,4 @@ def test_without_a_logger_a_new_run_is_made_at_the_tracking_uri(tmp_path, mlflow
     assert _steps(client, run.info.run_id, "fetch_seconds") == list(range(1, 17))
     assert _steps(client, run.info.run_id, "data_wait_fraction") == [8, 16]
     assert not (tmp_path / "mlruns").exists(), "never MLflow's ./mlruns file store"
+    assert run.info.status == "FINISHED", "the run the job started ends with the job"

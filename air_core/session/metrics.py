@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .events import RestoreRecord, SaveRecord
+from ..events import RestoreRecord, SaveRecord
 
 logger = logging.getLogger(__name__)
 Publish = Callable[[dict[str, float], int], None]

@@ -24,11 +24,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .events import RestoreRecord, SaveRecord
-from .storage import Storage
+from ..events import RestoreRecord, SaveRecord
+from ..layout import EVENTS_DIR
+from ..storage import Storage
 
 logger = logging.getLogger(__name__)
-EVENTS_DIR = ".air-events"
 
 
 def process_start_time() -> float:

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .checkpointer import AsyncCheckpointer
+from ..checkpointer import AsyncCheckpointer
 
 logger = logging.getLogger(__name__)
 

@@ -51,6 +51,8 @@ class MlflowSink:
         flush_every_seconds: how often accumulated metrics are sent.
         max_queued: metrics held while the server is unreachable; beyond it new ones are dropped.
         retries: attempts per batch before it is dropped.
+        end_run: mark the run finished (or failed) at ``close``: set when the caller owns the run (not a
+            framework logger's), so a finished job's run does not stay RUNNING.
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class MlflowSink:
         flush_every_seconds: float = 5.0,
         max_queued: int = 200_000,
         retries: int = 3,
+        end_run: bool = False,
     ) -> None:
         self._run_id = run_id or active_run_id()
         self._tracking_uri = tracking_uri or default_tracking_uri()
@@ -72,6 +75,8 @@ class MlflowSink:
         self._params = dict(params or {})
         self._every = flush_every_seconds
         self._retries = retries
+        self._end_run = end_run
+        self._status = "FINISHED"
         self._queue: queue.Queue[tuple[str, float, int, int]] = queue.Queue(maxsize=max_queued)
         self._closing = threading.Event()
         self._ready = threading.Event()
@@ -96,8 +101,10 @@ class MlflowSink:
                 self.dropped += 1
                 self._warn_once("full", "MLflow is not keeping up: dropping new metrics until it does")
 
-    def close(self, timeout_seconds: float = 10.0) -> None:
-        """Send what is queued, within ``timeout_seconds``; then give up on the thread (it is a daemon)."""
+    def close(self, timeout_seconds: float = 10.0, *, status: str = "FINISHED") -> None:
+        """Send what is queued and, with ``end_run``, end the run with ``status`` (``FINISHED``,
+        ``FAILED``, ``KILLED``), within ``timeout_seconds``; then give up on the thread (a daemon)."""
+        self._status = status
         self._closing.set()
         self._thread.join(timeout_seconds)
         if self._thread.is_alive():
@@ -119,6 +126,11 @@ class MlflowSink:
                     self.dropped += len(chunk) + len(batch)
                     break
             if closing:
+                if client is not None and self._end_run:
+                    self._retrying(
+                        lambda: client.set_terminated(self._run_id, self._status),
+                        "MLflow did not end the run",
+                    )
                 return
 
     def _retrying(self, fn: Callable[[], T], failure: str) -> T | None:

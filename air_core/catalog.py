@@ -1,0 +1,104 @@
+"""What is under a root: one listing, judged into committed, partial and corrupt checkpoints.
+
+``read_catalog`` lists the root once and reads only small records: a manifest whose files are all
+present at their sizes is ``committed``; a bad manifest or a missing or short file is ``corrupt``; no
+manifest is ``partial`` (its part records say which files it wrote, so retention can remove them).
+Checkpoints are ordered by their manifest's step, never by folder name or mtime. It never reads a
+data file (checksums are ``staging.py``'s) and never deletes; the writer reuses one catalog for a
+whole commit's retention instead of listing again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from . import layout
+from .errors import CorruptCheckpointError
+from .manifest import CheckpointInfo, FileEntry, Manifest, PartRecord
+from .storage import Storage
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """Every checkpoint under a root as of one listing, oldest step first."""
+
+    infos: tuple[CheckpointInfo, ...]
+    recorded_files: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """For each checkpoint without a readable manifest: the data files its part records name."""
+
+    @property
+    def committed(self) -> list[CheckpointInfo]:
+        return [i for i in self.infos if i.status == "committed"]
+
+    @property
+    def newest_committed(self) -> CheckpointInfo | None:
+        committed = self.committed
+        return committed[-1] if committed else None
+
+    def files_of(self, info: CheckpointInfo) -> tuple[str, ...]:
+        """The data files ``info`` names: its manifest's, else its part records'."""
+        if info.manifest is not None:
+            return tuple(f.path for f in info.manifest.files)
+        return self.recorded_files.get(info.name, ())
+
+    def without(self, name: str) -> Catalog:
+        """This catalog after checkpoint ``name`` was deleted."""
+        return replace(self, infos=tuple(i for i in self.infos if i.name != name))
+
+
+def read_catalog(storage: Storage) -> Catalog:
+    """List ``storage`` once (fresh) and judge every checkpoint found under the record folder."""
+    sizes = storage.sizes()
+    names = sorted({name for rel in sizes if (name := layout.checkpoint_of(rel)) is not None})
+    infos, recorded = [], {}
+    for name in names:
+        info = _judge(storage, name, sizes)
+        if info.manifest is None:
+            records = _part_records(storage, name, sizes)
+            recorded[name] = tuple(sorted({f.path for r in records for f in r.files}))
+            if info.status == "partial":
+                step = max((r.step for r in records), default=-1)
+                info = replace(info, step=step, reason=f"no manifest ({len(records)} part record(s) found)")
+        infos.append(info)
+    infos.sort(key=lambda i: (i.step, i.time or 0.0, i.name))
+    return Catalog(tuple(infos), recorded)
+
+
+def scan(storage: Storage) -> list[CheckpointInfo]:
+    """Every checkpoint under the root, oldest step first (one fresh listing, small reads)."""
+    return list(read_catalog(storage).infos)
+
+
+def size_problem(files: Iterable[FileEntry], sizes: dict[str, int]) -> str:
+    """Why the listed sizes do not match ``files``, or ``""``."""
+    for f in files:
+        if f.path not in sizes:
+            return f"file {f.path} is missing"
+        if sizes[f.path] != f.size:
+            return f"file {f.path} has {sizes[f.path]} bytes, the manifest says {f.size}"
+    return ""
+
+
+def _judge(storage: Storage, name: str, sizes: dict[str, int]) -> CheckpointInfo:
+    mpath = layout.manifest_path(name)
+    if mpath not in sizes:
+        return CheckpointInfo(name, -1, "partial")
+    try:
+        manifest = Manifest.from_json(storage.read_bytes(mpath), where=storage.display(mpath))
+    except (CorruptCheckpointError, FileNotFoundError) as exc:
+        return CheckpointInfo(name, -1, "corrupt", str(exc))
+    problem = size_problem(manifest.files, sizes)
+    if problem:
+        return CheckpointInfo(name, manifest.step, "corrupt", problem, manifest)
+    return CheckpointInfo(name, manifest.step, "committed", "", manifest)
+
+
+def _part_records(storage: Storage, name: str, sizes: dict[str, int]) -> list[PartRecord]:
+    records = []
+    for rel in sizes:
+        if layout.is_part_record(rel, name):
+            with contextlib.suppress(CorruptCheckpointError, FileNotFoundError):
+                records.append(PartRecord.from_json(storage.read_bytes(rel), where=rel))
+    return records

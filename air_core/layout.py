@@ -1,0 +1,94 @@
+"""Every path under a checkpoint root, in one place: relative POSIX paths, no I/O.
+
+Other modules ask here instead of spelling a path, so the on-disk format is read in one file: a
+rank's data file (default ``<name>/rank-00000.pt``), ``.air/<name>/rank-00000.json`` (part record:
+intent, then complete), ``.air/<name>/manifest.json`` (the commit, last), ``.air/lease.json`` and the
+``.air-events/`` log. It builds and recognises paths, never checks what is there. Key decision: the
+format is frozen; a new name is added here, an existing one never changes.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+
+META_DIR = ".air"
+"""Commit records: one folder per checkpoint, plus the lease."""
+EVENTS_DIR = ".air-events"
+"""Rank 0's goodput event log, one folder per launch."""
+LEASE_PATH = f"{META_DIR}/lease.json"
+RESERVED_DIRS = (META_DIR, EVENTS_DIR)
+"""Folders that stay even when a delete empties them: another rank may be about to write into them."""
+TEMP_MARK = ".air-tmp"
+"""In the name of every temp file air_core writes: ``<file>.air-tmp`` while a staged file is
+serialized, ``.<file>.air-tmp-<id>`` beside a file being placed (a killed process may leave one)."""
+PROBE_PREFIX = ".probe-"
+"""Names a write probe (under ``.air/`` at the root, or in a local folder), removed right away."""
+_MANIFEST = "manifest.json"
+_RANK = "rank-"
+
+
+def default_name(step: int) -> str:
+    """The checkpoint name of ``save(step=...)`` when the caller gives none (zero-padded for listings)."""
+    return f"step-{step:09d}"
+
+
+def default_file(name: str, rank: int) -> str:
+    """The file one rank writes when the caller names none."""
+    return f"{name}/{_RANK}{rank:05d}.pt"
+
+
+def record_dir(name: str) -> str:
+    """The folder of checkpoint ``name``'s records (part records and manifest)."""
+    return f"{META_DIR}/{name}"
+
+
+def manifest_path(name: str) -> str:
+    """The commit record of checkpoint ``name``."""
+    return f"{record_dir(name)}/{_MANIFEST}"
+
+
+def part_path(name: str, rank: int) -> str:
+    """Rank ``rank``'s part record of checkpoint ``name``."""
+    return f"{record_dir(name)}/{_RANK}{rank:05d}.json"
+
+
+def probe_path(token: str) -> str:
+    """The probe a writable-root check writes and removes."""
+    return f"{META_DIR}/{PROBE_PREFIX}{token}"
+
+
+def checkpoint_of(rel: str) -> str | None:
+    """The checkpoint whose record folder holds ``rel`` (None for anything else, the lease included)."""
+    parts = rel.split("/")
+    return parts[1] if len(parts) >= 3 and parts[0] == META_DIR else None
+
+
+def is_part_record(rel: str, name: str) -> bool:
+    """Whether ``rel`` is one of the part records of checkpoint ``name``."""
+    head, _, tail = rel.rpartition("/")
+    return head == record_dir(name) and tail.startswith(_RANK) and tail.endswith(".json")
+
+
+def unsafe_reason(path: object) -> str:
+    """Why ``path`` is not a safe relative POSIX path inside a root, or ``""``.
+
+    Refused: empty, absolute, ``..``/``.``/empty segments, backslashes, a drive or scheme.
+    """
+    parts = path.split("/") if isinstance(path, str) else []
+    if (
+        not isinstance(path, str)
+        or not path
+        or posixpath.normpath(path) != path
+        or path.startswith("/")
+        or "\\" in path
+        or ":" in parts[0]
+        or any(part in ("", ".", "..") for part in parts)
+    ):
+        return "paths in a checkpoint must be relative, without '..', '.', '\\' or a drive/scheme"
+    return ""
+
+
+def local_path(folder: str, rel: str) -> str:
+    """Where ``rel`` lives below a local ``folder`` (the staging folder, the local cache)."""
+    return os.path.join(folder, *rel.split("/"))

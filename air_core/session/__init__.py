@@ -1,0 +1,30 @@
+"""The training session: what an adapter drives on each rank (see ``session.py``), and its parts.
+
+``TrainingSession`` and ``SessionConfig`` are what an adapter needs; ``TrackedLoader`` is the one
+data-position design; ``Recorder``, ``MlflowSink``, ``GoodputLog`` and ``FlushOnSigterm`` are the parts
+the session owns, public for loops that use the core directly.
+"""
+
+from .config import SessionConfig
+from .goodput import Goodput, GoodputLog, goodput_of
+from .loader import TrackedLoader
+from .metrics import Recorder
+from .mlflow_sink import MlflowSink
+from .preemption import FlushOnSigterm
+from .rng import capture_rng, raw_from_safe, restore_rng
+from .session import TrainingSession
+
+__all__ = [
+    "FlushOnSigterm",
+    "Goodput",
+    "GoodputLog",
+    "MlflowSink",
+    "Recorder",
+    "SessionConfig",
+    "TrackedLoader",
+    "TrainingSession",
+    "capture_rng",
+    "goodput_of",
+    "raw_from_safe",
+    "restore_rng",
+]

@@ -1,0 +1,428 @@
+"""``TrackedLoader``: where the training loop is in a loader, per rank, and how to put it back there.
+
+One design for every adapter and loader. Position means batches the training loop consumed, never
+what workers prefetched. A resume continues in one of three ways, chosen once per loader:
+
+- ``state`` (a loader whose own ``state_dict`` is exact at save time: torchdata's ``StatefulDataLoader``
+  when the framework does not fetch ahead of training, or corrects for it): load that state. Workers
+  get back their generator states (``workers.py``), so worker-side augmentation continues exactly.
+- ``skip`` (a plain map-style ``DataLoader``): restore the epoch-start RNG so the sampler draws the same
+  order, and drop the consumed batches' indices (no sample is read again); workers' RNG as above.
+- ``reread`` (an iterable dataset without exact state): restore the epoch start and read the consumed
+  batches again, discarding them, with a progress line.
+
+The checkpoint's RNG goes back right before the first batch the uninterrupted run fetched after the
+save, so the training thread's own draws (dropout, augmentation with ``num_workers=0``) continue too.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from ..errors import ConfigError
+from .rng import raw_from_safe, raw_rng, restore_rng, safe_rng
+from .workers import ApplyRng, Carried, CarryRng, Entry, Seeded, entry_from_state, entry_to_state
+
+logger = logging.getLogger(__name__)
+Mode = Literal["skip", "state", "reread"]
+LoaderState = tuple[Callable[[], Any], Callable[[Any], None]]
+
+
+def loader_generators(loader: Any) -> dict[str, torch.Generator]:
+    """The ``torch.Generator`` objects that decide a loader's order and worker seeds, by attribute path.
+
+    Looks at the loader and its (batch) samplers, nested as frameworks wrap them, e.g.
+    ``batch_sampler.sampler.generator``.
+    """
+    found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
+
+    def visit(obj: Any, path: str, depth: int) -> None:
+        if obj is None or depth > 4:
+            return
+        generator = getattr(obj, "generator", None)
+        if isinstance(generator, torch.Generator) and id(generator) not in seen:
+            seen.add(id(generator))
+            found[f"{path}generator"] = generator
+        for attr in ("sampler", "batch_sampler"):
+            child = getattr(obj, attr, None)
+            if child is not None and child is not obj:
+                visit(child, f"{path}{attr}.", depth + 1)
+
+    visit(loader, "", 0)
+    return found
+
+
+def has_state(loader: Any) -> bool:
+    return all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict"))
+
+
+class _Skip:
+    """An index sampler whose iteration drops its first ``count`` items (still drawn: RNG use is equal)."""
+
+    def __init__(self, inner: Any, count: int) -> None:
+        self.inner, self.count = inner, count
+        self._iterator: _Primed | None = None
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> _Primed:
+        def skipping() -> Iterator[Any]:
+            for i, item in enumerate(self.inner):
+                if i >= self.count:
+                    yield item
+
+        self._iterator = _Primed(skipping())
+        return self._iterator
+
+    def prime(self) -> None:
+        """Start the inner iteration now (it draws its shuffle seed), as the first fetch would have."""
+        if self._iterator is not None:
+            self._iterator.prime()
+
+
+class _Primed:
+    def __init__(self, inner: Iterator[Any]) -> None:
+        self._inner = inner
+        self._first: list[Any] | None = None
+
+    def prime(self) -> None:
+        if self._first is None:
+            self._first = [item for item in [next(self._inner, _END)] if item is not _END]
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        self.prime()
+        assert self._first is not None
+        if self._first:
+            return self._first.pop()
+        return next(self._inner)
+
+
+_END = object()
+
+
+class TrackedLoader:
+    """A loader proxy that knows where the training loop is in it, and can put it back there.
+
+    Forwards everything else to the loader (``isinstance(x, DataLoader)`` still holds). ``position()``
+    is one of: ``start`` (the next pass is a fresh epoch), ``inside`` (``consumed`` batches of the epoch
+    went to the training loop), ``end`` (the loop holds the epoch's last batch: a consumer that re-enters
+    the epoch gets no batch and runs the code after its loop).
+
+    Args:
+        loader: the loader the framework iterates.
+        epoch: the epoch number the consumer is about to iterate (read at each ``__iter__``).
+        lookahead: batches the consumer fetches ahead of what it hands to training.
+        on_fetch: called with the seconds each fetched batch took (``fetch_seconds``).
+        exact_state: ``(state_dict, load_state_dict)`` giving the loader's state at the consumed position
+            (a framework that corrects its own prefetch). Default: the loader's own, if it has one and
+            ``lookahead`` is 0.
+        reenter: after a resume from the end of an epoch, the consumer iterates that epoch once more
+            (and gets no batch) before the next one, as a loop ``for epoch in range(start, n)`` does
+            (Accelerate); otherwise its next pass is the next epoch (Lightning).
+    """
+
+    def __init__(
+        self,
+        loader: Any,
+        *,
+        epoch: Callable[[], int],
+        lookahead: int = 0,
+        on_fetch: Callable[[float], None] | None = None,
+        exact_state: LoaderState | None = None,
+        reenter: bool = False,
+    ) -> None:
+        self._loader = loader
+        self._reenter = reenter
+        self._epoch_fn = epoch
+        self._lookahead = lookahead
+        self._on_fetch = on_fetch
+        if exact_state is None and has_state(loader) and lookahead == 0:
+            exact_state = (loader.state_dict, loader.load_state_dict)
+        self._exact_state = exact_state
+        map_style = isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
+        self.mode: Mode = "state" if exact_state is not None else "skip" if map_style else "reread"
+        self._workers = loader.num_workers if isinstance(loader, DataLoader) else 0
+        self._apply: ApplyRng | None = None
+        if self._workers and self.mode != "reread":
+            self._carry_worker_rng(loader)
+        self._epoch = 0
+        self._taken = 0
+        self._state: Literal["start", "inside", "end"] = "start"
+        self._epoch_start: dict[str, Any] = {}
+        self._pending: dict[str, Any] | None = None
+        self._resume_rng: dict[str, Any] | None = None
+        # RNG before each of the last ``lookahead`` fetches: with num_workers=0 the dataset draws from
+        # the training thread's RNG, and the batches fetched ahead of a save were drawn from these.
+        self._ahead: deque[Any] = deque(maxlen=max(lookahead, 1))
+        self._by_worker: dict[int, Entry] = {}
+        self._next_worker = 0
+        self._unconsumed: deque[Carried] = deque()
+        self._iterator: Any = None
+        self._reused = False
+
+    def _carry_worker_rng(self, loader: DataLoader) -> None:
+        if not getattr(loader, "in_order", True):
+            logger.warning(
+                "TrackedLoader: DataLoader(in_order=False) hands batches to workers in no fixed order, so "
+                "augmentation drawn from the workers' RNG cannot be resumed exactly; use in_order=True."
+            )
+            return
+        if not isinstance(loader.collate_fn, CarryRng):
+            loader.collate_fn = CarryRng(loader.collate_fn)
+        if not isinstance(loader.worker_init_fn, ApplyRng):
+            loader.worker_init_fn = ApplyRng(loader.worker_init_fn)
+        self._apply = loader.worker_init_fn
+
+    # The consumer sees the wrapped loader's class and attributes.
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        return type(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    @property
+    def loader(self) -> Any:
+        """The wrapped loader."""
+        return self._loader
+
+    # -- position ----------------------------------------------------------------------------------
+    def position(self) -> dict[str, Any]:
+        """Where the training loop is (call on the training thread, at a save).
+
+        Only tensors and plain values, so a checkpoint holding it loads with ``weights_only=True``. The
+        global RNG is not in it: the session captures it once per save.
+        """
+        where = self._state
+        if where == "end" and self._epoch_fn() != self._epoch:  # the consumer closed the epoch since
+            where = "start"
+        inside = where == "inside"
+        pos: dict[str, Any] = {
+            "where": where,
+            "mode": self.mode,
+            "epoch": self._epoch if where != "start" else self._epoch_fn(),
+            "consumed": max(self._taken - self._lookahead, 0) if inside else 0,
+            "generators": {k: g.get_state() for k, g in loader_generators(self._loader).items()},
+        }
+        if inside:
+            pos["reused_iterator"] = self._reused
+            start = self._epoch_start
+            pos["epoch_start"] = {"rng": safe_rng(start["rng"]), "generators": start["generators"]}
+            if "loader" in start:
+                pos["epoch_start"]["loader"] = start["loader"]
+            pos["ahead"] = [safe_rng(raw) for raw in self._ahead] if self._lookahead else []
+            if self._apply is not None:
+                order = [(self._next_worker + j) % self._workers for j in range(self._workers)]
+                pos["workers"] = [entry_to_state(self._by_worker[w]) for w in order]
+                pos["next_worker"] = self._next_worker
+            if self.mode == "state":
+                assert self._exact_state is not None
+                pos["loader_state"] = self._exact_state[0]()
+        return pos
+
+    def resume(self, position: dict[str, Any], rng: dict[str, Any]) -> int:
+        """Continue at ``position`` (``rng``: the global RNG saved with it); return the epoch the
+        training loop re-enters (at ``end`` the consumer's own epoch counter must move one past it).
+
+        Raises:
+            ConfigError: the position was saved from a loader resumed another way (another kind of loader).
+        """
+        if position.get("mode", self.mode) != self.mode:
+            raise ConfigError(
+                f"resume: the checkpoint's loader position was saved for a {position['mode']!r} loader, this "
+                f"run's loader resumes by {self.mode!r}; resume with the same kind of loader."
+            )
+        if position["where"] == "start":
+            self._restore(rng, position["generators"])
+        else:
+            self._pending, self._resume_rng = position, rng
+        return int(position["epoch"])
+
+    def _restore(self, rng: dict[str, Any], generators: dict[str, Any]) -> None:
+        restore_rng(rng)
+        mine = loader_generators(self._loader)
+        for path, saved in generators.items():
+            if path in mine:  # one made lazily (a seedable sampler's) is re-seeded by its owner
+                mine[path].set_state(saved)
+
+    # -- iteration ---------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        pending, self._pending = self._pending, None
+        self._epoch, self._taken, self._state = self._epoch_fn(), 0, "start"
+        self._ahead.clear()
+        self._unconsumed.clear()
+        if pending is not None and self._is_over(pending):
+            assert self._resume_rng is not None
+            self._restore(self._resume_rng, pending["generators"])
+            if self._reenter:  # the consumer re-enters the finished epoch: nothing to fetch or draw
+                self._state = "end"
+                return
+            pending = None  # the next epoch starts fresh from the saved RNG
+        restore: dict[int, Callable[[], None]] = {}
+        if pending is None:
+            iterator = self._start_epoch()
+        else:
+            iterator = self._continue_epoch(pending)
+            consumed = pending["consumed"]
+            for k, state in enumerate(pending["ahead"]):
+                restore[consumed + k] = functools.partial(restore_rng, state)
+            assert self._resume_rng is not None
+            restore[consumed + self._lookahead] = functools.partial(
+                self._restore, self._resume_rng, pending["generators"]
+            )
+        track_ahead = self._lookahead > 0 and self._workers == 0
+        self._state = "inside"
+        try:
+            while True:
+                if restore and (action := restore.pop(self._taken, None)) is not None:
+                    action()
+                if track_ahead:
+                    self._ahead.append(raw_rng())
+                started = time.perf_counter()
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    self._consume_all()
+                    self._state = "end"
+                    return
+                if type(batch) is Carried:
+                    batch = self._took_from_worker(batch)
+                if self._on_fetch is not None:
+                    self._on_fetch(time.perf_counter() - started)
+                self._taken += 1
+                yield batch
+        except GeneratorExit:  # the consumer broke out: its next pass starts the epoch afresh
+            self._state = "start"
+            raise
+
+    def _is_over(self, pending: dict[str, Any]) -> bool:
+        if pending["where"] == "end" or pending["epoch"] != self._epoch:
+            return True
+        try:
+            return pending["consumed"] >= len(self._loader)
+        except TypeError:
+            return False
+
+    def _start_epoch(self) -> Any:
+        self._epoch_start = {
+            "rng": raw_rng(),
+            "generators": {k: g.get_state() for k, g in loader_generators(self._loader).items()},
+        }
+        if self.mode == "reread" and has_state(self._loader):
+            self._epoch_start["loader"] = self._loader.state_dict()
+        iterator = iter(self._loader)
+        # Persistent workers: the same iterator again, which draws no new base seed.
+        self._reused = iterator is self._iterator and bool(getattr(self._loader, "persistent_workers", False))
+        if self._apply is not None:
+            if not self._reused:  # new workers
+                base = int(getattr(iterator, "_base_seed", 0))
+                self._by_worker = {w: Seeded(base, w) for w in range(self._workers)}
+            self._next_worker = 0
+        self._iterator = iterator
+        return iterator
+
+    def _continue_epoch(self, pending: dict[str, Any]) -> Any:
+        start = pending["epoch_start"]
+        self._restore(start["rng"], start["generators"])
+        self._epoch_start = {"rng": raw_from_safe(start["rng"]), "generators": start["generators"]}
+        consumed = pending["consumed"]
+        first = 0
+        if self.mode == "state":
+            assert self._exact_state is not None
+            self._exact_state[1](pending["loader_state"])
+            first = int(pending.get("next_worker", 0))
+        elif self.mode == "reread" and "loader" in start:
+            self._loader.load_state_dict(start["loader"])
+            self._epoch_start["loader"] = start["loader"]
+        if self._apply is not None and "workers" in pending:
+            entries = [entry_from_state(s) for s in pending["workers"]]
+            self._by_worker = {(first + j) % self._workers: e for j, e in enumerate(entries)}
+            self._next_worker = first
+            self._apply.table = dict(self._by_worker)
+        try:
+            if self.mode == "skip":
+                iterator = self._iter_skipping(consumed, fresh_seed=not pending.get("reused_iterator", False))
+                self._taken = consumed
+            else:
+                iterator = iter(self._loader)
+                if self.mode == "state":
+                    self._taken = consumed
+                else:
+                    self._discard(iterator, consumed)
+        finally:
+            if self._apply is not None:
+                self._apply.table = None
+        self._iterator = iterator
+        return iterator
+
+    def _iter_skipping(self, count: int, *, fresh_seed: bool) -> Any:
+        """An iterator of the loader whose index sampler drops ``count`` batches (no sample is read).
+
+        ``fresh_seed=False``: the saved epoch reused persistent workers, so its iterator drew no base
+        seed; this new one draws it from a generator of its own, leaving the sampler's draws as they were.
+        """
+        loader = self._loader
+        attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+        inner, generator = getattr(loader, attr), loader.generator
+        skip = _Skip(inner, count)
+        object.__setattr__(loader, attr, skip)  # DataLoader refuses the attribute once built
+        if not fresh_seed:
+            loader.generator = torch.Generator()
+        try:
+            iterator = iter(loader)
+        finally:
+            object.__setattr__(loader, attr, inner)
+            loader.generator = generator
+        skip.prime()
+        return iterator
+
+    def _took_from_worker(self, carried: Carried) -> Any:
+        self._unconsumed.append(carried)
+        while len(self._unconsumed) > self._lookahead:
+            self._consumed(self._unconsumed.popleft())
+        return carried.batch
+
+    def _consumed(self, carried: Carried) -> None:
+        self._by_worker[carried.worker] = carried.rng
+        self._next_worker = (carried.worker + 1) % self._workers
+
+    def _consume_all(self) -> None:
+        while self._unconsumed:
+            self._consumed(self._unconsumed.popleft())
+
+    def _discard(self, iterator: Iterator[Any], count: int) -> None:
+        """Re-read the batches the checkpoint already consumed (progress is logged for long skips)."""
+        logger.info("resume: re-reading %d consumed batch(es) to restore the loader's position", count)
+        last_log = time.monotonic()
+        for i in range(count):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                raise ConfigError(
+                    f"resume: the checkpoint consumed {count} batches of this epoch but the loader has "
+                    f"only {i}; resume with the same dataset, batch size and world size."
+                ) from None
+            if type(batch) is Carried:
+                self._took_from_worker(batch)
+            self._taken += 1
+            if time.monotonic() - last_log > 10:
+                logger.info("resume: re-read %d/%d batches", i + 1, count)
+                last_log = time.monotonic()

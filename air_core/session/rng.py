@@ -1,0 +1,83 @@
+"""RNG state of a process: captured into plain values a ``weights_only`` load accepts, and put back.
+
+Covers python's ``random``, numpy's legacy global generator, torch's CPU generator and (when CUDA is in
+use) every CUDA generator. ``raw_rng`` is the cheap form taken on hot paths (before a batch is fetched,
+inside loader workers); ``safe_rng`` converts it only when a checkpoint needs it. A restore that cannot
+be applied raises instead of being logged and forgotten.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+
+RawRng = tuple[Any, Any, torch.Tensor]
+
+
+def raw_rng() -> RawRng:
+    """The CPU generators' states as their libraries return them (~30 us; no conversion)."""
+    return random.getstate(), np.random.get_state(legacy=True), torch.get_rng_state()
+
+
+def safe_rng(raw: RawRng) -> dict[str, Any]:
+    """``raw`` as tensors and plain values (what ``torch.load(weights_only=True)`` accepts)."""
+    python, numpy_state, torch_state = raw
+    kind, keys, pos, has_gauss, cached = cast(tuple, numpy_state)
+    return {
+        "python": python,
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch_state,
+    }
+
+
+def raw_from_safe(state: dict[str, Any]) -> RawRng:
+    """The inverse of ``safe_rng``."""
+    version, internal, gauss = state["python"]  # a weights_only round trip may make the inner tuple a list
+    n = state["numpy"]
+    numpy_state = (
+        n["kind"],
+        n["keys"].numpy().astype(np.uint32),
+        n["pos"],
+        n["has_gauss"],
+        n["cached_gaussian"],
+    )
+    return (version, tuple(internal), gauss), numpy_state, state["torch"]
+
+
+def capture_rng() -> dict[str, Any]:
+    """The state of every global generator of this process (call on the thread that draws from them)."""
+    state = safe_rng(raw_rng())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put every global generator back as ``capture_rng`` found it.
+
+    Raises:
+        ConfigError: the state holds CUDA generators this process cannot take (no GPU, or another count).
+    """
+    python, numpy_state, torch_state = raw_from_safe(state)
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(torch_state)
+    if "cuda" in state:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count != len(state["cuda"]):
+            raise ConfigError(
+                f"restore_rng: the checkpoint holds {len(state['cuda'])} CUDA generator state(s) but this "
+                f"process sees {count} GPU(s); resume with as many GPUs per process to resume exactly."
+            )
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,286 @@
+"""``TrainingSession``: one rank's checkpointing, measurement and resume state for a training job.
+
+Framework-free. An adapter creates one per rank when training starts and translates the framework's
+events into its calls: ``open`` (the checkpoint root), ``track`` (each train loader), ``start`` (the
+first step is next), ``record_fetch``/``record_step``, ``before_optimizer_step`` (the snapshot gate),
+``save``/``rank_state``/``restore_rank_state`` and ``close``. The session owns the checkpointer, the
+``Recorder``, rank 0's goodput log and MLflow sink (it ends the run it started), the SIGTERM flush, the
+launch id, and the world-size and model checks. It never starts a collective itself: ``broadcast`` and
+``gather`` come from the adapter and run on the training thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..checkpointer import AsyncCheckpointer, SaveHandle
+from ..compat import check_fits
+from ..errors import AirError, ConfigError
+from ..events import Listener
+from .config import SessionConfig
+from .goodput import Goodput, GoodputLog, goodput_of
+from .loader import LoaderState, TrackedLoader
+from .metrics import Gather, Recorder
+from .mlflow_sink import MlflowSink
+from .preemption import FlushOnSigterm
+from .rng import capture_rng, restore_rng
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingSession:
+    """Checkpointing and measurement of one rank of one launch.
+
+    Args:
+        config: the session's settings (validated already).
+        checkpointer: ``AsyncCheckpointer`` keyword arguments other than root, rank, world size, launch
+            id and listeners (validated already).
+        rank: this process's rank.
+        world_size: ranks in the job.
+        broadcast: rank 0's string to every rank (a collective; called once, here). None with one rank.
+        gather: every rank's list of floats (a collective; the Recorder calls it at window ends).
+        listeners: more receivers of the core's events.
+    """
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        *,
+        checkpointer: Mapping[str, Any],
+        rank: int = 0,
+        world_size: int = 1,
+        broadcast: Callable[[str], str] | None = None,
+        gather: Gather | None = None,
+        listeners: tuple[Listener, ...] | list[Listener] = (),
+    ) -> None:
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        mine = uuid.uuid4().hex if rank == 0 else ""
+        self.launch_id = (
+            broadcast(mine) if broadcast is not None and world_size > 1 else mine or uuid.uuid4().hex
+        )
+        self.records = Recorder(config.log_every_n_steps, rank=rank)
+        """``fetch_seconds`` per step and the save/restore records of this rank."""
+        self.records.gather = gather if world_size > 1 else None
+        self.goodput: Goodput | None = None
+        """Rank 0, after ``close``: the goodput of every launch of this job so far."""
+        self.last_handle: SaveHandle | None = None
+        self.returned_at = 0.0
+        """``time.monotonic()`` when the last save returned to the training loop."""
+        self._settings = dict(checkpointer)
+        self._listeners = [self.records, *listeners]
+        self._ckpt: AsyncCheckpointer | None = None
+        self._goodput_log: GoodputLog | None = None
+        self._sink: MlflowSink | None = None
+        self._resumed_run: str | None = None
+        self._loaders: list[TrackedLoader] = []
+        self._pending: dict[str, Any] | None = None
+        self._failed: BaseException | None = None
+        self._closed = False
+        self._preemption = FlushOnSigterm(
+            lambda: self._ckpt, timeout_seconds=config.flush_timeout_seconds, who=config.owner, log=logger
+        )
+
+    # -- the checkpoint root -------------------------------------------------------------------------
+    def open(self, root: str) -> AsyncCheckpointer:
+        """The checkpointer of ``root``, created at the first call (rank 0 also starts the goodput log).
+
+        Raises:
+            ConfigError: a different root was opened before (a session writes under one root).
+        """
+        if self._ckpt is None:
+            self._ckpt = AsyncCheckpointer(
+                root,
+                rank=self.rank,
+                world_size=self.world_size,
+                launch_id=self.launch_id,
+                listeners=self._listeners,
+                **self._settings,
+            )
+            if self.rank == 0:
+                self._goodput_log = GoodputLog(self._ckpt.storage, self.launch_id)
+                self.records.goodput = self._goodput_log
+        elif self._ckpt.config.root.rstrip("/") != str(root).rstrip("/"):
+            raise ConfigError(
+                f"{self.config.owner} writes under one root: got {root!r} after {self._ckpt.config.root!r}. "
+                "Give every save the same destination folder."
+            )
+        return self._ckpt
+
+    @property
+    def checkpointer(self) -> AsyncCheckpointer | None:
+        """The open checkpointer, or None before ``open``."""
+        return self._ckpt
+
+    def save(self, files: Mapping[str, Any], *, step: int, name: str) -> SaveHandle:
+        """Snapshot this rank's ``files`` (path under the root -> state) into checkpoint ``name``."""
+        if self._ckpt is None:
+            raise AirError(f"{self.config.owner}: save() before the checkpoint root was opened.")
+        self.last_handle = self._ckpt.save_files(files, step=step, name=name)
+        self.returned_at = time.monotonic()
+        return self.last_handle
+
+    def before_optimizer_step(self) -> None:
+        """Block until the last save's device-to-host copy landed (the optimizer mutates the weights)."""
+        if self.last_handle is not None:
+            self.last_handle.wait_snapshot()
+
+    # -- loaders and per-rank state ------------------------------------------------------------------
+    def track(
+        self,
+        loader: Any,
+        *,
+        epoch: Callable[[], int],
+        lookahead: int = 0,
+        exact_state: LoaderState | None = None,
+        on_fetch: Callable[[float], None] | None = None,
+        reenter: bool = False,
+    ) -> TrackedLoader:
+        """Track a train loader's position; the returned proxy replaces ``loader``. Fetch times go to
+        ``records`` (or to ``on_fetch``, for an adapter that keeps only some of them). The other
+        arguments are ``TrackedLoader``'s.
+
+        A position restored before the loader was tracked applies now (the loaders are matched by the
+        order in which they are tracked).
+        """
+        tracked = TrackedLoader(
+            loader,
+            epoch=epoch,
+            lookahead=lookahead,
+            on_fetch=on_fetch or self.record_fetch,
+            exact_state=exact_state,
+            reenter=reenter,
+        )
+        self._loaders.append(tracked)
+        if self._pending is not None:
+            positions = self._pending["loaders"]
+            index = len(self._loaders) - 1
+            if index < len(positions) and positions[index] is not None:
+                tracked.resume(positions[index], self._pending["rng"])
+        return tracked
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's part of a checkpoint: RNG (captured once), every loader's position, the MLflow run.
+
+        Only tensors and plain values (loads with ``weights_only=True``). Call on the training thread.
+        """
+        return {
+            "world_size": self.world_size,
+            "rng": capture_rng(),
+            "loaders": [t.position() for t in self._loaders],
+            "mlflow_run_id": self.mlflow_run_id(),
+        }
+
+    def restore_rank_state(self, state: dict[str, Any], *, what: str) -> None:
+        """Continue from ``state`` (this rank's ``rank_state`` of the checkpoint ``what``).
+
+        Loaders tracked already resume now; later ones when tracked. The RNG goes back when each
+        loader reaches the saved position, or at ``start`` when no loader is tracked.
+
+        Raises:
+            ConfigError: the checkpoint was written by another number of ranks or loaders.
+        """
+        self.check_world_size(state["world_size"], what=what)
+        if self._loaders and len(state["loaders"]) != len(self._loaders):
+            raise ConfigError(
+                f"{what}: the checkpoint tracked {len(state['loaders'])} train loader(s), this run has "
+                f"{len(self._loaders)}; set up the same loaders before loading it."
+            )
+        for tracked, position in zip(
+            self._loaders, state["loaders"], strict=False
+        ):  # none tracked yet: later
+            if position is not None:
+                tracked.resume(position, state["rng"])
+        self._pending = state
+        self._resumed_run = state.get("mlflow_run_id") or self._resumed_run
+
+    def check_world_size(self, saved: int, *, what: str) -> None:
+        """Raise ``ConfigError`` if ``saved`` (the checkpoint's world size) is not this run's."""
+        if saved != self.world_size:
+            raise ConfigError(
+                f"{what} was written by {saved} rank(s), this run has {self.world_size}; resume with the "
+                "same number of processes for an exact resume."
+            )
+
+    def check_model(
+        self, expected: Mapping[str, Any], found: Mapping[str, Any], *, what: str, fix: str
+    ) -> None:
+        """Raise ``ConfigError`` before any weight is copied if ``found`` does not fit ``expected``."""
+        check_fits(expected, found, what=what, fix=fix)
+
+    # -- measurement ---------------------------------------------------------------------------------
+    def start(self, *, mlflow_run_id: str | None = None, run_is_ours: bool = True) -> None:
+        """The first training step of this launch is next: restore a pending RNG no loader took, and
+        start the MLflow sink (rank 0). ``mlflow_run_id``: the framework logger's run (None: the
+        checkpoint's run, else a new one); ``run_is_ours``: the session ends the run at ``close``."""
+        if self._pending is not None and not self._loaders:
+            restore_rng(self._pending["rng"])
+        self._pending = None
+        if self.rank == 0 and self.config.mlflow and self._sink is None:
+            run_id = mlflow_run_id or self._resumed_run
+            self._sink = MlflowSink(
+                run_id=run_id, experiment=self.config.mlflow_experiment, end_run=run_is_ours
+            )
+            self.records.attach(self._sink.log)
+
+    @property
+    def resumed_mlflow_run(self) -> str | None:
+        """The MLflow run the checkpoint this launch resumed from logged to (None: fresh, or none)."""
+        return self._resumed_run
+
+    def mlflow_run_id(self) -> str | None:
+        """The run this job's metrics go to (kept in each checkpoint so a resumed launch continues it)."""
+        return (self._sink.run_id if self._sink is not None else None) or self._resumed_run
+
+    def record_fetch(self, seconds: float) -> None:
+        self.records.record_fetch(seconds)
+
+    def record_step(self, step: int) -> None:
+        self.records.record_step(step)
+
+    # -- the end -------------------------------------------------------------------------------------
+    def fail(self, exception: BaseException) -> None:
+        """Training is failing with ``exception``: commit what is in flight (bounded); ``close`` then
+        logs a save error instead of raising it over ``exception``."""
+        self._failed = exception
+        self._preemption.flush(type(exception).__name__)
+
+    def close_checkpointer(self) -> None:
+        """Commit what is in flight and close the checkpointer (bounded by ``flush_timeout_seconds``).
+
+        Raises:
+            SaveError: a save failed, unless training is already failing (then it is logged).
+        """
+        ckpt, self._ckpt = self._ckpt, None
+        if ckpt is None:
+            return
+        if self._failed is not None:
+            ckpt.__exit__(type(self._failed), self._failed, None)
+        else:
+            ckpt.close()
+
+    def close(self, step: int) -> None:
+        """End the launch at ``step``: close the checkpointer, publish the last window, write and report
+        goodput (rank 0), end the MLflow run the session started. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.close_checkpointer()
+        finally:
+            self._preemption.uninstall()
+            if self._failed is None:
+                self.records.close_window(step, reduce=False)
+            self.records.log_summary()
+            if self._goodput_log is not None:
+                self._goodput_log.close()
+                self.goodput = goodput_of(self._goodput_log.storage)
+                logger.info("%s: %s", self.config.owner, self.goodput.report())
+                if self._sink is not None:
+                    self._sink.log(self.goodput.as_metrics(), step)
+            if self._sink is not None:
+                self._sink.close(status="FAILED" if self._failed is not None else "FINISHED")

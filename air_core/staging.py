@@ -1,0 +1,285 @@
+"""Where a save's files are written before they reach the root: the direct or staged destination.
+
+The one place "direct or staged" is decided (``choose_destination``, once per checkpointer): a local
+root without ``staging_dir`` is written in place (temp file, fsync, rename: staging twice would double
+the I/O); anything else is serialized into the local staging folder, uploaded ``max_transfers`` at a
+time, and kept there as the local cache that later loads read first. Each ``Destination`` also reads
+back verified local copies. It never decides *when* (the writer) or whether a save commits (commit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import uuid
+import zlib
+from typing import Literal, Protocol
+
+from . import layout
+from .catalog import read_catalog
+from .commit import keep_newest
+from .config import CheckpointerConfig
+from .errors import ConfigError, CorruptCheckpointError
+from .manifest import FileEntry, Manifest
+from .storage import Storage, fix_for, transfer_all
+
+logger = logging.getLogger(__name__)
+Source = Literal["local", "cache", "remote"]
+_CHUNK = 8 << 20
+
+
+class Destination(Protocol):
+    """How one save's files get to the root. Called on the writer thread, in this order, per save:
+
+    1. ``temp_paths``: where the serializer writes each file (``fsync`` says whether it must sync);
+    2. ``place``: move the finished temp files to where ``to_upload`` reads them (or to the root);
+    3. ``to_upload``: local file per root path still to upload (empty: nothing to upload);
+    4. after the commit, ``remember`` the manifest; after retention, ``trim`` the local cache.
+
+    ``fetch`` (training thread, any time) returns verified local copies of committed files.
+    """
+
+    @property
+    def cache_dir(self) -> str | None:
+        """The local staging folder and cache; None when the root itself is written."""
+        ...
+
+    @property
+    def spill_dir(self) -> str:
+        """Where snapshots spill beyond the host budget."""
+        ...
+
+    @property
+    def fsync(self) -> bool:
+        """Whether the serializer must fsync what it writes (the written file is the durable one)."""
+        ...
+
+    def temp_paths(self, files: tuple[str, ...]) -> dict[str, str]: ...
+
+    def place(self, temps: dict[str, str]) -> None: ...
+
+    def to_upload(self, files: tuple[str, ...]) -> dict[str, str]: ...
+
+    def upload(self, staged: dict[str, str]) -> None: ...
+
+    def kept_locally(self, files: tuple[str, ...]) -> list[str]:
+        """Local files a placed save keeps (removed again if the save fails)."""
+        ...
+
+    def remember(self, manifest: Manifest) -> None: ...
+
+    def trim(self, keep_last: int) -> None: ...
+
+    def disk_full_fix(self, exc: OSError) -> str: ...
+
+    def fetch(
+        self, manifest: Manifest, entries: list[FileEntry], *, max_transfers: int
+    ) -> tuple[dict[str, str], Source]: ...
+
+
+class Direct:
+    """A local root written in place: temp file beside the final one, fsync, rename, folder fsync."""
+
+    fsync = True
+
+    def __init__(self, storage: Storage, spill_dir: str = "") -> None:
+        assert storage.is_local, "a direct destination is a local root"
+        self._storage = storage
+        self.cache_dir: str | None = None
+        self.spill_dir = spill_dir
+
+    def temp_paths(self, files: tuple[str, ...]) -> dict[str, str]:
+        return {rel: self._storage.local_temp(rel) for rel in files}
+
+    def place(self, temps: dict[str, str]) -> None:
+        for rel, tmp in temps.items():
+            self._storage.place_local(tmp, rel)
+
+    def to_upload(self, files: tuple[str, ...]) -> dict[str, str]:
+        return {}
+
+    def upload(self, staged: dict[str, str]) -> None:
+        pass  # placed at the root already
+
+    def kept_locally(self, files: tuple[str, ...]) -> list[str]:
+        return []  # placed files are the root's: a failed save leaves a partial that retention removes
+
+    def remember(self, manifest: Manifest) -> None:
+        pass
+
+    def trim(self, keep_last: int) -> None:
+        pass
+
+    def disk_full_fix(self, exc: OSError) -> str:
+        return fix_for(exc)
+
+    def fetch(
+        self, manifest: Manifest, entries: list[FileEntry], *, max_transfers: int
+    ) -> tuple[dict[str, str], Source]:
+        paths = {e.path: self._storage.path(e.path) for e in entries}
+        for e in entries:
+            if not _matches(paths[e.path], e):
+                raise _corrupt(self._storage, manifest, e)
+        return paths, "local"
+
+
+class Staged:
+    """Serialize into a local staging folder, upload in parallel, keep the files as the local cache."""
+
+    fsync = False  # the upload, not the staged copy, is what must be durable
+
+    def __init__(
+        self, storage: Storage, cache_dir: str, *, max_transfers: int = 1, staging_dir: str | None = None
+    ) -> None:
+        self._storage = storage
+        self.cache_dir: str = cache_dir
+        self.spill_dir = os.path.join(cache_dir, ".spill")
+        self._max_transfers = max_transfers
+        self._staging_arg = staging_dir
+
+    def temp_paths(self, files: tuple[str, ...]) -> dict[str, str]:
+        temps = {rel: f"{path}{layout.TEMP_MARK}" for rel, path in self._local(files).items()}
+        for path in temps.values():
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        return temps
+
+    def place(self, temps: dict[str, str]) -> None:
+        for rel, tmp in temps.items():
+            os.replace(tmp, layout.local_path(self.cache_dir, rel))
+
+    def to_upload(self, files: tuple[str, ...]) -> dict[str, str]:
+        return self._local(files)
+
+    def upload(self, staged: dict[str, str]) -> None:
+        """Upload each staged file to its root path, ``max_transfers`` at a time."""
+        transfer_all(
+            lambda item: self._storage.put_file(item[1], item[0]),
+            staged.items(),
+            max_transfers=self._max_transfers,
+            name="air-upload",
+        )
+
+    def kept_locally(self, files: tuple[str, ...]) -> list[str]:
+        return list(self._local(files).values())
+
+    def remember(self, manifest: Manifest) -> None:
+        """Record that the cache holds ``manifest``'s files (written after them, like the real commit)."""
+        path = layout.local_path(self.cache_dir, layout.manifest_path(manifest.name))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"  # ranks of one node share the cache
+        with open(tmp, "wb") as f:
+            f.write(manifest.to_json())
+        os.replace(tmp, path)
+
+    def trim(self, keep_last: int) -> None:
+        """Keep the newest ``keep_last`` checkpoints the cache holds a manifest of.
+
+        A node's cache holds only its own ranks' files (and rank 0's after a load), so a cached
+        checkpoint may look incomplete here; it is trimmed by its manifest all the same.
+        """
+        cached = Storage(self.cache_dir, storage_options={}, retries=0, retry_backoff_seconds=0.0)
+        keep_newest(cached, read_catalog(cached), keep_last)
+
+    def disk_full_fix(self, exc: OSError) -> str:
+        return (
+            f"The staging disk is full: free space under staging_dir ({self._staging_arg or self.cache_dir}),"
+            " point staging_dir at a larger disk, or lower keep_last (the local cache keeps that many"
+            " checkpoints)."
+        )
+
+    def fetch(
+        self, manifest: Manifest, entries: list[FileEntry], *, max_transfers: int
+    ) -> tuple[dict[str, str], Source]:
+        """The cache's copies when its manifest is byte-identical and the CRCs match, else a download."""
+        paths = self._local(tuple(e.path for e in entries))
+        cached = _read(layout.local_path(self.cache_dir, layout.manifest_path(manifest.name)))
+        if cached == manifest.to_json() and all(_matches(paths[e.path], e) for e in entries):
+            return paths, "cache"
+
+        def download(e: FileEntry) -> None:
+            self._storage.get_file(e.path, paths[e.path])
+            if not _matches(paths[e.path], e):
+                os.unlink(paths[e.path])
+                raise _corrupt(self._storage, manifest, e)
+
+        transfer_all(download, entries, max_transfers=max_transfers, name="air-download")
+        self.remember(manifest)
+        return paths, "remote"
+
+    def _local(self, files: tuple[str, ...]) -> dict[str, str]:
+        return {rel: layout.local_path(self.cache_dir, rel) for rel in files}
+
+
+def choose_destination(config: CheckpointerConfig, storage: Storage) -> Destination:
+    """Pick the destination once, and prove its local folder writable (``ConfigError`` if not)."""
+    key = hashlib.sha1(storage.url.encode()).hexdigest()[:16]
+    dest: Direct | Staged
+    if config.staging_dir is None and storage.is_local:
+        dest = Direct(storage, os.path.join(tempfile.gettempdir(), "air-spill", key))
+    else:
+        staging = _local_dir(config.staging_dir) if config.staging_dir else None
+        if staging is None:
+            staging = os.path.join(tempfile.gettempdir(), "air-staging")
+            logger.info(
+                "no staging_dir given: staging in %s (pass staging_dir= to use a local NVMe disk)", staging
+            )
+        cache = os.path.join(staging, key)
+        dest = Staged(storage, cache, max_transfers=config.max_transfers, staging_dir=config.staging_dir)
+    _check_local_dir(dest.cache_dir or dest.spill_dir, "staging_dir", config.staging_dir)
+    return dest
+
+
+def open_destination(storage: Storage, cache_dir: str | None) -> Destination:
+    """The destination a tool reads through: a local root in place when ``cache_dir`` is None."""
+    return Direct(storage) if cache_dir is None else Staged(storage, cache_dir)
+
+
+def file_crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _matches(path: str, entry: FileEntry) -> bool:
+    return os.path.isfile(path) and os.path.getsize(path) == entry.size and file_crc32(path) == entry.crc32
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _corrupt(storage: Storage, manifest: Manifest, entry: FileEntry) -> CorruptCheckpointError:
+    where = storage.display(entry.path)
+    return CorruptCheckpointError(
+        f"checkpoint {manifest.name!r} (step {manifest.step}): {where} does not match its manifest "
+        "(size or CRC-32 differs); the file was changed or damaged after the commit.",
+        path=where,
+        reason="checksum mismatch",
+    )
+
+
+def _local_dir(path: str) -> str:
+    return path[len("file://") :] if path.startswith("file://") else path
+
+
+def _check_local_dir(path: str, arg: str, value: str | None) -> None:
+    """Create ``path`` and prove it writable, so a bad staging folder fails before training."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f"{layout.PROBE_PREFIX}{uuid.uuid4().hex[:8]}")
+        with open(probe, "wb") as f:
+            f.write(b"probe")
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(
+            f"AsyncCheckpointer({arg}={value!r}): cannot write to {path} ({exc.strerror or exc}); pass a "
+            "writable folder on a local disk."
+        ) from exc
