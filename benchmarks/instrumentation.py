@@ -1,9 +1,11 @@
 """What the per-step instrumentation costs the training thread, in microseconds per step.
 
 Measures, each over many steps in this process: ``Recorder.record_fetch`` + ``record_step`` (a window
-of 50 steps published to ``MlflowSink.log``, whose background thread talks to nobody here), the
-``TrackedLoader`` proxy around a ``DataLoader`` with ``num_workers=0`` (the case that also records the
-RNG before each fetch) against the bare loader, and ``MlflowSink.log`` alone.
+of 50 steps published to ``MlflowSink.log``, whose background thread talks to nobody here),
+``MlflowSink.log`` alone, and the ``TrackedLoader`` proxy against the bare ``DataLoader``: with
+``num_workers=0`` (lookahead 0 as Lightning, lookahead 1 as Accelerate: the case that also records the
+RNG before each fetch) and with 2 workers (each batch comes back with its worker's RNG state, which the
+proxy unwraps and keeps). Also the cost of one ``position()`` (taken once per save, not per batch).
 
     python benchmarks/instrumentation.py [--steps 20000]
 """
@@ -11,13 +13,15 @@ RNG before each fetch) against the bare loader, and ``MlflowSink.log`` alone.
 from __future__ import annotations
 
 import argparse
+import pickle
 import socket
 import time
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from air_core import MlflowSink, Recorder, TrackedLoader
+from air_core.session import MlflowSink, Recorder, TrackedLoader
+from air_core.session.workers import Carried, _worker_rng
 
 
 def per_step(fn, steps: int) -> float:
@@ -48,29 +52,73 @@ def main() -> None:
 
     data = TensorDataset(torch.arange(args.steps))
 
-    def bare(n: int) -> None:
-        for _ in DataLoader(data, batch_size=1, shuffle=True):
-            pass
+    def loader(workers: int) -> DataLoader:
+        return DataLoader(
+            data, batch_size=1, shuffle=True, num_workers=workers, prefetch_factor=64 if workers else None
+        )
 
-    def tracked(n: int) -> None:
-        for _ in TrackedLoader(DataLoader(data, batch_size=1, shuffle=True), epoch=lambda: 0, lookahead=1):
-            pass
+    def bare(workers: int):
+        def run(n: int) -> None:
+            for _ in loader(workers):
+                pass
 
-    def best(fn) -> float:  # interleaved repeats, the best of three: less noise from the machine
+        return run
+
+    def tracked(workers: int, lookahead: int):
+        def run(n: int) -> None:
+            for _ in TrackedLoader(loader(workers), epoch=lambda: 0, lookahead=lookahead):
+                pass
+
+        return run
+
+    def best(fn) -> float:  # repeats, the best of three: less noise from the machine
         return min(per_step(fn, args.steps) for _ in range(3))
 
     rows = {
         "Recorder (fetch + step, windows to MLflow)": best(recorder),
         "MlflowSink.log, one metric": best(sink_only),
-        "DataLoader, bare (num_workers=0)": best(bare),
-        "DataLoader in TrackedLoader": best(tracked),
     }
+    overhead = {}
+    for workers, lookahead in ((0, 0), (0, 1), (2, 0)):
+        plain, wrapped = best(bare(workers)), best(tracked(workers, lookahead))
+        rows[f"DataLoader, bare (num_workers={workers})"] = plain
+        rows[f"  in TrackedLoader (workers {workers}, lookahead {lookahead})"] = wrapped
+        overhead[f"TrackedLoader overhead, workers {workers}, lookahead {lookahead}"] = wrapped - plain
     sink.close(timeout_seconds=1)
-    print(f"\nper-step cost on the training thread, {args.steps} steps\n")
+    tracked_loader = TrackedLoader(loader(2), epoch=lambda: 0)
+    it = iter(tracked_loader)
+    for _ in range(100):
+        next(it)
+    started = time.perf_counter()
+    for _ in range(100):
+        tracked_loader.position()
+    position_us = (time.perf_counter() - started) / 100 * 1e6
+    del it
+    print(f"\nper-step cost on the training thread, {args.steps} steps (best of 3)\n")
     for name, us in rows.items():
-        print(f"{name:44} {us:8.2f} us")
-    extra = rows["DataLoader in TrackedLoader"] - rows["DataLoader, bare (num_workers=0)"]
-    print(f"{'TrackedLoader overhead':44} {extra:8.2f} us")
+        print(f"{name:48} {us:8.2f} us")
+    for name, us in overhead.items():
+        print(f"{name:48} {us:8.2f} us")
+    print(f"{'position() with 2 workers (once per save)':48} {position_us:8.2f} us")
+    # With workers the loop above is bound by the workers (each also packs its RNG state, ~40 us, off
+    # the training thread); what the training thread itself adds per batch is unpickling that state
+    # with the batch and keeping it, measured here apart from the queue.
+    batch = torch.zeros(4)
+    with_state = pickle.dumps(Carried(batch, 0, _worker_rng()), protocol=pickle.HIGHEST_PROTOCOL)
+    alone = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+    keeper = TrackedLoader(loader(2), epoch=lambda: 0)
+    keeper._by_worker = {0: None, 1: None}  # type: ignore[dict-item]
+
+    def carried(n: int) -> None:
+        for _ in range(n):
+            keeper._took_from_worker(pickle.loads(with_state))
+
+    def plain(n: int) -> None:
+        for _ in range(n):
+            pickle.loads(alone)
+
+    work = best(carried) - best(plain)
+    print(f"{'worker RNG on the training thread, per batch':48} {work:8.2f} us")
 
 
 if __name__ == "__main__":

@@ -125,9 +125,10 @@ class AirCheckpointIO(CheckpointIO):
         """The training session (a one-rank session without metrics when no ``AirCallback`` made one)."""
         if self._session is None:
             self._session = TrainingSession(
-                SessionConfig(owner="AirCheckpointIO", mlflow=False),
+                SessionConfig(owner="AirCheckpointIO"),
                 checkpointer=self._settings,
                 listeners=self._listeners,
+                measure=False,
             )
         return self._session
 

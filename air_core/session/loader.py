@@ -29,88 +29,12 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..errors import ConfigError
 from .rng import raw_from_safe, raw_rng, restore_rng, safe_rng
+from .sampling import Skip, has_state, loader_generators
 from .workers import ApplyRng, Carried, CarryRng, Entry, Seeded, entry_from_state, entry_to_state
 
 logger = logging.getLogger(__name__)
 Mode = Literal["skip", "state", "reread"]
 LoaderState = tuple[Callable[[], Any], Callable[[Any], None]]
-
-
-def loader_generators(loader: Any) -> dict[str, torch.Generator]:
-    """The ``torch.Generator`` objects that decide a loader's order and worker seeds, by attribute path.
-
-    Looks at the loader and its (batch) samplers, nested as frameworks wrap them, e.g.
-    ``batch_sampler.sampler.generator``.
-    """
-    found: dict[str, torch.Generator] = {}
-    seen: set[int] = set()
-
-    def visit(obj: Any, path: str, depth: int) -> None:
-        if obj is None or depth > 4:
-            return
-        generator = getattr(obj, "generator", None)
-        if isinstance(generator, torch.Generator) and id(generator) not in seen:
-            seen.add(id(generator))
-            found[f"{path}generator"] = generator
-        for attr in ("sampler", "batch_sampler"):
-            child = getattr(obj, attr, None)
-            if child is not None and child is not obj:
-                visit(child, f"{path}{attr}.", depth + 1)
-
-    visit(loader, "", 0)
-    return found
-
-
-def has_state(loader: Any) -> bool:
-    return all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict"))
-
-
-class _Skip:
-    """An index sampler whose iteration drops its first ``count`` items (still drawn: RNG use is equal)."""
-
-    def __init__(self, inner: Any, count: int) -> None:
-        self.inner, self.count = inner, count
-        self._iterator: _Primed | None = None
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __iter__(self) -> _Primed:
-        def skipping() -> Iterator[Any]:
-            for i, item in enumerate(self.inner):
-                if i >= self.count:
-                    yield item
-
-        self._iterator = _Primed(skipping())
-        return self._iterator
-
-    def prime(self) -> None:
-        """Start the inner iteration now (it draws its shuffle seed), as the first fetch would have."""
-        if self._iterator is not None:
-            self._iterator.prime()
-
-
-class _Primed:
-    def __init__(self, inner: Iterator[Any]) -> None:
-        self._inner = inner
-        self._first: list[Any] | None = None
-
-    def prime(self) -> None:
-        if self._first is None:
-            self._first = [item for item in [next(self._inner, _END)] if item is not _END]
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        self.prime()
-        assert self._first is not None
-        if self._first:
-            return self._first.pop()
-        return next(self._inner)
-
-
-_END = object()
 
 
 class TrackedLoader:
@@ -382,7 +306,7 @@ class TrackedLoader:
         loader = self._loader
         attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
         inner, generator = getattr(loader, attr), loader.generator
-        skip = _Skip(inner, count)
+        skip = Skip(inner, count)
         object.__setattr__(loader, attr, skip)  # DataLoader refuses the attribute once built
         if not fresh_seed:
             loader.generator = torch.Generator()

@@ -8,6 +8,7 @@ be applied raises instead of being logged and forgotten.
 
 from __future__ import annotations
 
+import ctypes
 import random
 from typing import Any, cast
 
@@ -19,9 +20,39 @@ from ..errors import ConfigError
 RawRng = tuple[Any, Any, torch.Tensor]
 
 
+class _NumpyState:
+    """numpy's legacy global state, read in full only when it may have changed.
+
+    ``np.random.get_state()`` costs ~90 us (it copies the Mersenne Twister key element by element);
+    the raw key is 1 us away through the bit generator's state address. Unchanged key and position
+    with no cached gaussian mean an unchanged state (a cached gaussian can be used up without a draw,
+    so then it is read in full).
+    """
+
+    def __init__(self) -> None:
+        self._address = 0
+        self._raw = b""
+        self._state: Any = None
+
+    def get(self) -> Any:
+        try:
+            bitgen = np.random.mtrand._rand._bit_generator
+            address = bitgen.ctypes.state_address
+            raw = ctypes.string_at(address, _MT_BYTES)
+        except (AttributeError, TypeError):  # another numpy layout: always read in full
+            return np.random.get_state(legacy=True)
+        if raw != self._raw or address != self._address or self._state is None or self._state[3]:
+            self._state, self._raw, self._address = np.random.get_state(legacy=True), raw, address
+        return self._state
+
+
+_MT_BYTES = 624 * 4 + 4  # the Mersenne Twister key and position
+_numpy_state = _NumpyState()
+
+
 def raw_rng() -> RawRng:
-    """The CPU generators' states as their libraries return them (~30 us; no conversion)."""
-    return random.getstate(), np.random.get_state(legacy=True), torch.get_rng_state()
+    """The CPU generators' states as their libraries return them (~25 us; no conversion)."""
+    return random.getstate(), _numpy_state.get(), torch.get_rng_state()
 
 
 def safe_rng(raw: RawRng) -> dict[str, Any]:

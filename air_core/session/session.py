@@ -44,6 +44,8 @@ class TrainingSession:
         broadcast: rank 0's string to every rank (a collective; called once, here). None with one rank.
         gather: every rank's list of floats (a collective; the Recorder calls it at window ends).
         listeners: more receivers of the core's events.
+        measure: keep rank 0's goodput log and MLflow run; False for a session that only saves and
+            loads (a ``CheckpointIO`` used without its callback, a notebook's ``save_checkpoint``).
     """
 
     def __init__(
@@ -56,8 +58,10 @@ class TrainingSession:
         broadcast: Callable[[str], str] | None = None,
         gather: Gather | None = None,
         listeners: tuple[Listener, ...] | list[Listener] = (),
+        measure: bool = True,
     ) -> None:
         self.config = config
+        self._measure = measure
         self.rank, self.world_size = rank, world_size
         mine = uuid.uuid4().hex if rank == 0 else ""
         self.launch_id = (
@@ -101,7 +105,7 @@ class TrainingSession:
                 listeners=self._listeners,
                 **self._settings,
             )
-            if self.rank == 0:
+            if self.rank == 0 and self._measure:
                 self._goodput_log = GoodputLog(self._ckpt.storage, self.launch_id)
                 self.records.goodput = self._goodput_log
         elif self._ckpt.config.root.rstrip("/") != str(root).rstrip("/"):
@@ -220,7 +224,7 @@ class TrainingSession:
         if self._pending is not None and not self._loaders:
             restore_rng(self._pending["rng"])
         self._pending = None
-        if self.rank == 0 and self.config.mlflow and self._sink is None:
+        if self.rank == 0 and self._measure and self.config.mlflow and self._sink is None:
             run_id = mlflow_run_id or self._resumed_run
             self._sink = MlflowSink(
                 run_id=run_id, experiment=self.config.mlflow_experiment, end_run=run_is_ours

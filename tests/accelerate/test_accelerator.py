@@ -189,3 +189,43 @@ def test_resumed_job_continues_the_same_mlflow_run(tmp_path):
     assert len(runs) == 1, "the resumed job logged into the run of the first launch, and left no other run"
     steps = {m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")}
     assert steps == set(range(16)), "one run holds every step's loss"
+
+
+def test_a_0_1_rank_file_resumes_the_same_batches_through_the_migration():
+    """0.1 kept RNG and loader positions at the top level of air-rank-<r>.pt; they still resume."""
+    from torch.utils.data import DataLoader
+
+    from accelerate_air.layout import rank_state_of
+    from air_core.session import TrackedLoader, capture_rng
+
+    def loader():
+        return DataLoader(list(range(40)), batch_size=4, shuffle=True)
+
+    torch.manual_seed(0)
+    tracked = TrackedLoader(loader(), epoch=lambda: 0)
+    it = iter(tracked)
+    for _ in range(4):
+        next(it)
+    position, rng = tracked.position(), capture_rng()
+    rest = [b.tolist() for b in it]
+    old_position = {  # what 0.1's TrackedLoader.position() wrote
+        "where": position["where"],
+        "epoch": position["epoch"],
+        "consumed": position["consumed"],
+        "epoch_start": position["epoch_start"],
+        "ahead": position["ahead"],
+        "now": {"rng": rng, "generators": position["generators"]},
+    }
+    old = {
+        "world_size": 1,
+        "completed_steps": 3,
+        "rng": rng,
+        "loaders": [{"position": old_position, "state": None}, {"position": None, "state": None}],
+        "mlflow_run_id": "abc",
+    }
+    state = rank_state_of(old)
+    assert state["world_size"] == 1 and state["mlflow_run_id"] == "abc" and state["loaders"][1] is None
+    torch.manual_seed(99)
+    again = TrackedLoader(loader(), epoch=lambda: 0)
+    again.resume(state["loaders"][0], state["rng"])
+    assert [b.tolist() for b in again] == rest, "the 0.1 position resumes the same batches"

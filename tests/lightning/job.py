@@ -77,9 +77,7 @@ def main() -> None:
         strategy="ddp" if args.devices > 1 else "auto",
         plugins=[plugin],
         callbacks=[
-            AirCallback(
-                log_every_n_steps=8, mlflow=bool(args.mlflow), mlflow_experiment=args.experiment
-            ),
+            AirCallback(log_every_n_steps=8, mlflow=bool(args.mlflow), mlflow_experiment=args.experiment),
             ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=args.top_k),
         ],
         logger=MLFlowLogger(args.experiment, tracking_uri=args.mlflow) if args.mlflow_logger else False,

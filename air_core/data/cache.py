@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
-from .errors import ConfigError, StorageError
-from .storage import TEMP_TAG, Storage
+from ..errors import ConfigError, StorageError
+from ..storage import TEMP_TAG, Storage
 
 logger = logging.getLogger(__name__)
 _ROWS = 65  # the training process and up to 64 loader workers
