@@ -263,7 +263,7 @@ class AirAccelerator(Accelerator):
                 self.air_session.check_model(
                     self.unwrap_model(model).state_dict(),
                     torch.load(path, map_location="cpu", weights_only=True, mmap=True),
-                    what=f"{what}/{model_file(i)}",
+                    what=f"AirAccelerator.load_state: {os.path.basename(folder)}/{model_file(i)}",
                     fix="Resume with the model it was saved from, or give this run its own AirPlugin root.",
                 )
         super().load_state(folder, load_kwargs, **load_model_func_kwargs)

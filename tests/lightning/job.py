@@ -52,7 +52,8 @@ def main() -> None:
     p.add_argument("--experiment", default="air-test", help="MLflow experiment of a new run")
     args = p.parse_args()
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
-    logging.getLogger("lightning_air").setLevel(logging.INFO)
+    for name in ("lightning_air", "air_core"):
+        logging.getLogger(name).setLevel(logging.INFO)
     pl.seed_everything(0, workers=True)
     if args.mlflow:
         os.environ["MLFLOW_TRACKING_URI"] = args.mlflow

@@ -123,8 +123,10 @@ def test_bad_settings_fail_at_construction_naming_the_argument():
         AirCheckpointIO(on_busy="drop")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="host_budget_bytes"):
         AirCheckpointIO(host_budget_bytes=0)
-    with pytest.raises(ConfigError, match="seed"):
-        AirCallback(seed="7")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="log_every_n_steps"):
+        AirCallback(log_every_n_steps="7")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="flush_timeout_seconds"):
+        AirCallback(flush_timeout_seconds=0)
     with pytest.raises(TypeError, match="storage_options"):
         AirCheckpointIO().save_checkpoint({}, "/tmp/x.ckpt", storage_options={"a": 1})
 
