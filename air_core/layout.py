@@ -43,6 +43,12 @@ def record_dir(name: str) -> str:
     return f"{META_DIR}/{name}"
 
 
+def rank_state_path(name: str, rank: int) -> str:
+    """Rank ``rank``'s session state in checkpoint ``name``, for frameworks that write one file from
+    rank 0 only (Lightning); a data file, not a part record (those end in ``.json``)."""
+    return f"{record_dir(name)}/part-rank-{rank:05d}.pt"
+
+
 def manifest_path(name: str) -> str:
     """The commit record of checkpoint ``name``."""
     return f"{record_dir(name)}/{_MANIFEST}"

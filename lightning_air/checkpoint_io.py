@@ -17,14 +17,12 @@ from typing_extensions import override
 
 from air_core import (
     AsyncCheckpointer,
+    CheckpointerConfig,
     CheckpointInfo,
     ConfigError,
     CorruptCheckpointError,
     Listener,
 )
-from air_core.compat import check_fits
-from air_core.config import CheckpointerConfig
-from air_core.layout import record_dir
 from air_core.session import SessionConfig, TrainingSession
 
 logger = logging.getLogger(__name__)
@@ -40,11 +38,6 @@ def split_path(path: str) -> tuple[str, str]:
     if not head or not tail:
         raise ConfigError(f"AirCheckpointIO: cannot split {path!r} into a folder and a file name.")
     return head, tail
-
-
-def rank_part_file(name: str, rank: int) -> str:
-    """The file of rank ``rank``'s part (RNG, data position) in checkpoint ``name`` (ranks > 0)."""
-    return f"{record_dir(name)}/part-rank-{rank:05d}.pt"
 
 
 def commit_name(filename: str, step: int) -> str:
@@ -164,7 +157,7 @@ class AirCheckpointIO(CheckpointIO):
         """Ranks > 0: add this rank's part to the commit rank 0 makes of ``name``."""
         self.checkpointer(root)
         session = self.session
-        session.save({rank_part_file(name, session.rank): state}, step=step, name=name)
+        session.save({session.state_file(name): state}, step=step, name=name)
 
     @override
     def load_checkpoint(
@@ -191,7 +184,7 @@ class AirCheckpointIO(CheckpointIO):
         location = map_location if map_location is not None else "cpu"
         checkpoint = ckpt.load(info, map_location=location, weights_only=weights_only, rank=0)
         if self._module is not None and getattr(self._module, "strict_loading", True):
-            check_fits(
+            self.session.check_model(
                 self._module.state_dict(),
                 checkpoint.get("state_dict", {}),
                 what=f"checkpoint {info.name} under {root}",

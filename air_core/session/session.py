@@ -21,6 +21,7 @@ from ..checkpointer import AsyncCheckpointer, SaveHandle
 from ..compat import check_fits
 from ..errors import AirError, ConfigError
 from ..events import Listener
+from ..layout import rank_state_path
 from .config import SessionConfig
 from .goodput import Goodput, GoodputLog, goodput_of
 from .loader import LoaderState, TrackedLoader
@@ -127,6 +128,11 @@ class TrainingSession:
         self.last_handle = self._ckpt.save_files(files, step=step, name=name)
         self.returned_at = time.monotonic()
         return self.last_handle
+
+    def state_file(self, name: str) -> str:
+        """Where this rank's ``rank_state`` goes in checkpoint ``name`` when the framework's own files
+        come from rank 0 only (a path under the root)."""
+        return rank_state_path(name, self.rank)
 
     def before_optimizer_step(self) -> None:
         """Block until the last save's device-to-host copy landed (the optimizer mutates the weights)."""

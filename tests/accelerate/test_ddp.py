@@ -80,5 +80,5 @@ def test_resume_with_another_world_size_fails_before_any_step(tmp_path):
     run_job(tmp_path, "--epochs", "1", processes=2)
     out = run_job(tmp_path, "--epochs", "2", check=False)
     assert out.returncode != 0
-    assert "written by 2 process(es), this run has 1" in out.stderr
+    assert "written by 2 rank(s), this run has 1" in out.stderr
     assert len((tmp_path / "ids-rank0.jsonl").read_text().splitlines()) == 8, "no step ran after the refusal"

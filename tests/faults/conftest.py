@@ -20,6 +20,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("ddp_seed", range(max(soak // 8, 1)))
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A pytest-xdist worker hands its trials to the controller, which prints the report."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["fault_results"] = json.dumps(RESULTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    RESULTS.extend(json.loads(getattr(node, "workeroutput", {}).get("fault_results", "[]")))
+
+
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     if not RESULTS:
         return
