@@ -26,10 +26,10 @@ demo: venv
 demo-core: venv
 	$(PY) examples/core_demo.py
 
-# Two test processes (pytest-xdist), each file on one of them: most tests wait on the training jobs
-# they launch, so one process leaves the second core idle; a file's shared reference runs stay shared.
+# Two test processes (pytest-xdist, tests handed out as workers free up): most tests wait on the jobs
+# they launch, so one process leaves the second core idle.
 test: venv
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15
 
 lint: venv
 	$(VENV)/bin/ruff check air_core lightning_air accelerate_air tests benchmarks examples
