@@ -29,7 +29,7 @@ demo-core: venv
 # Two test processes (pytest-xdist, tests handed out as workers free up): most tests wait on the jobs
 # they launch, so one process leaves the second core idle.
 test: venv
-	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 lint: venv
 	$(VENV)/bin/ruff check air_core lightning_air accelerate_air tests benchmarks examples

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.faults.conftest import RESULTS
+from tests.conftest import RESULTS
 from tests.faults.trials import plan, run_trial
 
 pytestmark = pytest.mark.slow
