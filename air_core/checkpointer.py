@@ -29,7 +29,7 @@ from .serializer import make_serializer
 from .snapshot import BufferPool, take_snapshot
 from .staging import choose_destination
 from .storage import Storage
-from .writer import DeleteJob, SaveJob, Writer
+from .writer import DeleteJob, Finalize, SaveJob, Writer
 
 __all__ = ["AsyncCheckpointer", "LocalCheckpoint", "SaveHandle"]  # the last two live in handle/recovery
 logger = logging.getLogger(__name__)
@@ -148,19 +148,28 @@ class AsyncCheckpointer:
         )
         return self.save_files({filename: state}, step=step, name=name)
 
-    def save_files(self, files: Mapping[str, Any], *, step: int, name: str | None = None) -> SaveHandle:
+    def save_files(
+        self,
+        files: Mapping[str, Any],
+        *,
+        step: int,
+        name: str | None = None,
+        finalize: Finalize | None = None,
+    ) -> SaveHandle:
         """Like ``save``, for a rank that writes several files into one checkpoint.
 
         ``files`` maps each path, relative to the root, to its state; every file is written in
-        ``torch.save`` format and they commit together. Adapters use it to keep a framework's own
-        folder layout (one file per model, optimizer, ...).
+        ``torch.save`` format (a ``Bundle``: its items one after another) and they commit together.
+        Adapters use it to keep a framework's own folder layout (one file per model, optimizer, ...).
+        ``finalize`` (read on rank 0): files made from every rank's part record before the commit
+        (``air_core.dcp`` writes its ``.metadata`` so).
         """
         self._check_open("save", write=True)
         self._raise_failed()
         name = check_name(name if name is not None else layout.default_name(check_step(step)))
         if not files:
             raise ConfigError(f"save_files(name={name!r}): no files given.")
-        for rel in files:
+        for rel in (*files, *(finalize.files if finalize is not None else ())):
             check_filename(rel, call="save_files(files=...)")
         if name in self._writer.busy:
             raise ConfigError(f"save(name={name!r}): a save of this name is still in flight; use a new name.")
@@ -191,7 +200,7 @@ class AsyncCheckpointer:
         self._emit(PhaseEvent("snapshot_done", name, step, self.config.rank))
         self._handles = [h for h in self._handles if not h.done() or h.unreported_error() is not None]
         self._handles.append(handle)
-        job = SaveJob(name, step, tuple(files), snap, called, waited, blocking, handle._finish)
+        job = SaveJob(name, step, tuple(files), snap, called, waited, blocking, handle._finish, finalize)
         self._writer.submit(job)
         return handle
 
@@ -243,9 +252,14 @@ class AsyncCheckpointer:
         self._writer.submit(DeleteJob(check_name(name)))
 
     def fetch(
-        self, info: CheckpointInfo | None = None, *, ranks: Iterable[int] | None = None
+        self,
+        info: CheckpointInfo | None = None,
+        *,
+        ranks: Iterable[int] | None = None,
+        paths: Iterable[str] | None = None,
     ) -> LocalCheckpoint:
-        """Local, checksum-verified copies of the files of ``ranks`` (default: this rank) in ``info``.
+        """Local, checksum-verified copies of the files of ``ranks`` (default: this rank) in ``info``,
+        or of the files at ``paths`` (relative to the root) when given.
 
         ``info=None`` takes the newest committed checkpoint that verifies: a corrupt one is skipped with a
         warning that says why, and the previous one is tried. Prefers the local cache when its manifest
@@ -261,6 +275,7 @@ class AsyncCheckpointer:
             self._dest,
             info,
             ranks={self.config.rank} if ranks is None else set(ranks),
+            files=None if paths is None else set(paths),
             max_transfers=self.config.max_transfers,
             rank=self.config.rank,
             emit=self._emit,

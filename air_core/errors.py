@@ -34,6 +34,9 @@ class SaveError(AirError):
         self.phase = phase
         self.rank = rank
 
+    def __reduce__(self) -> tuple[object, ...]:  # picklable: DCP gathers failures across ranks
+        return (_rebuild, (type(self), str(self), self.__dict__))
+
 
 class CorruptCheckpointError(AirError):
     """A checkpoint is not committed, or its files do not match its manifest."""
@@ -42,3 +45,13 @@ class CorruptCheckpointError(AirError):
         super().__init__(message)
         self.path = path
         self.reason = reason
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), str(self), self.__dict__))
+
+
+def _rebuild(cls: type[AirError], message: str, attrs: dict[str, object]) -> AirError:
+    error = cls.__new__(cls)
+    AirError.__init__(error, message)
+    error.__dict__.update(attrs)
+    return error

@@ -83,6 +83,9 @@ class PartRecord:
     files: tuple[FileEntry, ...]
     complete: bool
     """False for the intent written before the files (so a crash leaves a findable partial)."""
+    extents: dict[str, list[list[int]]] = field(default_factory=dict)
+    """Per bundled file (``serializer.Bundle``): [offset, length] of each item, for the commit's
+    finalizer (a ``torch.distributed.checkpoint`` save's ``.metadata``)."""
 
     def to_json(self) -> bytes:
         return _dump("air-part", self)
@@ -94,6 +97,8 @@ class PartRecord:
 
 def _dump(kind: str, record: Manifest | PartRecord, indent: int | None = None) -> bytes:
     body = {"format": kind, "version": FORMAT_VERSION, **asdict(record)}
+    if not body.get("extents", True):
+        del body["extents"]  # plain saves' records stay as they were
     return json.dumps(body, indent=indent).encode()
 
 

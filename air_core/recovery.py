@@ -47,8 +47,10 @@ def restore(
     max_transfers: int,
     rank: int,
     emit: Emitter,
+    files: set[str] | None = None,
 ) -> LocalCheckpoint:
-    """Local verified copies of ``ranks``' files of ``info`` (None: the newest committed that verifies).
+    """Local verified copies of ``ranks``' files of ``info`` (None: the newest committed that verifies),
+    or of ``files`` (paths under the root) when given (every one must be in the manifest).
 
     Emits ``restore_start`` before each candidate is fetched and a ``RestoreRecord`` for the one used.
 
@@ -67,7 +69,16 @@ def restore(
                 path=storage.display(cand.name),
                 reason=cand.reason or cand.status,
             )
-        entries = [f for f in cand.manifest.files if f.rank in ranks]
+        if files is None:
+            entries = [f for f in cand.manifest.files if f.rank in ranks]
+        else:
+            entries = [f for f in cand.manifest.files if f.path in files]
+            if missing := files - {e.path for e in entries}:
+                raise CorruptCheckpointError(
+                    f"load({cand.name!r}): the manifest names no file {sorted(missing)}",
+                    path=storage.display(cand.name),
+                    reason="file not in the manifest",
+                )
         emit(PhaseEvent("restore_start", cand.name, cand.step, rank))
         try:
             paths, source = dest.fetch(cand.manifest, entries, max_transfers=max_transfers)

@@ -1,5 +1,9 @@
 """Serialize a snapshot to local files in ``torch.save`` format, checksumming while writing.
 
+A file's state is written by one ``torch.save``, unless it is a ``Bundle``: then its items are
+written one after another (each tensor by its own ``torch.save``, bytes as they are), which is the
+layout of a ``torch.distributed.checkpoint`` data file, and the extent of each item is returned.
+
 Two strategies of the ``Serializer`` protocol, chosen once by the checkpointer (``writer=``):
 ``ThreadSerializer`` runs on the writer thread itself; ``ProcessSerializer`` hands the snapshot's
 shared-memory parts to a long-lived, lower-priority process. Either writes only local files: where
@@ -14,7 +18,8 @@ import os
 import queue
 import traceback
 import zlib
-from typing import IO, Any, Protocol, cast
+from dataclasses import dataclass
+from typing import IO, Any, NamedTuple, Protocol, cast
 
 import torch
 
@@ -42,27 +47,59 @@ class _CrcWriter(io.RawIOBase):
         return written
 
 
-def serialize_file(state: Any, path: str, *, fsync: bool) -> tuple[int, int]:
-    """Write ``state`` in ``torch.save`` format to ``path``; return (size, crc32)."""
+@dataclass
+class Bundle:
+    """A file of separately readable items (tensors and bytes), each at an extent of its own.
+
+    ``torch.distributed.checkpoint``'s readers read an item by seeking to its offset: a tensor is one
+    ``torch.save`` blob, bytes are raw. The extents are known only once written, so the writer returns
+    them (``Written.extents``) and they travel in the rank's part record.
+    """
+
+    items: list[Any]
+    """``torch.Tensor`` or ``bytes``, in file order."""
+
+
+class Written(NamedTuple):
+    """One serialized file."""
+
+    size: int
+    crc32: int
+    extents: tuple[tuple[int, int], ...] = ()
+    """A ``Bundle``'s (offset, length) per item, in order; empty for a plain file."""
+
+
+def serialize_file(state: Any, path: str, *, fsync: bool) -> Written:
+    """Write ``state`` (one ``torch.save``, or a ``Bundle``'s items in turn) to ``path``."""
+    extents: list[tuple[int, int]] = []
     with open(path, "wb", buffering=0) as f:
         w = _CrcWriter(f)
-        torch.save(state, cast(IO[bytes], w))
+        if isinstance(state, Bundle):
+            for item in state.items:
+                start = w.size
+                if isinstance(item, torch.Tensor):
+                    # torch.save writes a tensor's whole storage: a view into a larger one is copied out
+                    tensor = item if item.untyped_storage().nbytes() == item.nbytes else item.clone()
+                    torch.save(tensor, cast(IO[bytes], w))
+                else:
+                    w.write(item)
+                extents.append((start, w.size - start))
+        else:
+            torch.save(state, cast(IO[bytes], w))
         if fsync:
             os.fsync(f.fileno())
-    return w.size, w.crc
+    return Written(w.size, w.crc, tuple(extents))
 
 
-def serialize_files(
-    state: dict[str, Any], paths: dict[str, str], *, fsync: bool
-) -> dict[str, tuple[int, int]]:
-    """Write each ``state[rel]`` to ``paths[rel]``; return rel -> (size, crc32)."""
+def serialize_files(state: dict[str, Any], paths: dict[str, str], *, fsync: bool) -> dict[str, Written]:
+    """Write each ``state[rel]`` to ``paths[rel]``."""
     return {rel: serialize_file(state[rel], path, fsync=fsync) for rel, path in paths.items()}
 
 
 class Serializer(Protocol):
     """Writes a snapshot (a mapping file -> state) to local files; writer thread only, one call at a time."""
 
-    def write(self, snap: Snapshot, paths: dict[str, str], *, fsync: bool) -> dict[str, tuple[int, int]]: ...
+    def write(self, snap: Snapshot, paths: dict[str, str], *, fsync: bool) -> dict[str, Written]: ...
 
     def close(self) -> None: ...
 
@@ -70,7 +107,7 @@ class Serializer(Protocol):
 class ThreadSerializer:
     """Serialize on the writer thread itself (its OS priority is lowered when the thread starts)."""
 
-    def write(self, snap: Snapshot, paths: dict[str, str], *, fsync: bool) -> dict[str, tuple[int, int]]:
+    def write(self, snap: Snapshot, paths: dict[str, str], *, fsync: bool) -> dict[str, Written]:
         return serialize_files(materialize(snap), paths, fsync=fsync)
 
     def close(self) -> None:
@@ -103,7 +140,7 @@ class ProcessSerializer:
         self._proc = ctx.Process(target=_child_main, args=(self._jobs, self._results), name="air-writer-proc")
         self._proc.start()
 
-    def write(self, snap: Snapshot, paths: dict[str, str], *, fsync: bool) -> dict[str, tuple[int, int]]:
+    def write(self, snap: Snapshot, paths: dict[str, str], *, fsync: bool) -> dict[str, Written]:
         self._jobs.put(
             {
                 "skeleton": snap.skeleton,
@@ -124,7 +161,7 @@ class ProcessSerializer:
                     raise RuntimeError(f"the writer process died (exit code {self._proc.exitcode})") from None
         if status != "ok":
             raise RuntimeError(f"the writer process failed: {value}")
-        return value
+        return {rel: Written(*w) for rel, w in value.items()}
 
     def close(self) -> None:
         if self._proc.is_alive():

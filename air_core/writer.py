@@ -16,7 +16,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from . import commit
@@ -25,7 +26,7 @@ from .config import CheckpointerConfig
 from .errors import SaveError
 from .events import Emitter, Phase, PhaseEvent, SaveRecord
 from .manifest import CheckpointInfo, FileEntry, Manifest, PartRecord, library_versions
-from .serializer import Serializer
+from .serializer import Serializer, Written
 from .snapshot import BufferPool, Snapshot
 from .staging import Destination
 from .storage import Storage
@@ -47,7 +48,22 @@ class SaveJob:
     wait_seconds: float
     blocking_seconds: float
     finish: Callable[[CheckpointInfo | None, SaveError | None], None]
+    finalize: Finalize | None = None
+    """Rank 0: small files made from every rank's part record, written before the manifest."""
     released: bool = False
+
+
+@dataclass(frozen=True)
+class Finalize:
+    """More files of a checkpoint that only rank 0 can make, once every rank's part is at the destination.
+
+    ``make`` runs on rank 0's writer thread with every rank's complete part record and returns the
+    bytes of each of ``files`` (named up front so the intent record lists them: a crash leaves no
+    file that retention cannot find).
+    """
+
+    files: tuple[str, ...]
+    make: Callable[[list[PartRecord]], Mapping[str, bytes]]
 
 
 @dataclass
@@ -159,7 +175,7 @@ class Writer:
             run.phase = "commit"
             t0 = time.monotonic()
             part = self._record_part(job, written)
-            manifest = self._commit(job, part)
+            manifest = self._commit(job, part, run)
             run.leftovers = []
             run.seconds["commit"] = time.monotonic() - t0
         except Exception as exc:  # the thread boundary: handed to the save's handle
@@ -182,13 +198,14 @@ class Writer:
         self._fence(f"saving checkpoint {job.name!r}")
         commit.check_not_committed(self._storage, job.name)
         # The intent names the files before they exist, so a crash leaves a partial that retention finds.
-        intent = tuple(FileEntry(rel, -1, 0, cfg.rank) for rel in job.files)
+        finalized = job.finalize.files if job.finalize is not None and cfg.rank == 0 else ()
+        intent = tuple(FileEntry(rel, -1, 0, cfg.rank) for rel in (*job.files, *finalized))
         commit.write_part(
             self._storage, PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, intent, False)
         )
 
-    def _serialize(self, job: SaveJob, run: _Progress) -> dict[str, tuple[int, int]]:
-        """Write the snapshot's files where the destination wants them; return rel -> (size, crc32)."""
+    def _serialize(self, job: SaveJob, run: _Progress) -> dict[str, Written]:
+        """Write the snapshot's files where the destination wants them."""
         self._phase(job, "serialize_start")
         t0 = time.monotonic()
         job.snapshot.wait_copied()
@@ -198,7 +215,7 @@ class Writer:
         job.snapshot.remove_spill()
         self._dest.place(temps)
         run.leftovers = self._dest.kept_locally(job.files)
-        run.size = sum(size for size, _ in written.values())
+        run.size = sum(w.size for w in written.values())
         run.seconds["staging"] = time.monotonic() - t0
         self._phase(job, "staged")
         return written
@@ -215,18 +232,19 @@ class Writer:
         run.seconds["upload"] = time.monotonic() - t0
         self._phase(job, "uploaded")
 
-    def _record_part(self, job: SaveJob, written: dict[str, tuple[int, int]]) -> PartRecord:
+    def _record_part(self, job: SaveJob, written: dict[str, Written]) -> PartRecord:
         """This rank's complete part record (written only when other ranks' parts must be merged)."""
         cfg = self._config
-        entries = tuple(FileEntry(rel, *written[rel], cfg.rank) for rel in job.files)
-        part = PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, entries, complete=True)
+        entries = tuple(FileEntry(rel, written[rel].size, written[rel].crc32, cfg.rank) for rel in job.files)
+        extents = {rel: [list(e) for e in w.extents] for rel, w in written.items() if w.extents}
+        part = PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, entries, True, extents)
         if cfg.world_size > 1:
             commit.write_part(self._storage, part)
             self._phase(job, "part_written")
         return part
 
-    def _commit(self, job: SaveJob, part: PartRecord) -> Manifest:
-        """Rank 0: gather every part and write the manifest; other ranks: wait for it."""
+    def _commit(self, job: SaveJob, part: PartRecord, run: _Progress) -> Manifest:
+        """Rank 0: gather every part (and finalize) and write the manifest; other ranks: wait for it."""
         cfg, storage = self._config, self._storage
         if cfg.rank == 0:
             self._phase(job, "commit_start")
@@ -235,13 +253,14 @@ class Writer:
                 parts = commit.wait_for_parts(
                     storage, part, world_size=cfg.world_size, timeout_seconds=cfg.commit_timeout_seconds
                 )
+            extra = self._finalize(job.finalize, parts, run) if job.finalize is not None else ()
             manifest = Manifest(
                 name=job.name,
                 step=job.step,
                 time=time.time(),
                 world_size=cfg.world_size,
                 launch_id=cfg.launch_id,
-                files=tuple(f for p in parts for f in p.files),
+                files=(*(f for p in parts for f in p.files), *extra),
                 versions=library_versions(),
             )
             self._fence(f"committing checkpoint {job.name!r}")
@@ -252,6 +271,26 @@ class Writer:
             )
         self._dest.remember(manifest)
         return manifest
+
+    def _finalize(self, finalize: Finalize, parts: list[PartRecord], run: _Progress) -> tuple[FileEntry, ...]:
+        """Write the finalizer's files the way this rank's data files went (placed, then uploaded)."""
+        made = dict(finalize.make(parts))
+        files = finalize.files
+        if set(made) != set(files):
+            raise RuntimeError(f"the finalizer made {sorted(made)}, not the announced {sorted(files)}")
+        temps = self._dest.temp_paths(files)
+        run.leftovers = [*temps.values(), *self._dest.kept_locally(files)]
+        for rel, tmp in temps.items():
+            with open(tmp, "wb") as f:
+                f.write(made[rel])
+                if self._dest.fsync:
+                    os.fsync(f.fileno())
+        self._dest.place(temps)
+        self._dest.upload(self._dest.to_upload(files))
+        run.leftovers = []
+        return tuple(
+            FileEntry(rel, len(data), zlib.crc32(data), self._config.rank) for rel, data in made.items()
+        )
 
     def _succeed(self, job: SaveJob, run: _Progress, manifest: Manifest) -> None:
         self._phase(job, "committed")

@@ -1,0 +1,362 @@
+"""``torch.distributed.checkpoint`` storage backed by the core: sharded saves snapshotted, persisted in
+the background and committed like any other save; loads resharded at any world size.
+
+DCP plans (what each rank writes; which slices each rank reads back, at any world size) and runs its
+collectives on the training thread, inside ``dcp.save``/``dcp.load``. This module is only storage:
+
+- ``DcpWriter.write_data`` resolves the rank's planned items, bundles them into few files in DCP's own
+  file layout (``serializer.Bundle``: each tensor one ``torch.save`` blob, bytes raw) and hands them to
+  ``AsyncCheckpointer.save_files``, which returns once they are copied into host buffers. An item's
+  offset is known only once it is written, so the write results name (file, ordinal) and rank 0's
+  commit (``writer.Finalize``) turns every rank's recorded extents into DCP's ``.metadata``, written
+  before the manifest. A committed checkpoint folder is therefore a DCP checkpoint that a stock
+  ``FileSystemReader`` reads (on a local copy).
+- ``DcpReader`` fetches ``.metadata`` and, per rank, only the files holding the slices its load plan
+  needs (local cache first, CRC-verified), then lets DCP's ``FileSystemReader`` read them.
+
+Not ``dcp.async_save``: its thread mode runs DCP's collectives on a background thread, which the core
+never does (one collective order per process group, owned by the training thread).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import threading
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import layout
+from .checkpointer import AsyncCheckpointer
+from .config import check_name, check_step
+from .errors import ConfigError, CorruptCheckpointError
+from .handle import SaveHandle
+from .manifest import CheckpointInfo, PartRecord
+from .serializer import Bundle
+from .writer import Finalize
+
+__all__ = ["DcpReader", "DcpWriter", "load", "load_newest", "save"]
+logger = logging.getLogger(__name__)
+METADATA = ".metadata"
+"""DCP's metadata file, in the checkpoint's folder (``<name>/.metadata``)."""
+
+
+def data_file(rank: int, index: int) -> str:
+    """Rank ``rank``'s ``index``-th data file in a checkpoint folder, named as DCP names its own."""
+    return f"__{rank}_{index}.distcp"
+
+
+class DcpWriter(StorageWriter):
+    """A ``StorageWriter`` whose ``write_data`` only snapshots: the save commits in the background.
+
+    Use through ``save`` (or pass as ``dcp.save(..., storage_writer=...)``, then read ``handle``).
+
+    Args:
+        checkpointer: this rank's checkpointer (its rank and world size are the process group's).
+        step: the training step; checkpoints are ordered by it.
+        name: the checkpoint's folder under the root (default ``step-<step>``).
+        files: more files of this rank in the same commit (path under the root -> state, ``torch.save``
+            format), e.g. per-rank data positions.
+        files_per_rank: how many data files each rank's items are bundled into (uploads of one rank's
+            files run in parallel, ``max_transfers`` at a time).
+    """
+
+    def __init__(
+        self,
+        checkpointer: AsyncCheckpointer,
+        *,
+        step: int,
+        name: str | None = None,
+        files: Mapping[str, Any] | None = None,
+        files_per_rank: int = 1,
+    ) -> None:
+        super().__init__()
+        if files_per_rank < 1:
+            raise ConfigError(f"DcpWriter(files_per_rank={files_per_rank!r}): must be at least 1.")
+        self._ckpt = checkpointer
+        self.step = check_step(step)
+        self.name = check_name(name if name is not None else layout.default_name(step))
+        self._files = dict(files or {})
+        self._bins = files_per_rank
+        self._metadata: Metadata | None = None
+        self._results: list[list[WriteResult]] = []
+        self._finished = threading.Event()
+        self._abandoned: BaseException | None = None
+        self.handle: SaveHandle | None = None
+        """The save's handle, once ``write_data`` ran (``dcp.save`` returned)."""
+
+    # -- StorageWriter --------------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id not in (None, "", self.name):
+            raise ConfigError(
+                f"DcpWriter: dcp.save(checkpoint_id={checkpoint_id!r}) names another checkpoint than the "
+                f"writer's {self.name!r}; give the name to the writer and leave checkpoint_id out."
+            )
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        cfg = self._ckpt.config
+        rank = kwargs.get("rank", dist.get_rank() if dist.is_initialized() else 0)
+        if rank != cfg.rank or is_coordinator != (cfg.rank == 0):
+            raise ConfigError(
+                f"DcpWriter: DCP runs this process as rank {rank} (coordinator: {is_coordinator}), the "
+                f"checkpointer as rank {cfg.rank} of {cfg.world_size}; save on the process group whose "
+                "ranks are the checkpointer's (the default group)."
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Snapshot this rank's items into host buffers and queue the save; return at once."""
+        rank = self._ckpt.config.rank
+        files: dict[str, Any] = {}
+        results: list[WriteResult] = []
+        for index, items in enumerate(_split(plan.items, self._bins)):
+            relative = data_file(rank, index)
+            values: list[torch.Tensor | bytes] = []
+            for ordinal, item in enumerate(items):
+                resolved = planner.resolve_data(item)
+                value: torch.Tensor | bytes
+                if isinstance(resolved, torch.Tensor):
+                    value = resolved.detach()
+                    size = value.nbytes
+                else:  # BYTE_IO: an io.BytesIO of the pickled object
+                    value = resolved.getvalue() if isinstance(resolved, io.BytesIO) else bytes(resolved)
+                    size = len(value)
+                values.append(value)
+                # The offset is the ordinal until the file is written (see the module docstring).
+                results.append(WriteResult(item.index, size, _StorageInfo(relative, ordinal, -1)))
+            files[f"{self.name}/{relative}"] = Bundle(values)
+        finalize = Finalize((f"{self.name}/{METADATA}",), self._make_metadata)
+        self.handle = self._ckpt.save_files(
+            {**files, **self._files}, step=self.step, name=self.name, finalize=finalize
+        )
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: keep DCP's global metadata for the commit (rank 0's writer thread waits for it)."""
+        self._metadata, self._results = metadata, results
+        self._finished.set()
+
+    def abandon(self, exc: BaseException) -> None:
+        """``dcp.save`` failed after ``write_data``: the commit must not wait for ``finish``."""
+        self._abandoned = exc
+        self._finished.set()
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.name)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # never picked by DCP's storage auto-detection: always passed explicitly
+
+    # -- the commit (rank 0's writer thread) ---------------------------------------------------------
+    def _make_metadata(self, parts: list[PartRecord]) -> dict[str, bytes]:
+        """DCP's ``.metadata``, with every item's real extent from the ranks' part records."""
+        if not self._finished.wait(self._ckpt.config.commit_timeout_seconds):
+            raise TimeoutError("dcp.save did not reach its finish step on the coordinator")
+        if self._abandoned is not None or self._metadata is None:
+            raise RuntimeError(f"dcp.save failed on the training thread: {self._abandoned}")
+        extents = {path: spans for part in parts for path, spans in part.extents.items()}
+        storage_data = {}
+        for result in (r for rank_results in self._results for r in rank_results):
+            pending: _StorageInfo = result.storage_data
+            offset, length = extents[f"{self.name}/{pending.relative_path}"][pending.offset]
+            storage_data[result.index] = _StorageInfo(pending.relative_path, offset, length)
+        metadata = self._metadata
+        metadata.storage_data = storage_data
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_meta = StorageMeta(checkpoint_id=self.name, save_id=uuid.uuid4().hex)
+        return {f"{self.name}/{METADATA}": pickle.dumps(metadata)}
+
+
+def _split(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Items into at most ``bins`` files of similar size (largest first onto the lightest file)."""
+
+    def size(item: WriteItem) -> int:
+        if item.tensor_data is None:
+            return 0
+        numel = 1
+        for n in item.tensor_data.chunk.sizes:
+            numel *= n
+        return numel * item.tensor_data.properties.dtype.itemsize
+
+    out: list[list[WriteItem]] = [[] for _ in range(min(bins, max(len(items), 1)))]
+    loads = [0] * len(out)
+    for item in sorted(items, key=size, reverse=True):
+        lightest = loads.index(min(loads))
+        out[lightest].append(item)
+        loads[lightest] += size(item)
+    return out
+
+
+class DcpReader(StorageReader):
+    """A ``StorageReader`` over one committed checkpoint: each rank fetches only the files it needs.
+
+    Files come verified (CRC-32) from the local cache or the root, then DCP's ``FileSystemReader``
+    reads them, so a load behaves as stock DCP's does (resharding included).
+    """
+
+    def __init__(self, checkpointer: AsyncCheckpointer, info: CheckpointInfo) -> None:
+        super().__init__()
+        if info.status != "committed":
+            raise CorruptCheckpointError(
+                f"DcpReader({info.name!r}): {info.status} checkpoint ({info.reason}); only committed "
+                "checkpoints load.",
+                path=checkpointer.storage.display(info.name),
+                reason=info.reason or info.status,
+            )
+        self._ckpt = checkpointer
+        self.info = info
+        self._storage_data: dict[Any, _StorageInfo] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # DCP's fallback to per-rank metadata: there is none
+            raise FileNotFoundError(f"{self.info.name}: per-rank DCP metadata is not written")
+        path = f"{self.info.name}/{METADATA}"
+        local = self._ckpt.fetch(self.info, paths=[path])
+        with open(local.paths[path], "rb") as f:
+            metadata: Metadata = pickle.load(f)  # DCP's own format; its CRC was verified by fetch
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self._storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        needed = {
+            f"{self.info.name}/{self._storage_data[item.storage_index].relative_path}" for item in plan.items
+        }
+        if not needed:
+            future: Future[None] = Future()
+            future.set_result(None)
+            return future
+        local = self._ckpt.fetch(self.info, paths=needed)
+        folders = {os.path.dirname(path) for path in local.paths.values()}
+        assert len(folders) == 1, folders  # one checkpoint folder, in place or in the cache
+        stock = FileSystemReader(folders.pop())
+        stock.set_up_storage_reader(Metadata({}, storage_data=self._storage_data), False)
+        return stock.read_data(plan, planner)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False
+
+
+def save(
+    checkpointer: AsyncCheckpointer,
+    state_dict: dict[str, Any],
+    *,
+    step: int,
+    name: str | None = None,
+    files: Mapping[str, Any] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    planner: SavePlanner | None = None,
+    files_per_rank: int = 1,
+) -> SaveHandle:
+    """``dcp.save`` of ``state_dict`` (DTensors, sharded or plain tensors, objects) into checkpoint
+    ``name``; returns once this rank's items are in host buffers (call ``handle.wait_snapshot()``
+    before mutating GPU tensors). Every rank calls it, as ``dcp.save``. Returns the save's handle:
+    it resolves when every rank's files and the ``.metadata`` are committed.
+    """
+    writer = DcpWriter(checkpointer, step=step, name=name, files=files, files_per_rank=files_per_rank)
+    try:
+        dcp.save(state_dict, storage_writer=writer, process_group=process_group, planner=planner)
+    except BaseException as exc:
+        writer.abandon(exc)
+        raise
+    assert writer.handle is not None
+    return writer.handle
+
+
+def load(
+    checkpointer: AsyncCheckpointer,
+    state_dict: dict[str, Any],
+    info: CheckpointInfo,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    planner: LoadPlanner | None = None,
+) -> None:
+    """``dcp.load`` ``info`` into ``state_dict`` in place, at this run's world size (resharded by DCP).
+
+    Raises:
+        torch.distributed.checkpoint.api.CheckpointException: on every rank when any rank failed
+            (a damaged file it needed is a ``CorruptCheckpointError`` among the failures).
+    """
+    dcp.load(
+        state_dict, storage_reader=DcpReader(checkpointer, info), process_group=process_group, planner=planner
+    )
+
+
+def load_newest(
+    checkpointer: AsyncCheckpointer,
+    state_dict: dict[str, Any],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    planner: LoadPlanner | None = None,
+) -> CheckpointInfo | None:
+    """Load the newest committed checkpoint whose needed files verify; None when there is none.
+
+    A damaged file makes every rank's load fail together (DCP gathers failures), so every rank moves
+    on to the previous checkpoint together, with a warning that says why.
+
+    Raises:
+        CorruptCheckpointError: there are committed checkpoints and none loads.
+    """
+    committed = [i for i in checkpointer.list() if i.status == "committed"]
+    problems = []
+    for info in reversed(committed):
+        try:
+            load(checkpointer, state_dict, info, process_group=process_group, planner=planner)
+            return info
+        except dcp.api.CheckpointException as exc:
+            corrupt = [f for f, _ in exc.failures.values() if isinstance(f, CorruptCheckpointError)]
+            if not corrupt:
+                raise
+            logger.warning("skipping checkpoint %s: %s", info.name, corrupt[0])
+            problems.append(f"{info.name}: {corrupt[0].reason}")
+    if problems:
+        raise CorruptCheckpointError(
+            f"no committed checkpoint under {checkpointer.storage.display()} loads: {'; '.join(problems)}",
+            path=checkpointer.storage.display(),
+            reason="all corrupt",
+        )
+    return None
+
+
+def is_dcp_checkpoint(info: CheckpointInfo) -> bool:
+    """Whether ``info`` was written through ``DcpWriter`` (its manifest names a ``.metadata``)."""
+    return info.manifest is not None and any(f.path == f"{info.name}/{METADATA}" for f in info.manifest.files)

@@ -1,0 +1,166 @@
+"""Sharded checkpoints through ``air_core.dcp``: an FSDP2 model + AdamW saved by 2 gloo processes loads
+at world size 1, 2 and 4 with every tensor equal to the full reference; a rank killed while writing
+leaves the previous checkpoint the newest; a damaged shard is skipped; a stock DCP reader reads the
+committed folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from air_core import AsyncCheckpointer
+from air_core import dcp as air_dcp
+from air_core.errors import ConfigError
+from tests.conftest import REPO
+
+
+def _run(world: int, root: str, mode: str, arg: int | None = None) -> list[subprocess.CompletedProcess]:
+    init = os.path.join(os.path.dirname(root), f"init-{mode}-{world}-{os.urandom(4).hex()}")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    extra = [] if arg is None else [str(arg)]
+    worker = os.path.join(REPO, "tests/sharded_worker.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, str(r), str(world), root, init, mode, *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(world)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        outs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return outs
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flat(value, f"{prefix}/{key}")
+    else:
+        yield prefix, tree
+
+
+def _assert_equal_states(expected: dict, got: dict) -> None:
+    want, have = dict(_flat(expected)), dict(_flat(got))
+    assert want.keys() == have.keys()
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, have[key]), key
+        else:
+            assert value == have[key], key
+
+
+def _ok(outs: list[subprocess.CompletedProcess]) -> None:
+    for out in outs:
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    """Two FSDP2 checkpoints (steps 1 and 2) saved by 2 processes; the path of the root."""
+    root = str(tmp_path_factory.mktemp("dcp") / "root")
+    _ok(_run(2, root, "save"))
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fsdp2_checkpoint_of_two_ranks_loads_at_any_world_size(saved, world, tmp_path):
+    root = str(tmp_path / "root")
+    shutil.copytree(saved, root)
+    _ok(_run(world, root, "load"))
+    loaded = torch.load(tmp_path / f"loaded-{world}.pt", weights_only=False)
+    reference = torch.load(os.path.join(os.path.dirname(saved), "reference-2.pt"), weights_only=False)
+    assert (loaded["name"], loaded["step"]) == ("step-000000002", 2)
+    _assert_equal_states(reference, {"model": loaded["model"], "optim": loaded["optim"]})
+
+
+@pytest.mark.slow
+def test_a_committed_sharded_checkpoint_is_a_stock_dcp_checkpoint(saved):
+    reader = AsyncCheckpointer(saved, read_only=True)
+    info = reader.latest()
+    assert info is not None and air_dcp.is_dcp_checkpoint(info)
+    names = sorted(os.path.basename(f.path) for f in info.manifest.files)
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # few files: one per rank
+    reference = torch.load(os.path.join(os.path.dirname(saved), "reference-2.pt"), weights_only=False)
+    # The full (unsharded) model, read by DCP's own FileSystemReader in one process from the folder.
+    state = {"model": {k: torch.zeros_like(v) for k, v in reference["model"].items()}, "step": -1}
+    dcp.load(state, storage_reader=FileSystemReader(os.path.join(saved, info.name)), no_dist=True)
+    assert state["step"] == 2
+    _assert_equal_states(reference["model"], state["model"])
+
+
+@pytest.mark.slow
+def test_a_damaged_shard_is_skipped_for_the_previous_checkpoint(saved, tmp_path):
+    root = str(tmp_path / "root")
+    shutil.copytree(saved, root)
+    shard = os.path.join(root, "step-000000002", "__1_0.distcp")
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    open(shard, "wb").write(bytes(data))
+    outs = _run(2, root, "load")
+    _ok(outs)
+    assert "skipping checkpoint step-000000002" in outs[0].stderr + outs[1].stderr
+    loaded = torch.load(tmp_path / "loaded-2.pt", weights_only=False)
+    reference = torch.load(os.path.join(os.path.dirname(saved), "reference-1.pt"), weights_only=False)
+    assert (loaded["name"], loaded["step"]) == ("step-000000001", 1)
+    _assert_equal_states(reference, {"model": loaded["model"], "optim": loaded["optim"]})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [0, 1])  # the coordinator (writes .metadata) or another rank
+def test_a_rank_killed_while_writing_leaves_the_previous_checkpoint_newest(tmp_path, victim):
+    root = str(tmp_path / "root")
+    outs = _run(2, root, "die", victim)
+    assert outs[victim].returncode == -9
+    survivor = outs[1 - victim]
+    assert "committed step 1" in survivor.stdout
+    assert "committed step 2" not in survivor.stdout
+    reader = AsyncCheckpointer(root, read_only=True)
+    statuses = {i.name: i.status for i in reader.list()}
+    assert statuses == {"step-000000001": "committed", "step-000000002": "partial"}
+    if victim == 0:  # a relaunch resumes from step 1 (the partial is never read)
+        _ok(_run(2, root, "load"))
+        loaded = torch.load(tmp_path / "loaded-2.pt", weights_only=False)
+        assert loaded["name"] == "step-000000001"
+
+
+def test_writer_settings_fail_at_construction(tmp_path):
+    with AsyncCheckpointer(str(tmp_path / "root")) as ckpt:
+        with pytest.raises(ConfigError, match="files_per_rank"):
+            air_dcp.DcpWriter(ckpt, step=1, files_per_rank=0)
+        with pytest.raises(ConfigError, match="step"):
+            air_dcp.DcpWriter(ckpt, step=-1)
+
+
+def test_one_process_save_splits_into_files_and_loads_back(tmp_path):
+    """Without a process group (DCP's single-process mode), through a staged remote-like root."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    state = {"model": model.state_dict(), "meta": {"epoch": 3, "note": "x"}}
+    with AsyncCheckpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "staging")) as ckpt:
+        air_dcp.save(
+            ckpt, state, step=7, files_per_rank=2, files={"step-000000007/extra.pt": {"a": 1}}
+        ).result()
+        info = ckpt.latest()
+        assert info is not None
+        assert sorted(f.path for f in info.manifest.files) == [
+            "step-000000007/.metadata",
+            "step-000000007/__0_0.distcp",
+            "step-000000007/__0_1.distcp",
+            "step-000000007/extra.pt",
+        ]
+        fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "meta": {"epoch": 0}}
+        air_dcp.load(ckpt, fresh, info)
+        _assert_equal_states(state["model"], fresh["model"])
+        assert fresh["meta"]["epoch"] == 3
