@@ -46,14 +46,14 @@ from torch.futures import Future
 
 from . import layout
 from .checkpointer import AsyncCheckpointer
-from .config import check_name, check_step
+from .config import check_filename, check_name, check_step
 from .errors import ConfigError, CorruptCheckpointError
 from .handle import SaveHandle
 from .manifest import CheckpointInfo, PartRecord
 from .serializer import Bundle
 from .writer import Finalize
 
-__all__ = ["DcpReader", "DcpWriter", "load", "load_newest", "save"]
+__all__ = ["DcpReader", "DcpWriter", "dcp_folder", "load", "load_newest", "save"]
 logger = logging.getLogger(__name__)
 METADATA = ".metadata"
 """DCP's metadata file, in the checkpoint's folder (``<name>/.metadata``)."""
@@ -72,7 +72,9 @@ class DcpWriter(StorageWriter):
     Args:
         checkpointer: this rank's checkpointer (its rank and world size are the process group's).
         step: the training step; checkpoints are ordered by it.
-        name: the checkpoint's folder under the root (default ``step-<step>``).
+        name: the checkpoint's name (default ``step-<step>``).
+        folder: where under the root DCP's files go (default: ``name``), e.g. the folder a framework
+            chose for a sharded checkpoint.
         files: more files of this rank in the same commit (path under the root -> state, ``torch.save``
             format), e.g. per-rank data positions.
         files_per_rank: how many data files each rank's items are bundled into (uploads of one rank's
@@ -85,6 +87,7 @@ class DcpWriter(StorageWriter):
         *,
         step: int,
         name: str | None = None,
+        folder: str | None = None,
         files: Mapping[str, Any] | None = None,
         files_per_rank: int = 1,
     ) -> None:
@@ -94,6 +97,7 @@ class DcpWriter(StorageWriter):
         self._ckpt = checkpointer
         self.step = check_step(step)
         self.name = check_name(name if name is not None else layout.default_name(step))
+        self.folder = check_filename(folder or self.name, call="DcpWriter(folder=...)")
         self._files = dict(files or {})
         self._bins = files_per_rank
         self._metadata: Metadata | None = None
@@ -147,8 +151,8 @@ class DcpWriter(StorageWriter):
                 values.append(value)
                 # The offset is the ordinal until the file is written (see the module docstring).
                 results.append(WriteResult(item.index, size, _StorageInfo(relative, ordinal, -1)))
-            files[f"{self.name}/{relative}"] = Bundle(values)
-        finalize = Finalize((f"{self.name}/{METADATA}",), self._make_metadata)
+            files[f"{self.folder}/{relative}"] = Bundle(values)
+        finalize = Finalize((f"{self.folder}/{METADATA}",), self._make_metadata)
         self.handle = self._ckpt.save_files(
             {**files, **self._files}, step=self.step, name=self.name, finalize=finalize
         )
@@ -184,13 +188,13 @@ class DcpWriter(StorageWriter):
         storage_data = {}
         for result in (r for rank_results in self._results for r in rank_results):
             pending: _StorageInfo = result.storage_data
-            offset, length = extents[f"{self.name}/{pending.relative_path}"][pending.offset]
+            offset, length = extents[f"{self.folder}/{pending.relative_path}"][pending.offset]
             storage_data[result.index] = _StorageInfo(pending.relative_path, offset, length)
         metadata = self._metadata
         metadata.storage_data = storage_data
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_meta = StorageMeta(checkpoint_id=self.name, save_id=uuid.uuid4().hex)
-        return {f"{self.name}/{METADATA}": pickle.dumps(metadata)}
+        return {f"{self.folder}/{METADATA}": pickle.dumps(metadata)}
 
 
 def _split(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
@@ -231,6 +235,13 @@ class DcpReader(StorageReader):
             )
         self._ckpt = checkpointer
         self.info = info
+        self.folder = dcp_folder(info)
+        if self.folder is None:
+            raise CorruptCheckpointError(
+                f"DcpReader({info.name!r}): not a sharded checkpoint (its manifest names no {METADATA}).",
+                path=checkpointer.storage.display(info.name),
+                reason="not a DCP checkpoint",
+            )
         self._storage_data: dict[Any, _StorageInfo] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -239,7 +250,7 @@ class DcpReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # DCP's fallback to per-rank metadata: there is none
             raise FileNotFoundError(f"{self.info.name}: per-rank DCP metadata is not written")
-        path = f"{self.info.name}/{METADATA}"
+        path = f"{self.folder}/{METADATA}"
         local = self._ckpt.fetch(self.info, paths=[path])
         with open(local.paths[path], "rb") as f:
             metadata: Metadata = pickle.load(f)  # DCP's own format; its CRC was verified by fetch
@@ -258,7 +269,7 @@ class DcpReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         needed = {
-            f"{self.info.name}/{self._storage_data[item.storage_index].relative_path}" for item in plan.items
+            f"{self.folder}/{self._storage_data[item.storage_index].relative_path}" for item in plan.items
         }
         if not needed:
             future: Future[None] = Future()
@@ -282,17 +293,22 @@ def save(
     *,
     step: int,
     name: str | None = None,
+    folder: str | None = None,
     files: Mapping[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
     planner: SavePlanner | None = None,
     files_per_rank: int = 1,
 ) -> SaveHandle:
     """``dcp.save`` of ``state_dict`` (DTensors, sharded or plain tensors, objects) into checkpoint
-    ``name``; returns once this rank's items are in host buffers (call ``handle.wait_snapshot()``
-    before mutating GPU tensors). Every rank calls it, as ``dcp.save``. Returns the save's handle:
-    it resolves when every rank's files and the ``.metadata`` are committed.
+    ``name`` (its files under ``folder``, default ``name``). Every rank calls it, as ``dcp.save``.
+
+    Returns once this rank's items are in host buffers (call ``handle.wait_snapshot()`` before mutating
+    GPU tensors), with the save's handle: it resolves when every rank's files and the ``.metadata`` are
+    committed.
     """
-    writer = DcpWriter(checkpointer, step=step, name=name, files=files, files_per_rank=files_per_rank)
+    writer = DcpWriter(
+        checkpointer, step=step, name=name, folder=folder, files=files, files_per_rank=files_per_rank
+    )
     try:
         dcp.save(state_dict, storage_writer=writer, process_group=process_group, planner=planner)
     except BaseException as exc:
@@ -357,6 +373,9 @@ def load_newest(
     return None
 
 
-def is_dcp_checkpoint(info: CheckpointInfo) -> bool:
-    """Whether ``info`` was written through ``DcpWriter`` (its manifest names a ``.metadata``)."""
-    return info.manifest is not None and any(f.path == f"{info.name}/{METADATA}" for f in info.manifest.files)
+def dcp_folder(info: CheckpointInfo) -> str | None:
+    """The folder of ``info``'s DCP files (the one holding its ``.metadata``), or None if it has none."""
+    if info.manifest is None:
+        return None
+    found = [f.path for f in info.manifest.files if f.path.rpartition("/")[2] == METADATA]
+    return found[0].rpartition("/")[0] if len(found) == 1 else None

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import CombinedLoader
 from typing_extensions import override
 
@@ -26,6 +27,7 @@ from air_core.session import SessionConfig, TrackedLoader, TrainingSession
 
 from .checkpoint_io import AIR_KEY, AirCheckpointIO
 from .loaders import resumable
+from .strategy import AirModelParallelStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class AirCallback(Callback):
                 f"(found {type(plugin).__name__})."
             )
         strategy = trainer.strategy
+        _check_sharded_saves_reach_the_plugin(strategy)
 
         def gather(values: list[float]) -> list[list[float]]:
             gathered = strategy.all_gather(torch.tensor(values, dtype=torch.float64))
@@ -172,9 +175,9 @@ class AirCallback(Callback):
         self._saves_at_step[step] += 1
         name = f"ckpt-{step:09d}-{self.session.launch_id[:8]}-{seq}"
         part = self.session.rank_state()
-        if trainer.is_global_zero:
-            checkpoint[AIR_KEY] = {"name": name, "rank_state": part}
-            return
+        checkpoint[AIR_KEY] = {"name": name, "rank_state": part}
+        if trainer.is_global_zero or isinstance(trainer.strategy, AirModelParallelStrategy):
+            return  # in rank 0's file, or every rank's sharded save carries its own part
         root = getattr(trainer.checkpoint_callback, "dirpath", None)
         if not root:
             raise ConfigError("AirCallback needs a ModelCheckpoint with a dirpath to save every rank's part.")
@@ -216,6 +219,53 @@ class AirCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.session is not None:
             self.session.close(trainer.global_step)
+
+
+def _check_sharded_saves_reach_the_plugin(strategy: Any) -> None:
+    """Lightning's sharded strategies save with DCP directly, never through the ``CheckpointIO``: refuse
+    them before training rather than let every checkpoint bypass the plugin."""
+    if isinstance(strategy, ModelParallelStrategy) and not isinstance(strategy, AirModelParallelStrategy):
+        if strategy._save_distributed_checkpoint:
+            raise ConfigError(
+                "AirCallback: ModelParallelStrategy writes sharded checkpoints itself, bypassing "
+                "AirCheckpointIO. Use Trainer(strategy=lightning_air.AirModelParallelStrategy(...)) with the "
+                "same arguments."
+            )
+    if isinstance(strategy, FSDPStrategy) and getattr(strategy, "_state_dict_type", "full") == "sharded":
+        raise ConfigError(
+            "AirCallback: FSDPStrategy(state_dict_type='sharded') writes checkpoints itself, bypassing "
+            "AirCheckpointIO. Use state_dict_type='full', or FSDP2 through "
+            "lightning_air.AirModelParallelStrategy (asynchronous sharded saves)."
+        )
+
+
+def _count_from_the_share(trainer: pl.Trainer) -> None:
+    """After an elastic resume, make Lightning's batch count of the interrupted epoch end with this rank's
+    share of it: Lightning counts the epoch's batches at this world size (``num_training_batches``) from
+    the checkpoint's count at the old one, so it would stop early (more ranks) or miss the end (fewer)."""
+    loop = trainer.fit_loop
+    combined: CombinedLoader | None = getattr(loop, "_combined_loader", None)
+    if combined is None:
+        return
+    left = [
+        n
+        for dl in combined.flattened
+        if isinstance(dl, TrackedLoader) and (n := dl.batches_left()) is not None
+    ]
+    if not left:
+        return
+    total = trainer.num_training_batches
+    if len(combined.flattened) != 1 or total == float("inf") or total < left[0]:
+        raise ConfigError(
+            "AirCallback(elastic=True) continues one sized train loader at another world size, within "
+            f"limit_train_batches; this fit has {len(combined.flattened)} loader(s) and {total} batches per "
+            f"epoch for {left[0]} left. Resume with the number of processes the checkpoint was written by."
+        )
+    progress = loop.epoch_loop.batch_progress.current
+    shift = int(total) - left[0] - progress.ready
+    for counter in ("ready", "started", "processed", "completed"):  # as many as the epoch's loop keeps
+        if hasattr(progress, counter):
+            setattr(progress, counter, getattr(progress, counter) + shift)
 
 
 def _has_len(loader: Any) -> bool:

@@ -12,6 +12,7 @@ import logging
 import re
 from typing import Any, Literal
 
+import torch
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
@@ -22,6 +23,7 @@ from air_core import (
     ConfigError,
     CorruptCheckpointError,
     Listener,
+    dcp,
 )
 from air_core.session import SessionConfig, TrainingSession
 
@@ -90,6 +92,9 @@ class AirCheckpointIO(CheckpointIO):
         self._session: TrainingSession | None = None
         self.loaded_rank_state: Any = None
         """This rank's own part of the checkpoint the last ``load_checkpoint`` read (ranks > 0)."""
+        self.loaded_rank_states: dict[int, Any] = {}
+        """The parts of saved ranks > 0 the last ``load_checkpoint`` read: this rank's, or every saved
+        rank's for an elastic resume at another world size (``TrainingSession.ranks_to_load``)."""
         self._owners: dict[str, list[str]] = {}
 
     def add_listener(self, listener: Listener) -> None:
@@ -153,6 +158,57 @@ class AirCheckpointIO(CheckpointIO):
         owners[:] = [name]
         self.session.save({filename: checkpoint}, step=step, name=name)
 
+    def save_sharded(
+        self, sharded: dict[str, Any], checkpoint: dict[str, Any], path: str, *, meta_file: str
+    ) -> None:
+        """Every rank (``AirModelParallelStrategy``): commit the DCP ``sharded`` state into the folder
+        ``path``, with rank 0's ``checkpoint`` (the rest) as ``<path>/<meta_file>`` and every other rank's
+        part (``AirCallback``'s) beside the commit records."""
+        root, folder = split_path(path)
+        step = int(checkpoint.get("global_step", 0))
+        air = checkpoint.get(AIR_KEY) or {}
+        name = air.get("name") or commit_name(folder, step)
+        ckpt = self.checkpointer(root)
+        session = self.session
+        files: dict[str, Any] = {}
+        if session.rank == 0:
+            owners = self._owners_of(ckpt, folder)
+            for older in owners:  # a folder rewritten in place (last.ckpt): retire its previous commit
+                ckpt.delete(older)
+            owners[:] = [name]
+            files[f"{folder}/{meta_file}"] = checkpoint
+        elif "rank_state" in air:
+            files[session.state_file(name)] = air["rank_state"]
+        session.save_sharded(sharded, step=step, name=name, folder=folder, files=files)
+
+    def is_sharded(self, path: str) -> bool:
+        """Whether ``path`` is a sharded checkpoint folder this plugin committed."""
+        root, folder = split_path(path)
+        commits = self._commits_of(self.checkpointer(root), folder)
+        return bool(commits) and dcp.dcp_folder(commits[-1]) == folder
+
+    def load_sharded(
+        self, path: str, state: dict[str, Any], *, meta_file: str, weights_only: bool | None
+    ) -> dict[str, Any]:
+        """Every rank: load the committed sharded checkpoint ``path`` into ``state`` in place (resharded
+        at this world size by DCP; each rank fetches only the files it needs); return rank 0's rest."""
+        root, folder = split_path(path)
+        ckpt = self.checkpointer(root)
+        info = self._commits_of(ckpt, folder)[-1]
+        dcp.load(ckpt, state, info)
+        wanted = [f"{folder}/{meta_file}"]
+        rank = self.session.rank
+        mine = self.session.state_file(info.name)
+        if rank != 0 and info.manifest is not None and any(f.path == mine for f in info.manifest.files):
+            wanted.append(mine)
+        local = ckpt.fetch(info, paths=wanted)
+        loaded = {
+            rel: torch.load(p, map_location="cpu", weights_only=weights_only)
+            for rel, p in local.paths.items()
+        }
+        self.loaded_rank_state = loaded.get(mine) if rank != 0 else None
+        return loaded[wanted[0]]
+
     def save_rank_part(self, root: str, state: Any, *, step: int, name: str) -> None:
         """Ranks > 0: add this rank's part to the commit rank 0 makes of ``name``."""
         self.checkpointer(root)
@@ -191,9 +247,17 @@ class AirCheckpointIO(CheckpointIO):
                 fix="Resume with the model it was saved from, or give this run its own ModelCheckpoint "
                 "dirpath (set LightningModule.strict_loading = False to load a partial match on purpose).",
             )
-        self.loaded_rank_state = None
-        if self.session.rank != 0 and info.manifest and info.manifest.files_of(self.session.rank):
-            self.loaded_rank_state = ckpt.load(info, map_location="cpu", weights_only=weights_only)
+        self.loaded_rank_state, self.loaded_rank_states = None, {}
+        manifest = info.manifest
+        assert manifest is not None  # committed
+        wanted = self.session.ranks_to_load(manifest.world_size)
+        ranks = [r for r in wanted if r != 0 and manifest.files_of(r)]
+        if ranks:  # rank 0's part is inside the .ckpt
+            local = ckpt.fetch(info, ranks=ranks)
+            for r in ranks:
+                (part,) = (local.paths[f.path] for f in manifest.files_of(r))
+                self.loaded_rank_states[r] = torch.load(part, map_location="cpu", weights_only=weights_only)
+            self.loaded_rank_state = self.loaded_rank_states.get(self.session.rank)
         return checkpoint
 
     @override
@@ -213,7 +277,7 @@ class AirCheckpointIO(CheckpointIO):
             self._session.close_checkpointer()
 
     def _owners_of(self, ckpt: AsyncCheckpointer, filename: str) -> list[str]:
-        """Names of the checkpoints whose rank-0 file is ``filename`` (a live list; rank 0 only).
+        """Names of the checkpoints whose rank-0 file (or folder) is ``filename`` (a live list; rank 0 only).
 
         The root is listed once, at the first save or removal; after that this plugin's own saves keep
         the map, so no listing runs on the training thread per save and a removal also finds a save
@@ -221,21 +285,26 @@ class AirCheckpointIO(CheckpointIO):
         """
         if not self._owners:
             for info in self._commits_of(ckpt):
-                for f in info.manifest.files_of(0) if info.manifest else []:
-                    self._owners.setdefault(f.path, []).append(info.name)
+                for top in {_top(f.path) for f in info.manifest.files_of(0)} if info.manifest else ():
+                    self._owners.setdefault(top, []).append(info.name)
             self._owners.setdefault("", [])  # marks the listing as done, even for an empty root
         return self._owners.setdefault(filename, [])
 
     @staticmethod
     def _commits_of(ckpt: AsyncCheckpointer, filename: str | None = None) -> list[CheckpointInfo]:
-        """Committed checkpoints (whose rank-0 file is ``filename``, if given), oldest first."""
+        """Committed checkpoints (whose rank-0 file or folder is ``filename``, if given), oldest first."""
         return [
             info
             for info in ckpt.list()
             if info.status == "committed"
             and info.manifest is not None
-            and (filename is None or any(f.path == filename for f in info.manifest.files_of(0)))
+            and (filename is None or any(_top(f.path) == filename for f in info.manifest.files_of(0)))
         ]
+
+
+def _top(path: str) -> str:
+    """The file or folder directly under the root that ``path`` is (in): what Lightning named."""
+    return path.split("/", 1)[0]
 
 
 def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = None) -> str | None:
@@ -251,7 +320,7 @@ def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = Non
             if not rank0:
                 continue
             problem = ckpt.verify(info)
-            if not problem:
-                return f"{dirpath.rstrip('/')}/{rank0[0].path}"
+            if not problem:  # the .ckpt file, or the folder of a sharded checkpoint
+                return f"{dirpath.rstrip('/')}/{_top(rank0[0].path)}"
             logger.warning("skipping checkpoint %s: %s", info.name, problem)
     return None

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .. import dcp
 from ..checkpointer import AsyncCheckpointer, SaveHandle
 from ..compat import check_fits
 from ..errors import AirError, ConfigError
@@ -126,6 +127,17 @@ class TrainingSession:
         if self._ckpt is None:
             raise AirError(f"{self.config.owner}: save() before the checkpoint root was opened.")
         self.last_handle = self._ckpt.save_files(files, step=step, name=name)
+        self.returned_at = time.monotonic()
+        return self.last_handle
+
+    def save_sharded(
+        self, state: dict[str, Any], *, step: int, name: str, folder: str, files: Mapping[str, Any]
+    ) -> SaveHandle:
+        """Every rank: ``torch.distributed.checkpoint`` save of ``state`` (DTensors, shards) into ``folder``
+        of checkpoint ``name``, with this rank's ``files``; returns after the snapshot (``air_core.dcp``)."""
+        if self._ckpt is None:
+            raise AirError(f"{self.config.owner}: save_sharded() before the checkpoint root was opened.")
+        self.last_handle = dcp.save(self._ckpt, state, step=step, name=name, folder=folder, files=files)
         self.returned_at = time.monotonic()
         return self.last_handle
 

@@ -90,7 +90,7 @@ def test_fsdp2_checkpoint_of_two_ranks_loads_at_any_world_size(saved, world, tmp
 def test_a_committed_sharded_checkpoint_is_a_stock_dcp_checkpoint(saved):
     reader = AsyncCheckpointer(saved, read_only=True)
     info = reader.latest()
-    assert info is not None and air_dcp.is_dcp_checkpoint(info)
+    assert info is not None and air_dcp.dcp_folder(info) == info.name
     names = sorted(os.path.basename(f.path) for f in info.manifest.files)
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # few files: one per rank
     reference = torch.load(os.path.join(os.path.dirname(saved), "reference-2.pt"), weights_only=False)

@@ -1,0 +1,105 @@
+"""The Lightning test job with an FSDP2 (``fully_shard``) model under ``AirModelParallelStrategy``.
+
+    python tests/lightning/sharded_job.py WORKDIR [--devices D] [--every K] [--epochs E]
+        [--kill STEP:PHASE[:RANK]] [--root URL --endpoint URL]
+
+The model, data and records are tests/lightning/job.py's (``ids-rank<R>.jsonl`` per step, rank 0's
+``final.pt``: the full, unsharded weights after fit), on D CPU processes (gloo). Also written by rank 0:
+``saved-<step>.pt`` (the full weights at each checkpoint) and ``loaded.pt`` (the full weights right
+after a resume restored them), so a resume at another world size can be checked against the save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from lightning_air import AirCallback, AirCheckpointIO, AirModelParallelStrategy, latest_checkpoint
+from tests.kill_at import Journal, KillAt
+from tests.lightning.model import Model
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class ShardedModel(Model):
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
+class FullWeights(Callback):
+    """Rank 0 writes the full weights when a checkpoint is made and right after a resume loaded one."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+
+    def _write(self, trainer: pl.Trainer, module: pl.LightningModule, name: str) -> None:
+        full = get_model_state_dict(module, options=FULL)  # a collective: every rank calls it
+        if trainer.is_global_zero:
+            torch.save(full, os.path.join(self.workdir, name))
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._write(trainer, pl_module, f"saved-{trainer.global_step}.pt")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_step > 0:
+            self._write(trainer, pl_module, "loaded.pt")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("workdir")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--kill", default="")
+    p.add_argument("--root", default="")
+    p.add_argument("--endpoint", default="")
+    args = p.parse_args()
+    logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
+    logging.getLogger("air_core").setLevel(logging.INFO)
+    pl.seed_everything(0, workers=True)
+    root = args.root or os.path.join(args.workdir, "ckpts")
+    opts = {"client_kwargs": {"endpoint_url": args.endpoint}} if args.endpoint else None
+    if args.endpoint:
+        os.environ["AWS_ENDPOINT_URL"] = args.endpoint
+    plugin = AirCheckpointIO(staging_dir=os.path.join(args.workdir, "nvme"), storage_options=opts)
+    plugin.add_listener(Journal(args.workdir))
+    if args.kill:
+        plugin.add_listener(KillAt.parse(args.kill))
+    trainer = pl.Trainer(
+        max_epochs=args.epochs,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=AirModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
+        plugins=[plugin],
+        callbacks=[
+            AirCallback(log_every_n_steps=8),
+            ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=-1),
+            FullWeights(args.workdir),
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    model = ShardedModel(args.workdir, 0)
+    trainer.fit(model, ckpt_path=latest_checkpoint(root, storage_options=opts))
+    full = get_model_state_dict(model, options=FULL)
+    if trainer.is_global_zero:
+        torch.save(full, os.path.join(args.workdir, "final.pt"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

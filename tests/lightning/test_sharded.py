@@ -1,0 +1,94 @@
+"""FSDP2 under ``AirModelParallelStrategy`` on 2 CPU processes (gloo): sharded saves go through the core
+(asynchronous, staged, committed, to S3), a SIGKILL mid-save resumes exactly, and the committed folder
+is Lightning's stock sharded layout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from air_core import AsyncCheckpointer, ConfigError
+from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
+from tests.conftest import REPO
+from tests.sameness import assert_same_run
+
+JOB = os.path.join(REPO, "tests/lightning/sharded_job.py")
+
+
+def run_sharded(workdir: Path, *args: str, expect_kill: bool = False) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        [sys.executable, JOB, str(workdir), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    if expect_kill:
+        assert out.returncode == -9, f"expected a SIGKILL ({args}): rc={out.returncode}\n{out.stderr[-3000:]}"
+    else:
+        assert out.returncode == 0, f"job failed ({args}):\n{out.stderr[-3000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted 2-process run (local dirpath), checkpointing every 5 steps."""
+    workdir = tmp_path_factory.mktemp("sharded-reference")
+    run_sharded(workdir)
+    return workdir
+
+
+@pytest.mark.slow
+def test_sharded_saves_to_s3_killed_mid_upload_resume_exactly(reference, tmp_path, s3_root):
+    s3 = ["--root", s3_root.url, "--endpoint", s3_root.endpoint]
+    run_sharded(tmp_path, *s3, "--kill", "10:upload_start", expect_kill=True)
+    newest = latest_checkpoint(s3_root.url, storage_options=s3_root.storage_options)
+    assert newest is not None and newest.endswith("epoch=0-step=5.ckpt"), newest
+    run_sharded(tmp_path, *s3)
+    assert_same_run(tmp_path, reference, ranks=2)  # samples, augmentation and final weights
+    with AsyncCheckpointer(s3_root.url, storage_options=s3_root.storage_options, read_only=True) as ckpt:
+        committed = [i for i in ckpt.list() if i.status == "committed"]
+    assert [i.step for i in committed] == [5, 10, 15]
+
+
+@pytest.mark.slow
+def test_a_committed_sharded_checkpoint_is_lightnings_stock_layout(reference):
+    """Stock Lightning loads a sharded folder with ``dcp.load(checkpoint_id=folder)`` + ``meta.pt``."""
+    folder = Path(latest_checkpoint(str(reference / "ckpts")))
+    assert folder.name == "epoch=1-step=15.ckpt" and folder.is_dir()
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    saved = torch.load(reference / "saved-15.pt")
+    state = {"state_dict": {k: torch.zeros_like(v) for k, v in saved.items()}}
+    dcp.load(state, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+    assert all(torch.equal(state["state_dict"][k], v) for k, v in saved.items())
+    meta = torch.load(folder / "meta.pt", weights_only=False)
+    assert meta["global_step"] == 15 and "state_dict" not in meta
+
+
+def test_stock_sharded_strategies_are_refused_before_training(tmp_path):
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from tests.lightning.model import Model
+
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
+        plugins=[AirCheckpointIO()],
+        callbacks=[AirCallback()],
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )
+    with pytest.raises(ConfigError, match="AirModelParallelStrategy"):
+        trainer.fit(Model(str(tmp_path), 0))
+    assert not (tmp_path / "ids-rank0.jsonl").exists(), "no training step may run"
