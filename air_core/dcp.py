@@ -4,13 +4,14 @@ the background and committed like any other save; loads resharded at any world s
 DCP plans (what each rank writes; which slices each rank reads back, at any world size) and runs its
 collectives on the training thread, inside ``dcp.save``/``dcp.load``. This module is only storage:
 
-- ``DcpWriter.write_data`` resolves the rank's planned items, bundles them into few files in DCP's own
-  file layout (``serializer.Bundle``: each tensor one ``torch.save`` blob, bytes raw) and hands them to
-  ``AsyncCheckpointer.save_files``, which returns once they are copied into host buffers. An item's
-  offset is known only once it is written, so the write results name (file, ordinal) and rank 0's
-  commit (``writer.Finalize``) turns every rank's recorded extents into DCP's ``.metadata``, written
-  before the manifest. A committed checkpoint folder is therefore a DCP checkpoint that a stock
-  ``FileSystemReader`` reads (on a local copy).
+- ``save`` runs ``dcp.save`` once per folder with a ``DcpWriter`` that only collects what DCP planned
+  for this rank (references, bundled into few files in DCP's own file layout: ``serializer.Bundle``,
+  each tensor one ``torch.save`` blob, bytes raw), then hands every folder's files to
+  ``AsyncCheckpointer.save_files`` in one commit; it returns once they are copied into host buffers.
+  An item's offset is known only once it is written, so the write results name (file, ordinal) and
+  rank 0's commit (``writer.Finalize``) turns every rank's recorded extents into each folder's DCP
+  ``.metadata``, written before the manifest. A committed folder is therefore a DCP checkpoint that a
+  stock ``FileSystemReader`` reads (on a local copy).
 - ``DcpReader`` fetches ``.metadata`` and, per rank, only the files holding the slices its load plan
   needs (local cache first, CRC-verified), then lets DCP's ``FileSystemReader`` read them.
 
@@ -24,7 +25,6 @@ import io
 import logging
 import os
 import pickle
-import threading
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -53,7 +53,7 @@ from .manifest import CheckpointInfo, PartRecord
 from .serializer import Bundle
 from .writer import Finalize
 
-__all__ = ["DcpReader", "DcpWriter", "dcp_folder", "load", "load_newest", "save"]
+__all__ = ["DcpReader", "DcpWriter", "dcp_folders", "load", "load_newest", "save"]
 logger = logging.getLogger(__name__)
 METADATA = ".metadata"
 """DCP's metadata file, in the checkpoint's folder (``<name>/.metadata``)."""
@@ -65,54 +65,40 @@ def data_file(rank: int, index: int) -> str:
 
 
 class DcpWriter(StorageWriter):
-    """A ``StorageWriter`` whose ``write_data`` only snapshots: the save commits in the background.
+    """A ``StorageWriter`` that writes nothing: it collects what DCP planned for this rank.
 
-    Use through ``save`` (or pass as ``dcp.save(..., storage_writer=...)``, then read ``handle``).
+    ``write_data`` resolves the rank's items into ``files`` (``Bundle``s of references to the live
+    tensors); ``save`` then snapshots every folder's files in one ``save_files`` call, right after
+    ``dcp.save`` returned, so one commit holds several DCP folders (a framework's model and optimizer
+    folders). The coordinator's ``finish`` keeps DCP's global metadata; ``make_metadata`` (rank 0's
+    commit) completes it with the extents the ranks' part records hold.
 
     Args:
         checkpointer: this rank's checkpointer (its rank and world size are the process group's).
-        step: the training step; checkpoints are ordered by it.
-        name: the checkpoint's name (default ``step-<step>``).
-        folder: where under the root DCP's files go (default: ``name``), e.g. the folder a framework
-            chose for a sharded checkpoint.
-        files: more files of this rank in the same commit (path under the root -> state, ``torch.save``
-            format), e.g. per-rank data positions.
+        folder: where under the root this DCP checkpoint's files go.
         files_per_rank: how many data files each rank's items are bundled into (uploads of one rank's
             files run in parallel, ``max_transfers`` at a time).
     """
 
-    def __init__(
-        self,
-        checkpointer: AsyncCheckpointer,
-        *,
-        step: int,
-        name: str | None = None,
-        folder: str | None = None,
-        files: Mapping[str, Any] | None = None,
-        files_per_rank: int = 1,
-    ) -> None:
+    def __init__(self, checkpointer: AsyncCheckpointer, *, folder: str, files_per_rank: int = 1) -> None:
         super().__init__()
         if files_per_rank < 1:
             raise ConfigError(f"DcpWriter(files_per_rank={files_per_rank!r}): must be at least 1.")
         self._ckpt = checkpointer
-        self.step = check_step(step)
-        self.name = check_name(name if name is not None else layout.default_name(step))
-        self.folder = check_filename(folder or self.name, call="DcpWriter(folder=...)")
-        self._files = dict(files or {})
+        self.folder = check_filename(folder, call="DcpWriter(folder=...)")
+        self.metadata_file = f"{self.folder}/{METADATA}"
         self._bins = files_per_rank
+        self.files: dict[str, Bundle] = {}
+        """This rank's data files (path under the root -> items), once ``write_data`` ran."""
         self._metadata: Metadata | None = None
         self._results: list[list[WriteResult]] = []
-        self._finished = threading.Event()
-        self._abandoned: BaseException | None = None
-        self.handle: SaveHandle | None = None
-        """The save's handle, once ``write_data`` ran (``dcp.save`` returned)."""
 
     # -- StorageWriter --------------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id not in (None, "", self.name):
+        if checkpoint_id not in (None, ""):
             raise ConfigError(
-                f"DcpWriter: dcp.save(checkpoint_id={checkpoint_id!r}) names another checkpoint than the "
-                f"writer's {self.name!r}; give the name to the writer and leave checkpoint_id out."
+                f"DcpWriter: dcp.save(checkpoint_id={checkpoint_id!r}): the writer's folder names the "
+                "checkpoint; leave checkpoint_id out."
             )
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -132,9 +118,8 @@ class DcpWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Snapshot this rank's items into host buffers and queue the save; return at once."""
+        """Resolve this rank's items into bundles (no copy yet); the offsets are their ordinals."""
         rank = self._ckpt.config.rank
-        files: dict[str, Any] = {}
         results: list[WriteResult] = []
         for index, items in enumerate(_split(plan.items, self._bins)):
             relative = data_file(rank, index)
@@ -149,41 +134,27 @@ class DcpWriter(StorageWriter):
                     value = resolved.getvalue() if isinstance(resolved, io.BytesIO) else bytes(resolved)
                     size = len(value)
                 values.append(value)
-                # The offset is the ordinal until the file is written (see the module docstring).
                 results.append(WriteResult(item.index, size, _StorageInfo(relative, ordinal, -1)))
-            files[f"{self.folder}/{relative}"] = Bundle(values)
-        finalize = Finalize((f"{self.folder}/{METADATA}",), self._make_metadata)
-        self.handle = self._ckpt.save_files(
-            {**files, **self._files}, step=self.step, name=self.name, finalize=finalize
-        )
+            self.files[f"{self.folder}/{relative}"] = Bundle(values)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: keep DCP's global metadata for the commit (rank 0's writer thread waits for it)."""
+        """Coordinator: keep DCP's global metadata for the commit."""
         self._metadata, self._results = metadata, results
-        self._finished.set()
-
-    def abandon(self, exc: BaseException) -> None:
-        """``dcp.save`` failed after ``write_data``: the commit must not wait for ``finish``."""
-        self._abandoned = exc
-        self._finished.set()
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.name)
+        return StorageMeta(checkpoint_id=self.folder)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # never picked by DCP's storage auto-detection: always passed explicitly
 
-    # -- the commit (rank 0's writer thread) ---------------------------------------------------------
-    def _make_metadata(self, parts: list[PartRecord]) -> dict[str, bytes]:
-        """DCP's ``.metadata``, with every item's real extent from the ranks' part records."""
-        if not self._finished.wait(self._ckpt.config.commit_timeout_seconds):
-            raise TimeoutError("dcp.save did not reach its finish step on the coordinator")
-        if self._abandoned is not None or self._metadata is None:
-            raise RuntimeError(f"dcp.save failed on the training thread: {self._abandoned}")
+    def make_metadata(self, parts: list[PartRecord]) -> bytes:
+        """Rank 0's commit: DCP's ``.metadata``, every item at its real extent (from the part records)."""
+        if self._metadata is None:
+            raise RuntimeError(f"{self.metadata_file}: dcp.save never reached its finish step")
         extents = {path: spans for part in parts for path, spans in part.extents.items()}
         storage_data = {}
         for result in (r for rank_results in self._results for r in rank_results):
@@ -193,8 +164,8 @@ class DcpWriter(StorageWriter):
         metadata = self._metadata
         metadata.storage_data = storage_data
         metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_meta = StorageMeta(checkpoint_id=self.name, save_id=uuid.uuid4().hex)
-        return {f"{self.folder}/{METADATA}": pickle.dumps(metadata)}
+        metadata.storage_meta = StorageMeta(checkpoint_id=self.folder, save_id=uuid.uuid4().hex)
+        return pickle.dumps(metadata)
 
 
 def _split(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
@@ -224,7 +195,9 @@ class DcpReader(StorageReader):
     reads them, so a load behaves as stock DCP's does (resharding included).
     """
 
-    def __init__(self, checkpointer: AsyncCheckpointer, info: CheckpointInfo) -> None:
+    def __init__(
+        self, checkpointer: AsyncCheckpointer, info: CheckpointInfo, folder: str | None = None
+    ) -> None:
         super().__init__()
         if info.status != "committed":
             raise CorruptCheckpointError(
@@ -235,13 +208,16 @@ class DcpReader(StorageReader):
             )
         self._ckpt = checkpointer
         self.info = info
-        self.folder = dcp_folder(info)
-        if self.folder is None:
+        found = dcp_folders(info)
+        if folder is None and len(found) == 1:
+            folder = found[0]
+        if folder not in found:
             raise CorruptCheckpointError(
-                f"DcpReader({info.name!r}): not a sharded checkpoint (its manifest names no {METADATA}).",
+                f"DcpReader({info.name!r}, folder={folder!r}): the checkpoint holds DCP folders {found}.",
                 path=checkpointer.storage.display(info.name),
                 reason="not a DCP checkpoint",
             )
+        self.folder: str = folder
         self._storage_data: dict[Any, _StorageInfo] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -289,33 +265,36 @@ class DcpReader(StorageReader):
 
 def save(
     checkpointer: AsyncCheckpointer,
-    state_dict: dict[str, Any],
+    folders: Mapping[str, dict[str, Any]],
     *,
     step: int,
     name: str | None = None,
-    folder: str | None = None,
     files: Mapping[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
     planner: SavePlanner | None = None,
     files_per_rank: int = 1,
 ) -> SaveHandle:
-    """``dcp.save`` of ``state_dict`` (DTensors, sharded or plain tensors, objects) into checkpoint
-    ``name`` (its files under ``folder``, default ``name``). Every rank calls it, as ``dcp.save``.
+    """``dcp.save`` of each state dict (DTensors, sharded or plain tensors, objects) into its folder
+    (path under the root), all in one commit ``name`` with this rank's ``files``. Every rank calls it,
+    as ``dcp.save`` (DCP's collectives run here, on the calling thread).
 
     Returns once this rank's items are in host buffers (call ``handle.wait_snapshot()`` before mutating
-    GPU tensors), with the save's handle: it resolves when every rank's files and the ``.metadata`` are
-    committed.
+    GPU tensors), with the save's handle: it resolves when every rank's files and each folder's
+    ``.metadata`` are committed.
     """
-    writer = DcpWriter(
-        checkpointer, step=step, name=name, folder=folder, files=files, files_per_rank=files_per_rank
-    )
-    try:
-        dcp.save(state_dict, storage_writer=writer, process_group=process_group, planner=planner)
-    except BaseException as exc:
-        writer.abandon(exc)
-        raise
-    assert writer.handle is not None
-    return writer.handle
+    name = check_name(name if name is not None else layout.default_name(check_step(step)))
+    if not folders:
+        raise ConfigError(f"air_core.dcp.save(name={name!r}): no folder given.")
+    writers = [DcpWriter(checkpointer, folder=f, files_per_rank=files_per_rank) for f in folders]
+    for writer, state in zip(writers, folders.values(), strict=True):
+        dcp.save(state, storage_writer=writer, process_group=process_group, planner=planner)
+
+    def make(parts: list[PartRecord]) -> dict[str, bytes]:
+        return {w.metadata_file: w.make_metadata(parts) for w in writers}
+
+    bundles = {path: bundle for w in writers for path, bundle in w.files.items()}
+    finalize = Finalize(tuple(w.metadata_file for w in writers), make)
+    return checkpointer.save_files({**bundles, **(files or {})}, step=step, name=name, finalize=finalize)
 
 
 def load(
@@ -323,17 +302,22 @@ def load(
     state_dict: dict[str, Any],
     info: CheckpointInfo,
     *,
+    folder: str | None = None,
     process_group: dist.ProcessGroup | None = None,
     planner: LoadPlanner | None = None,
 ) -> None:
-    """``dcp.load`` ``info`` into ``state_dict`` in place, at this run's world size (resharded by DCP).
+    """``dcp.load`` ``info`` (its DCP folder ``folder``; default: its only one) into ``state_dict`` in
+    place, at this run's world size (resharded by DCP).
 
     Raises:
         torch.distributed.checkpoint.api.CheckpointException: on every rank when any rank failed
             (a damaged file it needed is a ``CorruptCheckpointError`` among the failures).
     """
     dcp.load(
-        state_dict, storage_reader=DcpReader(checkpointer, info), process_group=process_group, planner=planner
+        state_dict,
+        storage_reader=DcpReader(checkpointer, info, folder),
+        process_group=process_group,
+        planner=planner,
     )
 
 
@@ -373,9 +357,10 @@ def load_newest(
     return None
 
 
-def dcp_folder(info: CheckpointInfo) -> str | None:
-    """The folder of ``info``'s DCP files (the one holding its ``.metadata``), or None if it has none."""
+def dcp_folders(info: CheckpointInfo) -> list[str]:
+    """The folders of ``info``'s DCP checkpoints (each holds a ``.metadata``); empty for a plain one."""
     if info.manifest is None:
-        return None
-    found = [f.path for f in info.manifest.files if f.path.rpartition("/")[2] == METADATA]
-    return found[0].rpartition("/")[0] if len(found) == 1 else None
+        return []
+    return sorted(
+        f.path.rpartition("/")[0] for f in info.manifest.files if f.path.rpartition("/")[2] == METADATA
+    )

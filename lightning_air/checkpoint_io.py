@@ -179,13 +179,13 @@ class AirCheckpointIO(CheckpointIO):
             files[f"{folder}/{meta_file}"] = checkpoint
         elif "rank_state" in air:
             files[session.state_file(name)] = air["rank_state"]
-        session.save_sharded(sharded, step=step, name=name, folder=folder, files=files)
+        session.save_sharded({folder: sharded}, step=step, name=name, files=files)
 
     def is_sharded(self, path: str) -> bool:
         """Whether ``path`` is a sharded checkpoint folder this plugin committed."""
         root, folder = split_path(path)
         commits = self._commits_of(self.checkpointer(root), folder)
-        return bool(commits) and dcp.dcp_folder(commits[-1]) == folder
+        return bool(commits) and dcp.dcp_folders(commits[-1]) == [folder]
 
     def load_sharded(
         self, path: str, state: dict[str, Any], *, meta_file: str, weights_only: bool | None
@@ -195,7 +195,7 @@ class AirCheckpointIO(CheckpointIO):
         root, folder = split_path(path)
         ckpt = self.checkpointer(root)
         info = self._commits_of(ckpt, folder)[-1]
-        dcp.load(ckpt, state, info)
+        dcp.load(ckpt, state, info, folder=folder)
         wanted = [f"{folder}/{meta_file}"]
         rank = self.session.rank
         mine = self.session.state_file(info.name)

@@ -75,7 +75,8 @@ def main() -> None:
         for step in (1, 2):
             train_step(model, opt, step)
             model_sd, optim_sd = get_state_dict(model, opt)
-            handle = air_dcp.save(ckpt, {"model": model_sd, "optim": optim_sd, "step": step}, step=step)
+            state = {"model": model_sd, "optim": optim_sd, "step": step}
+            handle = air_dcp.save(ckpt, {f"step-{step:09d}": state}, step=step)
             full_model, full_optim = get_state_dict(model, opt, options=FULL)
             if rank == 0:
                 torch.save(

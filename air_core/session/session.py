@@ -131,13 +131,14 @@ class TrainingSession:
         return self.last_handle
 
     def save_sharded(
-        self, state: dict[str, Any], *, step: int, name: str, folder: str, files: Mapping[str, Any]
+        self, folders: Mapping[str, dict[str, Any]], *, step: int, name: str, files: Mapping[str, Any]
     ) -> SaveHandle:
-        """Every rank: ``torch.distributed.checkpoint`` save of ``state`` (DTensors, shards) into ``folder``
-        of checkpoint ``name``, with this rank's ``files``; returns after the snapshot (``air_core.dcp``)."""
+        """Every rank: ``torch.distributed.checkpoint`` save of each state dict (DTensors, shards) into its
+        folder of checkpoint ``name``, with this rank's ``files``; returns after the snapshot
+        (``air_core.dcp``)."""
         if self._ckpt is None:
             raise AirError(f"{self.config.owner}: save_sharded() before the checkpoint root was opened.")
-        self.last_handle = dcp.save(self._ckpt, state, step=step, name=name, folder=folder, files=files)
+        self.last_handle = dcp.save(self._ckpt, folders, step=step, name=name, files=files)
         self.returned_at = time.monotonic()
         return self.last_handle
 

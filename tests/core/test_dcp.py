@@ -90,7 +90,7 @@ def test_fsdp2_checkpoint_of_two_ranks_loads_at_any_world_size(saved, world, tmp
 def test_a_committed_sharded_checkpoint_is_a_stock_dcp_checkpoint(saved):
     reader = AsyncCheckpointer(saved, read_only=True)
     info = reader.latest()
-    assert info is not None and air_dcp.dcp_folder(info) == info.name
+    assert info is not None and air_dcp.dcp_folders(info) == [info.name]
     names = sorted(os.path.basename(f.path) for f in info.manifest.files)
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # few files: one per rank
     reference = torch.load(os.path.join(os.path.dirname(saved), "reference-2.pt"), weights_only=False)
@@ -139,9 +139,11 @@ def test_a_rank_killed_while_writing_leaves_the_previous_checkpoint_newest(tmp_p
 def test_writer_settings_fail_at_construction(tmp_path):
     with AsyncCheckpointer(str(tmp_path / "root")) as ckpt:
         with pytest.raises(ConfigError, match="files_per_rank"):
-            air_dcp.DcpWriter(ckpt, step=1, files_per_rank=0)
-        with pytest.raises(ConfigError, match="step"):
-            air_dcp.DcpWriter(ckpt, step=-1)
+            air_dcp.DcpWriter(ckpt, folder="x", files_per_rank=0)
+        with pytest.raises(ConfigError, match="folder"):
+            air_dcp.DcpWriter(ckpt, folder="../elsewhere")
+        with pytest.raises(ConfigError, match="no folder"):
+            air_dcp.save(ckpt, {}, step=1)
 
 
 def test_one_process_save_splits_into_files_and_loads_back(tmp_path):
@@ -150,7 +152,11 @@ def test_one_process_save_splits_into_files_and_loads_back(tmp_path):
     state = {"model": model.state_dict(), "meta": {"epoch": 3, "note": "x"}}
     with AsyncCheckpointer(str(tmp_path / "root"), staging_dir=str(tmp_path / "staging")) as ckpt:
         air_dcp.save(
-            ckpt, state, step=7, files_per_rank=2, files={"step-000000007/extra.pt": {"a": 1}}
+            ckpt,
+            {"step-000000007": state},
+            step=7,
+            files_per_rank=2,
+            files={"step-000000007/extra.pt": {"a": 1}},
         ).result()
         info = ckpt.latest()
         assert info is not None
