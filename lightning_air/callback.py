@@ -43,6 +43,9 @@ class AirCallback(Callback):
             ``mlflow_experiment`` at ``MLFLOW_TRACKING_URI`` (default ``./mlflow.db``, sqlite). A resumed
             job continues the checkpoint's run. None: when MLflow is installed.
         mlflow_experiment: experiment of a new run.
+        elastic: resume a checkpoint written by another number of processes: the rest of the interrupted
+            epoch is split over this run's ranks, every sample once, but the run is no longer bitwise equal
+            to an uninterrupted one (and the global batch changes with the world size). Off: refused.
     """
 
     def __init__(
@@ -51,12 +54,14 @@ class AirCallback(Callback):
         flush_timeout_seconds: float = 600.0,
         mlflow: bool | None = None,
         mlflow_experiment: str = "air-plugins",
+        elastic: bool = False,
     ) -> None:
         self.config = SessionConfig(
             log_every_n_steps=log_every_n_steps,
             flush_timeout_seconds=flush_timeout_seconds,
             mlflow=mlflow,
             mlflow_experiment=mlflow_experiment,
+            elastic=elastic,
             owner="AirCallback",
         )
         self.session: TrainingSession | None = None
@@ -110,6 +115,7 @@ class AirCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.session is not None, "AirCallback.setup did not run"
         self._track_loaders(trainer)
+        _count_from_the_share(trainer)
         mlf = next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None)
         run_id = None
         if mlf is not None:
@@ -191,11 +197,16 @@ class AirCallback(Callback):
     ) -> None:
         assert self.session is not None, "AirCallback.setup did not run"
         air = checkpoint.get(AIR_KEY)
-        part = None
-        if air is not None:
+        states: dict[int, Any] = {}
+        if air is not None:  # rank 0's part is in the .ckpt; the plugin loaded the other ones needed
             plugin = trainer.strategy.checkpoint_io
-            part = air["rank_state"] if trainer.is_global_zero else getattr(plugin, "loaded_rank_state", None)
-        if part is None or "loaders" not in part:
+            states = {0: air["rank_state"], **getattr(plugin, "loaded_rank_states", {})}
+            own = getattr(plugin, "loaded_rank_state", None)
+            if own is not None and not trainer.is_global_zero:
+                states.setdefault(trainer.global_rank, own)
+        saved = states[0].get("world_size", trainer.world_size) if states else trainer.world_size
+        part = states.get(trainer.global_rank)
+        if any("loaders" not in s for s in states.values()) or (part is None and saved == trainer.world_size):
             logger.warning(
                 "AirCallback: this checkpoint holds no %s of rank %d (not written with AirCallback, or by "
                 "an air-plugins version before 0.2); RNG and data position are not restored, so the "
@@ -206,7 +217,7 @@ class AirCallback(Callback):
             return
         # Lightning would also load rank 0's loader state into every rank's loader: ours is per rank.
         checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
-        self.session.restore_rank_state(part, what="AirCallback: the checkpoint")
+        self.session.restore_rank_states(states, what="AirCallback: the checkpoint")
 
     @override
     def on_exception(

@@ -1,11 +1,13 @@
 """The training session: what an adapter drives on each rank (see ``session.py``), and its parts.
 
 ``TrainingSession`` and ``SessionConfig`` are what an adapter needs; ``TrackedLoader`` is the one
-data-position design; ``Recorder``, ``MlflowSink``, ``GoodputLog`` and ``FlushOnSigterm`` are the parts
-the session owns, public for loops that use the core directly.
+data-position design (``DealtBatches``: how a framework deals batches to ranks, for elastic resume);
+``Recorder``, ``MlflowSink``, ``GoodputLog`` and ``FlushOnSigterm`` are the parts the session owns,
+public for loops that use the core directly.
 """
 
 from .config import SessionConfig
+from .elastic import DealtBatches
 from .goodput import Goodput, GoodputLog, goodput_of
 from .loader import TrackedLoader
 from .metrics import Recorder
@@ -15,6 +17,7 @@ from .rng import capture_rng, raw_from_safe, restore_rng
 from .session import TrainingSession
 
 __all__ = [
+    "DealtBatches",
     "FlushOnSigterm",
     "Goodput",
     "GoodputLog",

@@ -20,6 +20,10 @@ class SessionConfig:
     """Send the metrics to MLflow (rank 0, from a background thread). None: when MLflow is installed."""
     mlflow_experiment: str = "air-plugins"
     """Experiment of a new MLflow run."""
+    elastic: bool = False
+    """Resume a checkpoint written by another number of ranks: the rest of the interrupted epoch is split
+    over this run's ranks, each sample once, but not bitwise equal to an uninterrupted run. Off by
+    default: the exact resume is the guarantee, and a changed world size also changes the global batch."""
     owner: str = field(default="TrainingSession", compare=False)
     """The class the user configured (named in errors and log lines)."""
 
@@ -35,6 +39,8 @@ class SessionConfig:
             raise bad("flush_timeout_seconds", t, "must be a number of seconds > 0.")
         if self.mlflow is not None and not isinstance(self.mlflow, bool):
             raise bad("mlflow", self.mlflow, "must be True, False or None (None: when MLflow is installed).")
+        if not isinstance(self.elastic, bool):
+            raise bad("elastic", self.elastic, "must be True or False.")
         if not isinstance(self.mlflow_experiment, str) or not self.mlflow_experiment:
             raise bad("mlflow_experiment", self.mlflow_experiment, "must be a non-empty experiment name.")
         object.__setattr__(self, "flush_timeout_seconds", float(t))

@@ -11,6 +11,9 @@ what workers prefetched. A resume continues in one of three ways, chosen once pe
 - ``reread`` (an iterable dataset without exact state): restore the epoch start and read the consumed
   batches again, discarding them, with a progress line.
 
+At another world size (``resume_elastic``, ``elastic.py``) a map-style loader of a known layout continues
+with its share of the rest of the epoch, whatever its mode, and later epochs run as usual.
+
 The checkpoint's RNG goes back right before the first batch the uninterrupted run fetched after the
 save, so the training thread's own draws (dropout, augmentation with ``num_workers=0``) continue too.
 """
@@ -28,8 +31,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ..errors import ConfigError
+from .elastic import Layout, Plan, plan, remainder
 from .rng import raw_from_safe, raw_rng, restore_rng, safe_rng
-from .sampling import Skip, has_state, loader_generators
+from .sampling import Batches, Skip, has_state, loader_generators
 from .workers import ApplyRng, Carried, CarryRng, Entry, Seeded, entry_from_state, entry_to_state
 
 logger = logging.getLogger(__name__)
@@ -56,6 +60,8 @@ class TrackedLoader:
         reenter: after a resume from the end of an epoch, the consumer iterates that epoch once more
             (and gets no batch) before the next one, as a loop ``for epoch in range(start, n)`` does
             (Accelerate); otherwise its next pass is the next epoch (Lightning).
+        layout: how the loader is sharded over ranks (``elastic.layout_of``, or an adapter's); None:
+            its epochs cannot be resumed at another world size.
     """
 
     def __init__(
@@ -67,8 +73,10 @@ class TrackedLoader:
         on_fetch: Callable[[float], None] | None = None,
         exact_state: LoaderState | None = None,
         reenter: bool = False,
+        layout: Layout | None = None,
     ) -> None:
         self._loader = loader
+        self._layout = layout
         self._reenter = reenter
         self._epoch_fn = epoch
         self._lookahead = lookahead
@@ -96,6 +104,8 @@ class TrackedLoader:
         self._unconsumed: deque[Carried] = deque()
         self._iterator: Any = None
         self._reused = False
+        # How this epoch's order is dealt (a position's "stream"): what an elastic resume rebuilds.
+        self._stream: dict[str, Any] | None = None
 
     def _carry_worker_rng(self, loader: DataLoader) -> None:
         if not getattr(loader, "in_order", True):
@@ -160,6 +170,8 @@ class TrackedLoader:
             if self.mode == "state":
                 assert self._exact_state is not None
                 pos["loader_state"] = self._exact_state[0]()
+            if self._stream is not None:
+                pos["stream"] = dict(self._stream)
         return pos
 
     def resume(self, position: dict[str, Any], rng: dict[str, Any]) -> int:
@@ -169,6 +181,10 @@ class TrackedLoader:
         Raises:
             ConfigError: the position was saved from a loader resumed another way (another kind of loader).
         """
+        if position["where"] == "inside" and position.get("stream", {}).get("split"):
+            # An epoch continued at another world size: its order is not the sampler's, so it goes on
+            # the same way (the peers are in lockstep).
+            return self.resume_elastic([position], rng, mine=0)
         if position.get("mode", self.mode) != self.mode:
             raise ConfigError(
                 f"resume: the checkpoint's loader position was saved for a {position['mode']!r} loader, this "
@@ -180,8 +196,60 @@ class TrackedLoader:
             self._pending, self._resume_rng = position, rng
         return int(position["epoch"])
 
-    def _restore(self, rng: dict[str, Any], generators: dict[str, Any]) -> None:
-        restore_rng(rng)
+    def resume_elastic(
+        self, positions: list[dict[str, Any]], rng: dict[str, Any] | None, *, mine: int | None
+    ) -> int:
+        """Continue from every saved rank's position (in rank order) at this run's world size; return the
+        epoch the training loop re-enters (as ``resume``).
+
+        The rest of an interrupted epoch is split over this run's ranks (``elastic.py``): every sample of
+        it once, batches composed anew. ``mine``: this rank's index in ``positions`` (None for a rank the
+        checkpoint did not have), whose ``rng`` and loader generators are restored; without one, this
+        rank keeps the RNG it started with.
+
+        Raises:
+            ConfigError: the loader cannot be resharded (no layout: an iterable dataset or custom
+                sampler), the positions do not say how their epoch was dealt, or they were not in lockstep.
+        """
+        what = "resume at another world size"
+        where = plan(positions, what=what)
+        if where.where == "inside" and self._layout is None:
+            raise ConfigError(
+                f"{what}: this run's {type(self._loader).__name__} ({self.mode!r} loader) cannot take a "
+                "share of the interrupted epoch: only a map-style DataLoader with a DistributedSampler "
+                "(Lightning's default), Accelerate's sharded batches, or one process with a plain sampler "
+                "can. Resume with the number of processes the checkpoint was written by, at least until that "
+                "epoch ends."
+            )
+        generators = positions[mine]["generators"] if mine is not None else {}
+        if where.where == "start":
+            self._restore(rng, generators)
+        else:
+            self._pending = {"where": where.where, "epoch": where.epoch, "generators": generators}
+            self._pending["plan"] = where
+            self._resume_rng = rng
+        return where.epoch
+
+    def batches_left(self) -> int | None:
+        """After ``resume_elastic`` into an epoch, before it is iterated: the batches this rank has left
+        of it (0: the epoch was consumed); None otherwise. Call once the framework set the sampler's
+        epoch (a framework that counts batches per epoch sets its counters from it)."""
+        pending = self._pending
+        if pending is None or "plan" not in pending:
+            return None
+        return len(self._share(pending)) if pending["where"] == "inside" else 0
+
+    def _share(self, pending: dict[str, Any]) -> list[list[int]]:
+        if "batches" not in pending:
+            assert self._layout is not None
+            pending["batches"] = remainder(
+                pending["plan"], self._layout, samples=len(self._loader.dataset), what="resume"
+            )
+        return pending["batches"]
+
+    def _restore(self, rng: dict[str, Any] | None, generators: dict[str, Any]) -> None:
+        if rng is not None:
+            restore_rng(rng)
         mine = loader_generators(self._loader)
         for path, saved in generators.items():
             if path in mine:  # one made lazily (a seedable sampler's) is re-seeded by its owner
@@ -194,7 +262,6 @@ class TrackedLoader:
         self._ahead.clear()
         self._unconsumed.clear()
         if pending is not None and self._is_over(pending):
-            assert self._resume_rng is not None
             self._restore(self._resume_rng, pending["generators"])
             if self._reenter:  # the consumer re-enters the finished epoch: nothing to fetch or draw
                 self._state = "end"
@@ -203,6 +270,8 @@ class TrackedLoader:
         restore: dict[int, Callable[[], None]] = {}
         if pending is None:
             iterator = self._start_epoch()
+        elif "plan" in pending:
+            iterator = self._continue_share(pending)
         else:
             iterator = self._continue_epoch(pending)
             consumed = pending["consumed"]
@@ -240,6 +309,8 @@ class TrackedLoader:
     def _is_over(self, pending: dict[str, Any]) -> bool:
         if pending["where"] == "end" or pending["epoch"] != self._epoch:
             return True
+        if "plan" in pending:  # this rank's share may be empty, peers' not: the pass runs (empty)
+            return False
         try:
             return pending["consumed"] >= len(self._loader)
         except TypeError:
@@ -252,21 +323,64 @@ class TrackedLoader:
         }
         if self.mode == "reread" and has_state(self._loader):
             self._epoch_start["loader"] = self._loader.state_dict()
+        source = self._layout.source() if self._layout is not None else None
         iterator = iter(self._loader)
         # Persistent workers: the same iterator again, which draws no new base seed.
         self._reused = iterator is self._iterator and bool(getattr(self._loader, "persistent_workers", False))
+        self._workers_start(iterator, fresh=not self._reused)
+        self._iterator = iterator
+        self._stream = None if self._layout is None else self._stream_of(source, 0, _length(self._loader))
+        return iterator
+
+    def _workers_start(self, iterator: Any, *, fresh: bool) -> None:
         if self._apply is not None:
-            if not self._reused:  # new workers
+            if fresh:  # new workers, seeded from the iterator's base seed
                 base = int(getattr(iterator, "_base_seed", 0))
                 self._by_worker = {w: Seeded(base, w) for w in range(self._workers)}
             self._next_worker = 0
+
+    def _stream_of(self, source: dict[str, Any] | None, offset: int, length: int | None) -> dict[str, Any]:
+        """A position's ``stream``: this epoch's order (``source``), the samples of it consumed before this
+        rank's share began (``offset``), and how the share is dealt (``elastic.plan`` reads it)."""
+        layout = self._layout
+        assert layout is not None
+        return {
+            "source": source,
+            "offset": offset,
+            "world_size": layout.world_size,
+            "rank": layout.rank,
+            "batch_size": layout.batch_size,
+            "samples": len(self._loader.dataset),
+            "length": length,
+            "split": offset > 0,
+        }
+
+    def _continue_share(self, pending: dict[str, Any]) -> Any:
+        """This rank's share of the rest of an epoch saved at another world size (or one continued so)."""
+        self._restore(self._resume_rng, pending["generators"])
+        batches = self._share(pending)  # rebuilding the order puts the order's generators where they were
+        self._epoch_start = {
+            "rng": raw_rng(),
+            "generators": {k: g.get_state() for k, g in loader_generators(self._loader).items()},
+        }
+        loader, inner = self._loader, self._loader.batch_sampler
+        object.__setattr__(loader, "batch_sampler", Batches(batches))  # for this one iterator
+        try:
+            iterator = iter(loader)
+        finally:
+            object.__setattr__(loader, "batch_sampler", inner)
+        self._reused = False
+        self._workers_start(iterator, fresh=True)
         self._iterator = iterator
+        p: Plan = pending["plan"]
+        self._stream = self._stream_of(p.source, p.offset, len(batches)) | {"split": True}
         return iterator
 
     def _continue_epoch(self, pending: dict[str, Any]) -> Any:
         start = pending["epoch_start"]
         self._restore(start["rng"], start["generators"])
         self._epoch_start = {"rng": raw_from_safe(start["rng"]), "generators": start["generators"]}
+        self._stream = pending.get("stream") if self._layout is not None else None
         consumed = pending["consumed"]
         first = 0
         if self.mode == "state":
@@ -350,3 +464,10 @@ class TrackedLoader:
             if time.monotonic() - last_log > 10:
                 logger.info("resume: re-read %d/%d batches", i + 1, count)
                 last_log = time.monotonic()
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None

@@ -2,7 +2,8 @@
 
 ``loader_generators`` finds the ``torch.Generator`` objects of a loader and its (batch) samplers, so
 a position can keep and restore them. ``Skip`` drops the first indices of one iteration while still
-drawing them, so the sampler's RNG use, and the order of every later draw, is what it was.
+drawing them, so the sampler's RNG use, and the order of every later draw, is what it was. ``Batches``
+hands out a precomputed list of batches (an elastic resume's share of an epoch).
 """
 
 from __future__ import annotations
@@ -65,6 +66,19 @@ class Skip:
         """Start the inner iteration now (it draws its shuffle seed), as the first fetch would have."""
         if self._iterator is not None:
             self._iterator.prime()
+
+
+class Batches:
+    """A batch sampler over a fixed list of batches (sample indices): draws nothing."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
 
 
 class _Primed:

@@ -24,6 +24,7 @@ from ..errors import AirError, ConfigError
 from ..events import Listener
 from ..layout import rank_state_path
 from .config import SessionConfig
+from .elastic import Layout, layout_of
 from .goodput import Goodput, GoodputLog, goodput_of
 from .loader import LoaderState, TrackedLoader
 from .metrics import Gather, Recorder
@@ -162,10 +163,12 @@ class TrainingSession:
         exact_state: LoaderState | None = None,
         on_fetch: Callable[[float], None] | None = None,
         reenter: bool = False,
+        layout: Layout | None = None,
     ) -> TrackedLoader:
         """Track a train loader's position; the returned proxy replaces ``loader``. Fetch times go to
-        ``records`` (or to ``on_fetch``, for an adapter that keeps only some of them). The other
-        arguments are ``TrackedLoader``'s.
+        ``records`` (or to ``on_fetch``, for an adapter that keeps only some of them). ``layout``: how the
+        framework shards it over ranks, if the core cannot tell (``elastic.layout_of``: a
+        ``DistributedSampler``, or a plain sampler on one rank). The other arguments are ``TrackedLoader``'s.
 
         A position restored before the loader was tracked applies now (the loaders are matched by the
         order in which they are tracked).
@@ -177,14 +180,25 @@ class TrainingSession:
             on_fetch=on_fetch or self.record_fetch,
             exact_state=exact_state,
             reenter=reenter,
+            layout=layout or layout_of(loader, world_size=self.world_size),
         )
         self._loaders.append(tracked)
         if self._pending is not None:
-            positions = self._pending["loaders"]
-            index = len(self._loaders) - 1
-            if index < len(positions) and positions[index] is not None:
-                tracked.resume(positions[index], self._pending["rng"])
+            self._resume(tracked, len(self._loaders) - 1)
         return tracked
+
+    def _resume(self, tracked: TrackedLoader, index: int) -> None:
+        pending = self._pending
+        assert pending is not None
+        if index >= len(pending["loaders"]):
+            return
+        if "mine" not in pending:  # the saved world size
+            if pending["loaders"][index] is not None:
+                tracked.resume(pending["loaders"][index], pending["rng"])
+            return
+        positions = pending["loaders"][index]  # every saved rank's
+        if all(p is not None for p in positions):
+            tracked.resume_elastic(positions, pending["rng"], mine=pending["mine"])
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's part of a checkpoint: RNG (captured once), every loader's position, the MLflow run.
@@ -207,26 +221,75 @@ class TrainingSession:
         Raises:
             ConfigError: the checkpoint was written by another number of ranks or loaders.
         """
-        self.check_world_size(state["world_size"], what=what)
-        if self._loaders and len(state["loaders"]) != len(self._loaders):
+        self.restore_rank_states({self.rank: state}, what=what)
+
+    def ranks_to_load(self, saved_world_size: int) -> list[int]:
+        """The saved ranks whose ``rank_state`` this rank restores from: its own, or every saved rank's
+        when an elastic resume continues a checkpoint of another world size (they are small)."""
+        if saved_world_size != self.world_size and self.config.elastic:
+            return list(range(saved_world_size))
+        return [self.rank] if self.rank < saved_world_size else []
+
+    def restore_rank_states(self, states: Mapping[int, dict[str, Any]], *, what: str) -> None:
+        """Continue from the checkpoint ``what``: ``states`` maps saved ranks to their ``rank_state``
+        (the ranks ``ranks_to_load`` names).
+
+        At the saved world size this rank continues exactly where it was. At another one (with
+        ``elastic``) the rest of each interrupted epoch is split over this run's ranks, each sample
+        once; rank r takes saved rank r's RNG where there was one (``elastic.py``). Rank 0 logs once
+        that the run is then no longer bitwise equal to an uninterrupted one.
+
+        Raises:
+            ConfigError: the checkpoint was written by another number of ranks (without ``elastic``) or
+                loaders, or a loader cannot continue its epoch at this world size.
+        """
+        saved = int(next(iter(states.values()))["world_size"])
+        self.check_world_size(saved, what=what)
+        missing = [r for r in self.ranks_to_load(saved) if r not in states]
+        if missing:
+            raise AirError(f"{what}: the rank state of saved rank(s) {missing} was not loaded.")
+        ordered = [states[r] for r in sorted(states)]
+        counts = {len(s["loaders"]) for s in ordered}
+        if self._loaders and counts != {len(self._loaders)}:
             raise ConfigError(
-                f"{what}: the checkpoint tracked {len(state['loaders'])} train loader(s), this run has "
+                f"{what}: the checkpoint tracked {sorted(counts)} train loader(s), this run has "
                 f"{len(self._loaders)}; set up the same loaders before loading it."
             )
-        for tracked, position in zip(
-            self._loaders, state["loaders"], strict=False
-        ):  # none tracked yet: later
-            if position is not None:
-                tracked.resume(position, state["rng"])
-        self._pending = state
-        self._resumed_run = state.get("mlflow_run_id") or self._resumed_run
+        if saved == self.world_size:
+            mine = states[self.rank]
+            self._pending = {"rng": mine["rng"], "loaders": mine["loaders"]}
+        else:
+            if self.rank == 0:
+                fresh = range(saved, self.world_size)
+                logger.warning(
+                    "%s was written by %d rank(s) and continues on %d (elastic=True): the rest of each "
+                    "interrupted epoch is split over this run's ranks, every sample once (padded to equal "
+                    "steps as the framework pads an epoch), but batches are composed differently, so the run "
+                    "is no longer bitwise equal to an uninterrupted one%s.",
+                    what,
+                    saved,
+                    self.world_size,
+                    f"; rank(s) {', '.join(map(str, fresh))} start from their own fresh RNG" if fresh else "",
+                )
+            mine_index = self.rank if self.rank < saved else None
+            self._pending = {
+                "rng": ordered[mine_index]["rng"] if mine_index is not None else None,
+                "loaders": [[s["loaders"][i] for s in ordered] for i in range(counts.pop())],
+                "mine": mine_index,
+            }
+        for index, tracked in enumerate(self._loaders):  # none tracked yet: later
+            self._resume(tracked, index)
+        self._resumed_run = ordered[0].get("mlflow_run_id") or self._resumed_run
 
     def check_world_size(self, saved: int, *, what: str) -> None:
-        """Raise ``ConfigError`` if ``saved`` (the checkpoint's world size) is not this run's."""
-        if saved != self.world_size:
+        """Raise ``ConfigError`` if ``saved`` (the checkpoint's world size) is not this run's and the
+        session is not ``elastic``."""
+        if saved != self.world_size and not self.config.elastic:
             raise ConfigError(
                 f"{what} was written by {saved} rank(s), this run has {self.world_size}; resume with the "
-                "same number of processes for an exact resume."
+                f"same number of processes for an exact resume, or set {self.config.owner}(elastic=True) to "
+                f"continue on {self.world_size} (each sample of the interrupted epoch once, not bitwise "
+                "equal)."
             )
 
     def check_model(
@@ -240,7 +303,7 @@ class TrainingSession:
         """The first training step of this launch is next: restore a pending RNG no loader took, and
         start the MLflow sink (rank 0). ``mlflow_run_id``: the framework logger's run (None: the
         checkpoint's run, else a new one); ``run_is_ours``: the session ends the run at ``close``."""
-        if self._pending is not None and not self._loaders:
+        if self._pending is not None and not self._loaders and self._pending["rng"] is not None:
             restore_rng(self._pending["rng"])
         self._pending = None
         if self.rank == 0 and self._measure and self.config.mlflow and self._sink is None:

@@ -32,6 +32,17 @@ from tests.kill_at import Journal, KillAt
 from tests.lightning.model import Model, NumberedData, make_loader
 
 
+class SaveLoaded(pl.Callback):
+    """--dump-loaded: each rank writes the weights it starts training with (after a resume: the loaded
+    ones) to WORKDIR/loaded-rank<R>.pt."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.save(pl_module.state_dict(), os.path.join(self.workdir, f"loaded-rank{trainer.global_rank}.pt"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("workdir")
@@ -50,6 +61,8 @@ def main() -> None:
     p.add_argument("--mlflow", default="", help="tracking URI: send air's metrics to MLflow")
     p.add_argument("--mlflow-logger", action="store_true", help="also give the Trainer an MLFlowLogger")
     p.add_argument("--experiment", default="air-test", help="MLflow experiment of a new run")
+    p.add_argument("--elastic", action="store_true", help="AirCallback(elastic=True)")
+    p.add_argument("--dump-loaded", action="store_true", help="each rank saves its weights at train start")
     args = p.parse_args()
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     for name in ("lightning_air", "air_core"):
@@ -78,8 +91,14 @@ def main() -> None:
         strategy="ddp" if args.devices > 1 else "auto",
         plugins=[plugin],
         callbacks=[
-            AirCallback(log_every_n_steps=8, mlflow=bool(args.mlflow), mlflow_experiment=args.experiment),
+            AirCallback(
+                log_every_n_steps=8,
+                mlflow=bool(args.mlflow),
+                mlflow_experiment=args.experiment,
+                elastic=args.elastic,
+            ),
             ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=args.top_k),
+            *([SaveLoaded(args.workdir)] if args.dump_loaded else []),
         ],
         logger=MLFlowLogger(args.experiment, tracking_uri=args.mlflow) if args.mlflow_logger else False,
         enable_progress_bar=False,
