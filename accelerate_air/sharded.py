@@ -1,0 +1,68 @@
+"""FSDP2 sharded state for ``AirAccelerator``: Accelerate's own DCP folders, saved and loaded by the core.
+
+Accelerate 1.15 saves an FSDP2 model whose ``state_dict_type`` is ``SHARDED_STATE_DICT`` as DCP folders
+``pytorch_model_fsdp_<i>`` (``{"model": ...}``) and ``optimizer_<i>`` (``{"optimizer": ...}``), each with
+a synchronous ``FileSystemWriter``. Here the same folders, with the same keys, are one commit of the
+core (``air_core.dcp``: snapshot into host buffers, background persist, all ranks' files committed
+together), so a downloaded checkpoint still loads with a stock ``Accelerator.load_state``; loads go
+through the core's reader, so each rank fetches only the files it needs, at any world size.
+No CPU copy is asked of ``get_*_state_dict``: the snapshot is the one copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from air_core import AsyncCheckpointer, CheckpointInfo, dcp
+
+OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+
+def model_folder(name: str, i: int) -> str:
+    """The ``i``-th model's DCP folder in checkpoint ``name`` (Accelerate's name for it)."""
+    return f"{name}/{FSDP_MODEL_NAME}_{i}"
+
+
+def optimizer_folder(name: str, i: int) -> str:
+    """The ``i``-th optimizer's DCP folder in checkpoint ``name`` (Accelerate's name for it)."""
+    return f"{name}/{OPTIMIZER_NAME}_{i}"
+
+
+def _raw(optimizer: Any) -> Any:
+    return getattr(optimizer, "optimizer", optimizer)  # an AcceleratedOptimizer wraps the torch one
+
+
+def sharded_folders(name: str, models: list[Any], optimizers: list[Any]) -> dict[str, dict[str, Any]]:
+    """Folder -> state dict of every model and optimizer (optimizer ``i`` belongs to model ``i``, as
+    Accelerate pairs them), DTensor shards as they live on the device."""
+    folders = {
+        model_folder(name, i): {"model": get_model_state_dict(m, options=OPTIONS)}
+        for i, m in enumerate(models)
+    }
+    for i, opt in enumerate(optimizers):
+        state: Any = get_optimizer_state_dict(models[i], _raw(opt), options=OPTIONS)
+        folders[optimizer_folder(name, i)] = {"optimizer": state}
+    return folders
+
+
+def load_sharded(
+    checkpointer: AsyncCheckpointer, info: CheckpointInfo, models: list[Any], optimizers: list[Any]
+) -> None:
+    """Load every model's and optimizer's shards of ``info`` in place (every rank; DCP reshards)."""
+    for i, model in enumerate(models):
+        state: dict[str, Any] = {"model": get_model_state_dict(model, options=OPTIONS)}
+        dcp.load(checkpointer, state, info, folder=model_folder(info.name, i))
+        set_model_state_dict(model, state["model"], options=OPTIONS)
+    for i, opt in enumerate(optimizers):
+        optim: dict[str, Any] = {"optimizer": get_optimizer_state_dict(models[i], _raw(opt), options=OPTIONS)}
+        dcp.load(checkpointer, optim, info, folder=optimizer_folder(info.name, i))
+        set_optimizer_state_dict(models[i], _raw(opt), cast(Any, optim["optimizer"]), options=OPTIONS)
