@@ -196,18 +196,10 @@ class AirCheckpointIO(CheckpointIO):
         ckpt = self.checkpointer(root)
         info = self._commits_of(ckpt, folder)[-1]
         dcp.load(ckpt, state, info, folder=folder)
-        wanted = [f"{folder}/{meta_file}"]
-        rank = self.session.rank
-        mine = self.session.state_file(info.name)
-        if rank != 0 and info.manifest is not None and any(f.path == mine for f in info.manifest.files):
-            wanted.append(mine)
-        local = ckpt.fetch(info, paths=wanted)
-        loaded = {
-            rel: torch.load(p, map_location="cpu", weights_only=weights_only)
-            for rel, p in local.paths.items()
-        }
-        self.loaded_rank_state = loaded.get(mine) if rank != 0 else None
-        return loaded[wanted[0]]
+        meta = f"{folder}/{meta_file}"
+        local = ckpt.fetch(info, paths=[meta])
+        self._load_rank_states(ckpt, info, weights_only)
+        return torch.load(local.paths[meta], map_location="cpu", weights_only=weights_only)
 
     def save_rank_part(self, root: str, state: Any, *, step: int, name: str) -> None:
         """Ranks > 0: add this rank's part to the commit rank 0 makes of ``name``."""
@@ -247,18 +239,29 @@ class AirCheckpointIO(CheckpointIO):
                 fix="Resume with the model it was saved from, or give this run its own ModelCheckpoint "
                 "dirpath (set LightningModule.strict_loading = False to load a partial match on purpose).",
             )
+        self._load_rank_states(ckpt, info, weights_only)
+        return checkpoint
+
+    def _load_rank_states(
+        self, ckpt: AsyncCheckpointer, info: CheckpointInfo, weights_only: bool | None
+    ) -> None:
+        """The parts of saved ranks > 0 this rank restores from (rank 0's is in its checkpoint dict)."""
         self.loaded_rank_state, self.loaded_rank_states = None, {}
         manifest = info.manifest
         assert manifest is not None  # committed
-        wanted = self.session.ranks_to_load(manifest.world_size)
-        ranks = [r for r in wanted if r != 0 and manifest.files_of(r)]
-        if ranks:  # rank 0's part is inside the .ckpt
-            local = ckpt.fetch(info, ranks=ranks)
-            for r in ranks:
-                (part,) = (local.paths[f.path] for f in manifest.files_of(r))
-                self.loaded_rank_states[r] = torch.load(part, map_location="cpu", weights_only=weights_only)
+        parts = {
+            r: self.session.state_file(info.name, rank=r)
+            for r in self.session.ranks_to_load(manifest.world_size)
+        }
+        present = {f.path for f in manifest.files}
+        parts = {r: path for r, path in parts.items() if r != 0 and path in present}
+        if parts:
+            local = ckpt.fetch(info, paths=parts.values())
+            for r, path in parts.items():
+                self.loaded_rank_states[r] = torch.load(
+                    local.paths[path], map_location="cpu", weights_only=weights_only
+                )
             self.loaded_rank_state = self.loaded_rank_states.get(self.session.rank)
-        return checkpoint
 
     @override
     def remove_checkpoint(self, path: Any) -> None:

@@ -143,10 +143,10 @@ class TrainingSession:
         self.returned_at = time.monotonic()
         return self.last_handle
 
-    def state_file(self, name: str) -> str:
-        """Where this rank's ``rank_state`` goes in checkpoint ``name`` when the framework's own files
-        come from rank 0 only (a path under the root)."""
-        return rank_state_path(name, self.rank)
+    def state_file(self, name: str, *, rank: int | None = None) -> str:
+        """Where this rank's (or saved rank ``rank``'s) ``rank_state`` goes in checkpoint ``name`` when
+        the framework's own files do not carry it (a path under the root)."""
+        return rank_state_path(name, self.rank if rank is None else rank)
 
     def before_optimizer_step(self) -> None:
         """Block until the last save's device-to-host copy landed (the optimizer mutates the weights)."""

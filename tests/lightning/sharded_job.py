@@ -1,7 +1,7 @@
 """The Lightning test job with an FSDP2 (``fully_shard``) model under ``AirModelParallelStrategy``.
 
     python tests/lightning/sharded_job.py WORKDIR [--devices D] [--every K] [--epochs E]
-        [--kill STEP:PHASE[:RANK]] [--root URL --endpoint URL]
+        [--kill STEP:PHASE[:RANK]] [--root URL --endpoint URL] [--elastic]
 
 The model, data and records are tests/lightning/job.py's (``ids-rank<R>.jsonl`` per step, rank 0's
 ``final.pt``: the full, unsharded weights after fit), on D CPU processes (gloo). Also written by rank 0:
@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--kill", default="")
+    p.add_argument("--elastic", action="store_true", help="AirCallback(elastic=True)")
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     args = p.parse_args()
@@ -85,7 +86,7 @@ def main() -> None:
         strategy=AirModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
         plugins=[plugin],
         callbacks=[
-            AirCallback(log_every_n_steps=8),
+            AirCallback(log_every_n_steps=8, elastic=args.elastic),
             ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=-1),
             FullWeights(args.workdir),
         ],

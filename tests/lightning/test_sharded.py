@@ -4,9 +4,12 @@ is Lightning's stock sharded layout."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -17,7 +20,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from air_core import AsyncCheckpointer, ConfigError
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
+from tests.concurrent_jobs import finish, start
 from tests.conftest import REPO
+from tests.lightning.model import N_SAMPLES
 from tests.sameness import assert_same_run
 
 JOB = os.path.join(REPO, "tests/lightning/sharded_job.py")
@@ -71,6 +76,37 @@ def test_a_committed_sharded_checkpoint_is_lightnings_stock_layout(reference):
     assert all(torch.equal(state["state_dict"][k], v) for k, v in saved.items())
     meta = torch.load(folder / "meta.pt", weights_only=False)
     assert meta["global_step"] == 15 and "state_dict" not in meta
+
+
+@pytest.mark.slow
+def test_a_two_rank_sharded_checkpoint_continues_on_one_and_three_ranks(tmp_path_factory):
+    """Weights resharded by DCP equal the saved ones; the rest of the interrupted epoch is split over the
+    new ranks, each sample once; training completes."""
+    saved = tmp_path_factory.mktemp("sharded-two-ranks")
+    run_sharded(saved, "--epochs", "1")  # 8 steps an epoch on two ranks: the newest commit is step 5
+    weights = torch.load(saved / "saved-5.pt")
+    before = [i for r in range(2) for rec in _records(saved, r) if rec["step"] < 5 for i in rec["ids"]]
+    runs = {}
+    for devices in (1, 3):
+        work = tmp_path_factory.mktemp(f"sharded-on-{devices}")
+        shutil.copytree(saved / "ckpts", work / "ckpts")
+        args = ("--devices", str(devices), "--epochs", "2", "--elastic")
+        runs[devices] = (work, start([sys.executable, JOB, str(work), *args], work))
+    finish({f"the sharded resume on {n} process(es)": run for n, run in runs.items()})
+    for devices, (work, _) in runs.items():
+        loaded = torch.load(work / "loaded.pt")
+        assert all(torch.equal(loaded[k], weights[k]) for k in weights), f"on {devices}: the saved weights"
+        records = [_records(work, rank) for rank in range(devices)]
+        assert min(rec["step"] for rank in records for rec in rank) == 5, "resumed at the saved step"
+        rest = [i for rank in records for rec in rank if rec["epoch"] == 0 for i in rec["ids"]]
+        assert Counter(before + rest) == Counter(range(N_SAMPLES)), (
+            f"on {devices} rank(s): every sample of the interrupted epoch exactly once"
+        )
+        assert (work / "final.pt").exists(), "training completed"
+
+
+def _records(workdir: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (workdir / f"ids-rank{rank}.jsonl").read_text().splitlines()]
 
 
 def test_stock_sharded_strategies_are_refused_before_training(tmp_path):
