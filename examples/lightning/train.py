@@ -1,6 +1,9 @@
 """LightningCLI example: asynchronous committed checkpoints and exact resume from YAML.
 
     python examples/lightning/train.py fit --config examples/lightning/config.yaml
+    # the same model sharded with FSDP2 over two processes, checkpoints sharded and asynchronous:
+    python examples/lightning/train.py fit --config examples/lightning/config.yaml \
+        --config examples/lightning/sharded.yaml
 
 Relaunching the same command resumes from the newest committed checkpoint under the
 ModelCheckpoint dirpath (``AirCLI.before_fit``); with none there, it starts fresh. Each step's sample
@@ -17,6 +20,8 @@ import statistics
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningCLI
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_air import AirCallback, AirCheckpointIO
@@ -59,13 +64,24 @@ class DemoModel(pl.LightningModule):
             f.write(json.dumps({"step": self.global_step, "ids": ids.tolist()}) + "\n")
         return (self.net(x) - x).pow(2).mean()
 
+    def configure_model(self) -> None:
+        """Under ``AirModelParallelStrategy`` (sharded.yaml): FSDP2 over the data-parallel ranks."""
+        if self.device_mesh is None:
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
     def on_fit_end(self) -> None:
-        if not self.trainer.is_global_zero:
+        full = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.trainer.is_global_zero:  # (a collective when sharded: every rank calls it)
             return
-        torch.save(self.state_dict(), "final.pt")
+        torch.save(full, "final.pt")
         air = next(cb for cb in self.trainer.callbacks if isinstance(cb, AirCallback))
         saves = [s for s in air.records.saves if not s.error]
         fetch = sorted(air.records.fetch_seconds) or [0.0]

@@ -36,6 +36,17 @@ def test_yaml_example_trains_commits_and_a_relaunch_resumes(tmp_path):
     assert "epoch=0-step=32.ckpt" in second.stderr + second.stdout, "resumes from the newest commit"
 
 
+def test_sharded_yaml_overlay_saves_sharded_folders_from_two_processes(tmp_path):
+    sharded = os.path.join(REPO, "examples/lightning/sharded.yaml")
+    run = _cli(tmp_path, "--config", sharded, "--trainer.max_epochs", "1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    folders = sorted(p.name for p in (tmp_path / "remote/ckpts").iterdir() if not p.name.startswith("."))
+    assert folders == ["epoch=0-step=16.ckpt", "epoch=0-step=8.ckpt"], "16 steps on two ranks, every 8"
+    files = sorted(os.listdir(tmp_path / "remote/ckpts/epoch=0-step=8.ckpt"))
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert len(list((tmp_path / "remote/ckpts/.air").glob("*/manifest.json"))) == 2
+
+
 @pytest.mark.parametrize(
     ("good", "bad"),
     [
