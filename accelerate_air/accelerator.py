@@ -29,7 +29,7 @@ from typing_extensions import override
 from air_core import ConfigError
 from air_core.session import TrainingSession
 
-from .layout import accelerate_files, air_file, model_file, rank_state_of
+from .layout import accelerate_files, air_file, batch_layout, model_file, rank_state_of
 from .plugin import AirPlugin, warn_if_inexact
 
 logger = logging.getLogger(__name__)
@@ -131,6 +131,7 @@ class AirAccelerator(Accelerator):
         stateful = getattr(prepared, "use_stateful_dataloader", False)
         if stateful:
             _start_epochs_at_iter(prepared)
+        layout = batch_layout(prepared.base_dataloader)
         prepared.base_dataloader = self.air_session.track(
             prepared.base_dataloader,
             epoch=lambda: int(prepared.iteration),
@@ -139,6 +140,7 @@ class AirAccelerator(Accelerator):
             exact_state=(prepared.state_dict, prepared.load_state_dict) if stateful else None,
             on_fetch=self._air_record_fetch,
             reenter=True,  # resume() returns the finished epoch: the loop runs the code after its batches
+            layout=layout,  # how the batches are dealt to processes, for a resume at another count
         )
         self._air_tracked.add(id(prepared))
         return prepared
@@ -231,9 +233,14 @@ class AirAccelerator(Accelerator):
         name under the root, or an existing local folder; then restore every rank's RNG, data
         position, ``completed_steps`` and MLflow run.
 
+        With ``AirPlugin(elastic=True)`` a checkpoint of another number of processes continues: each
+        process reads every saved process's small ``air-rank-<r>.pt`` and takes its share of the rest of
+        the interrupted epoch (``air_core.session.elastic``).
+
         Raises:
             FileNotFoundError: nothing committed under the root, or no checkpoint of that name.
-            ConfigError: the checkpoint was written by another number of processes or loaders.
+            ConfigError: the checkpoint was written by another number of processes (without ``elastic``)
+                or loaders.
         """
         if input_dir is not None and os.path.isdir(os.path.expanduser(str(input_dir))):
             folder = os.path.expanduser(str(input_dir))
@@ -248,15 +255,13 @@ class AirAccelerator(Accelerator):
                         f"{self.air_plugin.root}; committed: {sorted(committed) or 'none'}."
                     )
                 info = committed[wanted]
-            local = self._air.fetch(info, ranks={0, self.process_index})
-            name = local.info.name
-            folder = os.path.dirname(local.paths[f"{name}/{air_file(self.process_index)}"])
-        air_path = os.path.join(folder, air_file(self.process_index))
-        air = torch.load(air_path, weights_only=True) if os.path.isfile(air_path) else None
+            folder = self._air_fetch(info)
+        airs = self._air_rank_files(folder)
+        states = {r: rank_state_of(a) for r, a in airs.items()}
+        saved = int(states[0]["world_size"]) if 0 in states else self.num_processes
         what = f"AirAccelerator.load_state: the checkpoint {os.path.basename(folder)}"
-        rank_state = rank_state_of(air) if air is not None else None
-        if rank_state is not None:
-            self.air_session.check_world_size(rank_state["world_size"], what=what)
+        if states:  # every process refuses another world size (without elastic) before any weight is copied
+            self.air_session.check_world_size(saved, what=what)
         for i, model in enumerate(self._models):  # before Accelerate copies any weight
             path = os.path.join(folder, model_file(i))
             if os.path.isfile(path):
@@ -267,7 +272,8 @@ class AirAccelerator(Accelerator):
                     fix="Resume with the model it was saved from, or give this run its own AirPlugin root.",
                 )
         super().load_state(folder, load_kwargs, **load_model_func_kwargs)
-        if air is None or rank_state is None:
+        needed = self.air_session.ranks_to_load(saved)
+        if not needed or any(r not in states for r in needed):
             logger.warning(
                 "AirAccelerator.load_state(%s): no %s; RNG and data position come from Accelerate's files "
                 "only, so the resumed run may repeat or skip samples.",
@@ -275,9 +281,10 @@ class AirAccelerator(Accelerator):
                 air_file(self.process_index),
             )
             return
-        self.completed_steps = air["completed_steps"]
-        self.air_session.restore_rank_state(rank_state, what=what)
-        for dl, position in zip(self._dataloaders, rank_state["loaders"], strict=True):
+        mine = self.process_index if self.process_index in states else 0  # a process the checkpoint lacked
+        self.completed_steps = airs[mine]["completed_steps"]
+        self.air_session.restore_rank_states({r: states[r] for r in needed}, what=what)
+        for dl, position in zip(self._dataloaders, states[mine]["loaders"], strict=True):
             if position is None:
                 continue
             # At an epoch's end the loop re-enters that epoch for the code after its batches; the
@@ -287,6 +294,38 @@ class AirAccelerator(Accelerator):
                 self.start_epoch = position["epoch"]
         if self.air_session.resumed_mlflow_run:
             self._air_continue_mlflow_run(self.air_session.resumed_mlflow_run)
+
+    def _air_fetch(self, info: Any) -> str:
+        """Fetch ``info`` (None: the newest committed that verifies) into the local cache (rank 0's files
+        and this process's; every process's when an elastic resume needs their rank files); return the
+        folder."""
+        ranks = {0, self.process_index}
+        if self.air_plugin.session.elastic:  # the saved world size decides which ranks' files are needed
+            hint = info or self._air.latest()
+            if hint is not None and hint.manifest is not None:
+                ranks |= set(self.air_session.ranks_to_load(hint.manifest.world_size))
+        local = self._air.fetch(info, ranks=ranks)
+        manifest = local.info.manifest
+        assert manifest is not None  # committed
+        if not set(self.air_session.ranks_to_load(manifest.world_size)) <= ranks:  # it fell back to another
+            local = self._air.fetch(local.info, ranks=set(range(manifest.world_size)))
+        return os.path.dirname(next(iter(local.paths.values())))  # all under <name>/
+
+    def _air_rank_files(self, folder: str) -> dict[int, dict[str, Any]]:
+        """The ``air-rank-<r>.pt`` files in ``folder`` this process resumes from: rank 0's (which tells the
+        saved world size) and its own, or every saved rank's for an elastic resume."""
+
+        def read(rank: int) -> dict[str, Any] | None:
+            path = os.path.join(folder, air_file(rank))
+            return torch.load(path, weights_only=True) if os.path.isfile(path) else None
+
+        airs = {r: a for r in {0, self.process_index} if (a := read(r)) is not None}
+        if 0 in airs:
+            saved = rank_state_of(airs[0])["world_size"]
+            for r in self.air_session.ranks_to_load(saved):
+                if r not in airs and (a := read(r)) is not None:
+                    airs[r] = a
+        return airs
 
     def resume(self) -> int:
         """Load the newest committed checkpoint if there is one; return ``start_epoch`` (0 when fresh).

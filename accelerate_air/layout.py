@@ -4,6 +4,7 @@ Keeping Accelerate's layout (``pytorch_model.bin``, ``optimizer.bin``, ``schedul
 ``custom_checkpoint_<i>.pkl``, ``random_states_<rank>.pkl``) is what lets a stock ``load_state`` read a
 downloaded checkpoint and lets ``AirAccelerator.load_state`` hand the fetched folder to Accelerate's
 own loader. Only what a rank would write is built: rank 0 the shared state, every rank its RNG file.
+``batch_layout`` tells the core how a prepared loader's batches are dealt to processes (elastic resume).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import tempfile
 from typing import Any
 
 from accelerate import Accelerator
-from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
+from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler
 from accelerate.utils import (
     MODEL_NAME,
     OPTIMIZER_NAME,
@@ -22,9 +23,10 @@ from accelerate.utils import (
     SCALER_NAME,
     SCHEDULER_NAME,
 )
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from air_core import AirError
-from air_core.session import raw_from_safe
+from air_core.session import DealtBatches, raw_from_safe
 
 
 def air_file(rank: int) -> str:
@@ -116,3 +118,41 @@ def rank_state_of(air: dict[str, Any]) -> dict[str, Any]:
         "loaders": loaders,
         "mlflow_run_id": air.get("mlflow_run_id"),
     }
+
+
+class _Listed:
+    """A list of batches as a batch sampler (what ``BatchSamplerShard`` deals), with the source's size."""
+
+    def __init__(self, batches: list[list[int]], batch_size: int | None, drop_last: bool) -> None:
+        self.batches, self.batch_size, self.drop_last = batches, batch_size, drop_last
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+
+def batch_layout(base: Any) -> DealtBatches | None:
+    """How Accelerate deals the batches of a prepared loader's ``base_dataloader`` to processes: the
+    original batch sampler (drawn alike on every process), dealt round robin by ``BatchSamplerShard``
+    (one process: not dealt). None where an elastic resume cannot split it: an iterable dataset, split
+    batches, ``even_batches=False`` (processes would run different numbers of steps: DDP hangs)."""
+    if not isinstance(base, DataLoader) or isinstance(base.dataset, IterableDataset):
+        return None
+    dealt = base.batch_sampler
+    if isinstance(dealt, BatchSamplerShard):
+        if dealt.split_batches or not dealt.even_batches:
+            return None
+        source, world, rank = dealt.batch_sampler, dealt.num_processes, dealt.process_index
+
+        def deal(batches: list[list[int]]) -> Any:
+            listed = _Listed(
+                batches, getattr(source, "batch_size", None), getattr(source, "drop_last", False)
+            )
+            return BatchSamplerShard(listed, world, rank, split_batches=False, even_batches=True)  # type: ignore[arg-type]
+
+        return DealtBatches(source, world_size=world, rank=rank, deal=deal)
+    if type(dealt) is BatchSampler:
+        return DealtBatches(dealt, world_size=1, rank=0, deal=lambda batches: batches)
+    return None

@@ -25,6 +25,9 @@ class AirPlugin:
             Accelerate's MLflow tracker if one is active, else the active run, else a new run in
             ``mlflow_experiment`` at ``MLFLOW_TRACKING_URI`` (default: ``./mlflow.db``, sqlite).
             None: when MLflow is installed.
+        elastic: resume a checkpoint written by another number of processes: the rest of the interrupted
+            epoch is split over this run's processes, every sample once, but the run is no longer bitwise
+            equal to an uninterrupted one (and the global batch changes). Off: such a resume is refused.
 
     Raises:
         ConfigError: a setting is invalid (named, with the fix), before any process group exists.
@@ -48,6 +51,7 @@ class AirPlugin:
         log_every_n_steps: int = 50,
         mlflow: bool | None = None,
         mlflow_experiment: str = "air-plugins",
+        elastic: bool = False,
     ) -> None:
         self.checkpointer: dict[str, Any] = dict(
             staging_dir=staging_dir,
@@ -69,6 +73,7 @@ class AirPlugin:
             flush_timeout_seconds=flush_timeout_seconds,
             mlflow=mlflow,
             mlflow_experiment=mlflow_experiment,
+            elastic=elastic,
             owner="AirPlugin",
         )
         """The training session's settings (validated now)."""

@@ -266,6 +266,8 @@ def _count_from_the_share(trainer: pl.Trainer) -> None:
     if not left:
         return
     total = trainer.num_training_batches
+    if total == float("inf") and left == [0]:  # an unsized epoch that was over: its end is the loader's
+        return
     if len(combined.flattened) != 1 or total == float("inf") or total < left[0]:
         raise ConfigError(
             "AirCallback(elastic=True) continues one sized train loader at another world size, within "

@@ -215,6 +215,9 @@ def _generator_at(obj: Any, path: str) -> torch.Generator:
     return generator
 
 
+_PLAIN_BATCHES = ("torch.utils.data.sampler", "torchdata.stateful_dataloader.sampler")
+
+
 def layout_of(loader: Any, *, world_size: int) -> Layout | None:
     """The layout of a plain map-style ``DataLoader`` in a job of ``world_size`` ranks, or None.
 
@@ -223,7 +226,8 @@ def layout_of(loader: Any, *, world_size: int) -> Layout | None:
     """
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return None
-    if type(loader.batch_sampler) is not BatchSampler:
+    batches = loader.batch_sampler  # torch's, or torchdata's stateful subclass (same batches)
+    if not isinstance(batches, BatchSampler) or type(batches).__module__ not in _PLAIN_BATCHES:
         return None
     if type(loader.sampler) is DistributedSampler:
         return ShardedSamples(loader)

@@ -70,6 +70,7 @@ def build(args):
         log_every_n_steps=8,
         mlflow=bool(args.mlflow),
         mlflow_experiment=args.experiment,
+        elastic=args.elastic,
     )
     plugin.add_listener(Journal(args.workdir))
     if args.kill:
@@ -98,6 +99,8 @@ def main() -> None:
     p.add_argument("--mlflow", default="", help="tracking URI: send air's metrics to MLflow")
     p.add_argument("--tracker", action="store_true", help="also log the loss through Accelerate's tracker")
     p.add_argument("--experiment", default="air-test", help="MLflow experiment of a new run")
+    p.add_argument("--elastic", action="store_true", help="AirPlugin(elastic=True)")
+    p.add_argument("--dump-loaded", action="store_true", help="each rank saves its weights after resume()")
     args = p.parse_args()
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     for name in ("accelerate_air", "air_core"):
@@ -122,12 +125,16 @@ def main() -> None:
     )
     start_epoch = 0 if args.stock else accelerator.resume()
     step = 0 if args.stock else accelerator.completed_steps
+    if args.dump_loaded:
+        weights = accelerator.unwrap_model(model).state_dict()
+        torch.save(weights, os.path.join(args.workdir, f"loaded-rank{accelerator.process_index}.pt"))
     ids_file = os.path.join(args.workdir, f"ids-rank{accelerator.process_index}.jsonl")
-    for _ in range(start_epoch, args.epochs):
+    for epoch in range(start_epoch, args.epochs):
         model.train()
         for ids, x in loader:
             with open(ids_file, "a") as f:
                 record = {"step": step, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
+                record["epoch"] = epoch
                 f.write(json.dumps(record) + "\n")
             loss = (model(x) - x).pow(2).mean()
             if args.tracker:

@@ -8,6 +8,7 @@ checkpoint is every rank's ``position()`` and RNG through a ``weights_only`` rou
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 from collections import Counter
@@ -39,10 +40,15 @@ def _roundtrip(obj):
 
 
 # -- Lightning's layout: a DistributedSampler per rank --------------------------------------------------
-def _distributed(world: int, rank: int, epoch: int, workers: int = 0) -> TrackedLoader:
+def _distributed(
+    world: int, rank: int, epoch: int, workers: int = 0, stateful: bool = False
+) -> TrackedLoader:
     sampler = DistributedSampler(Ids(), num_replicas=world, rank=rank, shuffle=True, seed=7)
     sampler.set_epoch(epoch)
-    loader = DataLoader(Ids(), batch_size=BATCH, sampler=sampler, num_workers=workers)
+    kind = DataLoader
+    if stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader as kind
+    loader = kind(Ids(), batch_size=BATCH, sampler=sampler, num_workers=workers)
     return TrackedLoader(loader, epoch=lambda: epoch, layout=layout_of(loader, world_size=world))
 
 
@@ -73,13 +79,20 @@ def _saved_at(world: int, k: int, make=_distributed) -> tuple[list[int], list[di
     return seen, positions, rngs
 
 
-@pytest.mark.parametrize(("new_world", "workers"), [(1, 0), (3, 0), (3, 2), (4, 0)])
-def test_rest_of_a_distributed_epoch_is_split_over_another_world_size_each_sample_once(new_world, workers):
-    seen, positions, rngs = _saved_at(2, k=2)  # 16 of 30 samples consumed by 2 ranks
+@pytest.mark.parametrize(
+    ("new_world", "workers", "stateful"),
+    [(1, 0, False), (3, 0, False), (3, 2, False), (4, 0, False), (3, 0, True)],
+)
+def test_rest_of_a_distributed_epoch_is_split_over_another_world_size_each_sample_once(
+    new_world, workers, stateful
+):
+    make = functools.partial(_distributed, stateful=stateful)
+    seen, positions, rngs = _saved_at(2, k=2, make=make)  # 16 of 30 samples consumed by 2 ranks
     assert positions[0]["stream"]["source"]["kind"] == "distributed"
+    assert positions[0]["mode"] == ("state" if stateful else "skip")
     shares = []
     for rank in range(new_world):
-        tracked = _distributed(new_world, rank, 1, workers) if new_world > 1 else _one_process(1)
+        tracked = make(new_world, rank, 1, workers) if new_world > 1 else _one_process(1)
         mine = rank if rank < 2 else None
         assert tracked.resume_elastic(positions, rngs[mine] if mine is not None else None, mine=mine) == 1
         left = tracked.batches_left()
