@@ -1,7 +1,7 @@
 """The Lightning test job with an FSDP2 (``fully_shard``) model under ``AirModelParallelStrategy``.
 
     python tests/lightning/sharded_job.py WORKDIR [--devices D] [--every K] [--epochs E]
-        [--kill STEP:PHASE[:RANK]] [--root URL --endpoint URL] [--elastic]
+        [--kill STEP:PHASE[:RANK]] [--root URL --endpoint URL] [--elastic] [--top-k K] [--save-last]
 
 The model, data and records are tests/lightning/job.py's (``ids-rank<R>.jsonl`` per step, rank 0's
 ``final.pt``: the full, unsharded weights after fit), on D CPU processes (gloo). Also written by rank 0:
@@ -65,6 +65,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--kill", default="")
     p.add_argument("--elastic", action="store_true", help="AirCallback(elastic=True)")
+    p.add_argument("--top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k), monitoring the step")
+    p.add_argument("--save-last", action="store_true", help="ModelCheckpoint(save_last=True)")
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     args = p.parse_args()
@@ -87,7 +89,14 @@ def main() -> None:
         plugins=[plugin],
         callbacks=[
             AirCallback(log_every_n_steps=8, elastic=args.elastic),
-            ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=-1),
+            ModelCheckpoint(
+                dirpath=root,
+                every_n_train_steps=args.every,
+                save_top_k=args.top_k,
+                monitor="step" if args.top_k > 0 else None,
+                mode="max",
+                save_last=args.save_last,
+            ),
             FullWeights(args.workdir),
         ],
         logger=False,

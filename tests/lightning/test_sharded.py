@@ -105,6 +105,23 @@ def test_a_two_rank_sharded_checkpoint_continues_on_one_and_three_ranks(tmp_path
         assert (work / "final.pt").exists(), "training completed"
 
 
+@pytest.mark.slow
+def test_top_k_and_save_last_keep_only_their_sharded_folders(tmp_path):
+    """ModelCheckpoint deletes and rewrites sharded folders through the plugin as it does files."""
+    run_sharded(tmp_path, "--devices", "1", "--top-k", "1", "--save-last")
+    root = tmp_path / "ckpts"
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
+        "epoch=1-step=30.ckpt",
+        "last.ckpt",
+    ]
+    with AsyncCheckpointer(str(root), read_only=True) as ckpt:
+        infos = ckpt.list()
+    assert [(i.status, i.step) for i in infos] == [("committed", 30), ("committed", 30)]
+    assert sorted(os.listdir(root / "last.ckpt")) == [".metadata", "__0_0.distcp", "meta.pt"]
+    assert torch.load(root / "last.ckpt" / "meta.pt", weights_only=False)["global_step"] == 30
+    assert latest_checkpoint(str(root)).rsplit("/", 1)[1] in {"epoch=1-step=30.ckpt", "last.ckpt"}
+
+
 def _records(workdir: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (workdir / f"ids-rank{rank}.jsonl").read_text().splitlines()]
 
