@@ -15,8 +15,10 @@ per-rank state is ``air-rank-<r>.pt`` beside it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,14 +28,28 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from torch.utils.data import RandomSampler
 from typing_extensions import override
 
-from air_core import ConfigError
+from air_core import ConfigError, dcp
 from air_core.session import TrainingSession
 
 from .layout import accelerate_files, air_file, batch_layout, model_file, rank_state_of
 from .plugin import AirPlugin, warn_if_inexact
+from .sharded import fsdp2_sharded, load_sharded, sharded_folders
 
 logger = logging.getLogger(__name__)
 _SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
+
+
+@contextlib.contextmanager
+def _hidden(obj: Any, *lists: str) -> Iterator[None]:
+    """Empty the named list attributes of ``obj`` for the duration (restored even on an exception)."""
+    saved = {name: getattr(obj, name) for name in lists}
+    try:
+        for name in lists:
+            setattr(obj, name, [])
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(obj, name, value)
 
 
 def _start_epochs_at_iter(prepared: Any) -> None:
@@ -84,11 +100,18 @@ class AirAccelerator(Accelerator):
                 "checkpoints. On a machine without GPUs pass Accelerator(cpu=True) or set "
                 "ACCELERATE_USE_CPU=true for a multi-CPU (gloo) run."
             )
-        if self.distributed_type not in _SUPPORTED:
+        self._air_sharded = fsdp2_sharded(self)
+        if self.distributed_type == DistributedType.FSDP and not self._air_sharded:
+            raise ConfigError(
+                "AirAccelerator: FSDP is checkpointed with FullyShardedDataParallelPlugin(fsdp_version=2, "
+                "state_dict_type='SHARDED_STATE_DICT') (each process saves its shards); FSDP1 and full state "
+                "dicts are not supported: use those settings, or a plain Accelerator."
+            )
+        if self.distributed_type not in _SUPPORTED and not self._air_sharded:
             raise ConfigError(
                 f"AirAccelerator: distributed_type {self.distributed_type.value} is not supported yet; it "
-                "checkpoints single-process and DDP (MULTI_CPU / MULTI_GPU) runs. Use a plain Accelerator "
-                "for FSDP, DeepSpeed, Megatron-LM and XLA."
+                "checkpoints single-process, DDP (MULTI_CPU / MULTI_GPU) and FSDP2 sharded runs. Use a plain "
+                "Accelerator for DeepSpeed, Megatron-LM and XLA."
             )
         self.air_plugin = air_plugin
         self.completed_steps = 0
@@ -196,14 +219,17 @@ class AirAccelerator(Accelerator):
         """
         name = self._air_name(output_dir)
         rank_state = self.air_session.rank_state()
-        files = accelerate_files(self, rank_state["rng"])
+        files = accelerate_files(self, rank_state["rng"], sharded=self._air_sharded)
         files[air_file(self.process_index)] = {
             "completed_steps": self.completed_steps,
             "rank_state": rank_state,
         }
-        self.air_session.save(
-            {f"{name}/{f}": state for f, state in files.items()}, step=self.completed_steps, name=name
-        )
+        files = {f"{name}/{f}": state for f, state in files.items()}
+        if self._air_sharded:  # every process: its shards, in Accelerate's DCP folders, one commit
+            folders = sharded_folders(name, self._models, self._optimizers)
+            self.air_session.save_sharded(folders, step=self.completed_steps, name=name, files=files)
+        else:
+            self.air_session.save(files, step=self.completed_steps, name=name)
         self.project_configuration.iteration += 1
         return f"{self.air_plugin.root.rstrip('/')}/{name}"
 
@@ -242,10 +268,10 @@ class AirAccelerator(Accelerator):
             ConfigError: the checkpoint was written by another number of processes (without ``elastic``)
                 or loaders.
         """
+        info = None
         if input_dir is not None and os.path.isdir(os.path.expanduser(str(input_dir))):
             folder = os.path.expanduser(str(input_dir))
         else:
-            info = None
             if input_dir is not None:
                 wanted = os.path.basename(os.path.normpath(str(input_dir)))
                 committed = {i.name: i for i in self._air.list() if i.status == "committed"}
@@ -255,7 +281,7 @@ class AirAccelerator(Accelerator):
                         f"{self.air_plugin.root}; committed: {sorted(committed) or 'none'}."
                     )
                 info = committed[wanted]
-            folder = self._air_fetch(info)
+            folder, info = self._air_fetch(info)
         airs = self._air_rank_files(folder)
         states = {r: rank_state_of(a) for r, a in airs.items()}
         saved = int(states[0]["world_size"]) if 0 in states else self.num_processes
@@ -271,7 +297,12 @@ class AirAccelerator(Accelerator):
                     what=f"AirAccelerator.load_state: {os.path.basename(folder)}/{model_file(i)}",
                     fix="Resume with the model it was saved from, or give this run its own AirPlugin root.",
                 )
-        super().load_state(folder, load_kwargs, **load_model_func_kwargs)
+        if self._air_sharded and info is not None:  # FSDP2 shards through the core's reader, the rest stock
+            load_sharded(self._air, info, self._models, self._optimizers)
+            with _hidden(self, "_models", "_optimizers"):  # Accelerate would read them from local folders
+                super().load_state(folder, load_kwargs, **load_model_func_kwargs)
+        else:
+            super().load_state(folder, load_kwargs, **load_model_func_kwargs)
         needed = self.air_session.ranks_to_load(saved)
         if not needed or any(r not in states for r in needed):
             logger.warning(
@@ -295,21 +326,27 @@ class AirAccelerator(Accelerator):
         if self.air_session.resumed_mlflow_run:
             self._air_continue_mlflow_run(self.air_session.resumed_mlflow_run)
 
-    def _air_fetch(self, info: Any) -> str:
+    def _air_fetch(self, info: Any) -> tuple[str, Any]:
         """Fetch ``info`` (None: the newest committed that verifies) into the local cache (rank 0's files
         and this process's; every process's when an elastic resume needs their rank files); return the
-        folder."""
+        folder and the checkpoint. Shards in DCP folders are left to the reader (only what is needed)."""
         ranks = {0, self.process_index}
-        if self.air_plugin.session.elastic:  # the saved world size decides which ranks' files are needed
-            hint = info or self._air.latest()
-            if hint is not None and hint.manifest is not None:
-                ranks |= set(self.air_session.ranks_to_load(hint.manifest.world_size))
-        local = self._air.fetch(info, ranks=ranks)
+        if self._air_sharded:  # one chosen checkpoint: its shards are read later, by the reader
+            info = info or self._air.latest()
+        hint = info or (self._air.latest() if self.air_plugin.session.elastic else None)
+        if hint is not None and hint.manifest is not None:  # the saved world size decides
+            ranks |= set(self.air_session.ranks_to_load(hint.manifest.world_size))
+        if self._air_sharded and info is not None and info.manifest is not None:
+            shards = tuple(f"{folder}/" for folder in dcp.dcp_folders(info))
+            paths = [f.path for f in info.manifest.files if f.rank in ranks and not f.path.startswith(shards)]
+            local = self._air.fetch(info, paths=paths)
+        else:
+            local = self._air.fetch(info, ranks=ranks)
         manifest = local.info.manifest
         assert manifest is not None  # committed
         if not set(self.air_session.ranks_to_load(manifest.world_size)) <= ranks:  # it fell back to another
             local = self._air.fetch(local.info, ranks=set(range(manifest.world_size)))
-        return os.path.dirname(next(iter(local.paths.values())))  # all under <name>/
+        return os.path.dirname(next(iter(local.paths.values()))), local.info  # all under <name>/
 
     def _air_rank_files(self, folder: str) -> dict[int, dict[str, Any]]:
         """The ``air-rank-<r>.pt`` files in ``folder`` this process resumes from: rank 0's (which tells the

@@ -43,11 +43,14 @@ def model_file(i: int) -> str:
     return _indexed(MODEL_NAME, i, ".bin")
 
 
-def accelerate_files(accelerator: Accelerator, rng: dict[str, Any]) -> dict[str, Any]:
+def accelerate_files(
+    accelerator: Accelerator, rng: dict[str, Any], *, sharded: bool = False
+) -> dict[str, Any]:
     """File name -> state, as ``save_state`` would write them on this rank (weights in torch format).
 
     ``rng`` is the session's capture of this save (``capture_rng``): Accelerate's RNG file is made from
-    it, so the generators are read once per save.
+    it, so the generators are read once per save. ``sharded``: models and optimizers are saved as DCP
+    folders (``sharded.py``), not here.
 
     Raises:
         AirError: a registered save-state pre hook wrote files into ``output_dir`` (they could not
@@ -55,7 +58,7 @@ def accelerate_files(accelerator: Accelerator, rng: dict[str, Any]) -> dict[str,
     """
     acc: Any = accelerator
     files: dict[str, Any] = {}
-    weights = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
+    weights = [] if sharded else [acc.get_state_dict(m, unwrap=False) for m in acc._models]
     with tempfile.TemporaryDirectory(prefix="air-hooks-") as hook_dir:
         for hook in acc._save_model_state_pre_hook.values():
             hook(acc._models, weights, hook_dir)
@@ -68,7 +71,7 @@ def accelerate_files(accelerator: Accelerator, rng: dict[str, Any]) -> dict[str,
     if acc.is_main_process:
         for i, state in enumerate(weights):
             files[model_file(i)] = state
-        for i, opt in enumerate(acc._optimizers):
+        for i, opt in enumerate([] if sharded else acc._optimizers):
             files[_indexed(OPTIMIZER_NAME, i, ".bin")] = opt.state_dict()
         for i, sched in enumerate(acc._schedulers):
             files[_indexed(SCHEDULER_NAME, i, ".bin")] = sched.state_dict()

@@ -27,6 +27,14 @@ from air_core import AsyncCheckpointer, CheckpointInfo, dcp
 OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
+def fsdp2_sharded(accelerator: Any) -> bool:
+    """Whether ``accelerator`` runs FSDP2 with sharded state dicts (the one FSDP setup handled here)."""
+    if not getattr(accelerator, "is_fsdp2", False):
+        return False
+    kind = accelerator.state.fsdp_plugin.state_dict_type
+    return str(getattr(kind, "name", kind)).upper().endswith("SHARDED_STATE_DICT")
+
+
 def model_folder(name: str, i: int) -> str:
     """The ``i``-th model's DCP folder in checkpoint ``name`` (Accelerate's name for it)."""
     return f"{name}/{FSDP_MODEL_NAME}_{i}"
