@@ -12,6 +12,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import fsspec
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -62,6 +63,14 @@ def test_sharded_saves_to_s3_killed_mid_upload_resume_exactly(reference, tmp_pat
     with AsyncCheckpointer(s3_root.url, storage_options=s3_root.storage_options, read_only=True) as ckpt:
         committed = [i for i in ckpt.list() if i.status == "committed"]
     assert [i.step for i in committed] == [5, 10, 15]
+    # A downloaded copy of the newest folder is a stock DCP checkpoint.
+    local = tmp_path / "download"
+    fs = fsspec.filesystem("s3", **s3_root.storage_options)
+    fs.get(f"{s3_root.url}/epoch=1-step=15.ckpt/", str(local), recursive=True)
+    saved = torch.load(tmp_path / "saved-15.pt")
+    state = {"state_dict": {k: torch.zeros_like(v) for k, v in saved.items()}}
+    dcp.load(state, storage_reader=FileSystemReader(str(local)), no_dist=True)
+    assert all(torch.equal(state["state_dict"][k], v) for k, v in saved.items())
 
 
 @pytest.mark.slow
