@@ -47,3 +47,22 @@ def assert_same_run(resumed: Path, reference: Path, ranks: int = 1) -> None:
             )
     got, want = torch.load(resumed / "final.pt"), torch.load(reference / "final.pt")
     assert all(torch.equal(got[k], want[k]) for k in want), "final weights must be bitwise equal"
+
+
+def flat(tree: object, prefix: str = "") -> dict[str, object]:
+    """A nested dict as ``{"/a/b": leaf}`` (state dicts of models and optimizers)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        out.update(flat(value, f"{prefix}/{key}"))
+    return out
+
+
+def assert_same_state(expected: dict, got: dict, what: str = "") -> None:
+    """Every leaf of ``got`` equals ``expected``'s (tensors bitwise), with the same keys."""
+    want, have = flat(expected), flat(got)
+    assert want.keys() == have.keys(), what
+    for key, value in want.items():
+        same = torch.equal(value, have[key]) if isinstance(value, torch.Tensor) else value == have[key]
+        assert same, f"{key} {what}"

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from air_core import AsyncCheckpointer
 from air_core.dcp import dcp_folders
 from tests.conftest import REPO
+from tests.sameness import assert_same_state
 
 pytestmark = pytest.mark.slow
 WORKER = os.path.join(REPO, "tests/accelerate/sharded_worker.py")
@@ -32,14 +33,6 @@ def _torchrun(nproc: int, root: str, out: str, mode: str) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 
-def _flat(tree, prefix=""):
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from _flat(value, f"{prefix}/{key}")
-    else:
-        yield prefix, tree
-
-
 def test_fsdp2_state_through_the_adapter_loads_at_other_world_sizes(tmp_path):
     root, out = str(tmp_path / "root"), str(tmp_path)
     _torchrun(2, root, out, "save")
@@ -47,18 +40,13 @@ def test_fsdp2_state_through_the_adapter_loads_at_other_world_sizes(tmp_path):
         info = reader.latest()
     assert info is not None
     assert dcp_folders(info) == ["step-000000002/optimizer_0", "step-000000002/pytorch_model_fsdp_0"]
-    reference = dict(_flat(torch.load(tmp_path / "reference.pt", weights_only=False)))
+    reference = torch.load(tmp_path / "reference.pt", weights_only=False)
     for nproc in (1, 3):
         _torchrun(nproc, root, out, "load")
-        loaded = dict(_flat(torch.load(tmp_path / f"loaded-{nproc}.pt", weights_only=False)))
-        assert loaded.keys() == reference.keys()
-        for key, value in reference.items():
-            same = (
-                torch.equal(value, loaded[key]) if isinstance(value, torch.Tensor) else value == loaded[key]
-            )
-            assert same, f"{key} at {nproc} process(es)"
+        loaded = torch.load(tmp_path / f"loaded-{nproc}.pt", weights_only=False)
+        assert_same_state(reference, loaded, f"at {nproc} process(es)")
     # Accelerate's stock load_fsdp_model reads the model folder with DCP's FileSystemReader.
-    model = {k.removeprefix("/model/"): v for k, v in reference.items() if k.startswith("/model/")}
+    model = reference["model"]
     state = {"model": {k: torch.zeros_like(v) for k, v in model.items()}}
     dcp.load(
         state, storage_reader=FileSystemReader(f"{root}/step-000000002/pytorch_model_fsdp_0"), no_dist=True

@@ -19,6 +19,7 @@ from air_core import AsyncCheckpointer
 from air_core import dcp as air_dcp
 from air_core.errors import ConfigError
 from tests.conftest import REPO
+from tests.sameness import assert_same_state
 
 
 def _run(world: int, root: str, mode: str, arg: int | None = None) -> list[subprocess.CompletedProcess]:
@@ -43,24 +44,6 @@ def _run(world: int, root: str, mode: str, arg: int | None = None) -> list[subpr
     return outs
 
 
-def _flat(tree, prefix=""):
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from _flat(value, f"{prefix}/{key}")
-    else:
-        yield prefix, tree
-
-
-def _assert_equal_states(expected: dict, got: dict) -> None:
-    want, have = dict(_flat(expected)), dict(_flat(got))
-    assert want.keys() == have.keys()
-    for key, value in want.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(value, have[key]), key
-        else:
-            assert value == have[key], key
-
-
 def _ok(outs: list[subprocess.CompletedProcess]) -> None:
     for out in outs:
         assert out.returncode == 0, out.stdout + out.stderr
@@ -83,7 +66,7 @@ def test_fsdp2_checkpoint_of_two_ranks_loads_at_any_world_size(saved, world, tmp
     loaded = torch.load(tmp_path / f"loaded-{world}.pt", weights_only=False)
     reference = torch.load(os.path.join(os.path.dirname(saved), "reference-2.pt"), weights_only=False)
     assert (loaded["name"], loaded["step"]) == ("step-000000002", 2)
-    _assert_equal_states(reference, {"model": loaded["model"], "optim": loaded["optim"]})
+    assert_same_state(reference, {"model": loaded["model"], "optim": loaded["optim"]})
 
 
 @pytest.mark.slow
@@ -98,7 +81,7 @@ def test_a_committed_sharded_checkpoint_is_a_stock_dcp_checkpoint(saved):
     state = {"model": {k: torch.zeros_like(v) for k, v in reference["model"].items()}, "step": -1}
     dcp.load(state, storage_reader=FileSystemReader(os.path.join(saved, info.name)), no_dist=True)
     assert state["step"] == 2
-    _assert_equal_states(reference["model"], state["model"])
+    assert_same_state(reference["model"], state["model"])
 
 
 @pytest.mark.slow
@@ -115,7 +98,7 @@ def test_a_damaged_shard_is_skipped_for_the_previous_checkpoint(saved, tmp_path)
     loaded = torch.load(tmp_path / "loaded-2.pt", weights_only=False)
     reference = torch.load(os.path.join(os.path.dirname(saved), "reference-1.pt"), weights_only=False)
     assert (loaded["name"], loaded["step"]) == ("step-000000001", 1)
-    _assert_equal_states(reference, {"model": loaded["model"], "optim": loaded["optim"]})
+    assert_same_state(reference, {"model": loaded["model"], "optim": loaded["optim"]})
 
 
 @pytest.mark.slow
@@ -168,5 +151,5 @@ def test_one_process_save_splits_into_files_and_loads_back(tmp_path):
         ]
         fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "meta": {"epoch": 0}}
         air_dcp.load(ckpt, fresh, info)
-        _assert_equal_states(state["model"], fresh["model"])
+        assert_same_state(state["model"], fresh["model"])
         assert fresh["meta"]["epoch"] == 3
