@@ -110,12 +110,23 @@ def s3_root(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3Root:
 
 
 def run_python(
-    code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+    code: str,
+    *args: str,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    interpreter: str = "",
 ) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter with the repo importable; return the finished process."""
+    """Run ``code`` in a fresh interpreter with the repo importable; return the finished process.
+
+    ``interpreter``: default ``sys.executable``; ``tests.zygote.python()`` has lightning, accelerate and
+    torch imported already (not air-plugins)."""
     full_env = {**os.environ, "PYTHONPATH": REPO, **(env or {})}
     return subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=full_env
+        [interpreter or sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
     )
 
 
@@ -161,7 +172,10 @@ def start_mlflow_server(workdir: str, timeout: float = 120.0) -> MlflowServer:
         "1",
     ]
     log = open(os.path.join(workdir, "server.log"), "wb")  # noqa: SIM115  (lives as long as the server)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    # No job-execution workers (MLflow 3's huey consumers: eight more interpreters importing MLflow,
+    # for server-side jobs the tests never start); the tracking API is the same.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import REPO
+from tests.zygote import python
 
 JOB = os.path.join(REPO, "tests/accelerate/job.py")
 # `accelerate launch --cpu` starts one process without MPI; on a CPU-only machine `--multi_gpu` starts
@@ -30,6 +31,8 @@ LAUNCH = [
     "--main_process_port",
     "0",
 ]
+LAUNCH_ARGS = LAUNCH[1:]
+"""The interpreter's arguments of ``accelerate launch``, after ``python()`` (``tests/zygote.py``)."""
 
 
 def run_job(
@@ -39,9 +42,12 @@ def run_job(
     expect_signal: int = 0,
     env: dict | None = None,
     check: bool = True,
+    interpreter: str = "",
 ) -> subprocess.CompletedProcess:
-    """Run the job; with ``expect_signal`` it must die of that signal (the launcher then exits 1)."""
-    command = [*(LAUNCH if processes == 2 else [sys.executable]), JOB, str(workdir), *args]
+    """Run the job; with ``expect_signal`` it must die of that signal (the launcher then exits 1).
+
+    ``interpreter``: default ``python()``, the pre-imported one (``tests/zygote.py``)."""
+    command = [interpreter or python(), *(LAUNCH_ARGS if processes == 2 else []), JOB, str(workdir), *args]
     out = subprocess.run(
         command,
         capture_output=True,
@@ -61,6 +67,26 @@ def run_job(
     else:
         assert out.returncode == 0, f"job failed ({args}):\n{out.stderr[-3000:]}"
     return out
+
+
+def training_args(args: tuple[str, ...]) -> tuple[str, ...]:
+    """The arguments of ``args`` that shape the training (what an uninterrupted reference run needs).
+
+    ``--every`` is left out: when a job checkpoints must not change what it trains, so one reference
+    (saving every 5 steps) serves every save interval, as in the Lightning tests. Defaults are dropped.
+    """
+    options, flags, rest = {}, [], list(args)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--no-augment":
+            flags.append(arg)
+        else:
+            options[arg] = rest.pop(0)
+    options.pop("--every", None)
+    for name, default in (("--workers", "0"), ("--loader", "plain")):
+        if options.get(name) == default:
+            del options[name]
+    return tuple(x for item in sorted(options.items()) for x in item) + tuple(flags)
 
 
 def stats(workdir: Path) -> list[dict]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.accelerate.runs import run_job, stats
+from tests.accelerate.runs import run_job, stats, training_args
 from tests.sameness import assert_same_run
 
 pytestmark = pytest.mark.slow
@@ -22,13 +22,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """The uninterrupted run of a test's training arguments (``runs.training_args``), run once."""
     cache: dict[tuple[str, ...], Path] = {}
 
     def get(*args: str) -> Path:
-        if args not in cache:
-            cache[args] = tmp_path_factory.mktemp("reference")
-            run_job(cache[args], *args)
-        return cache[args]
+        key = training_args(args)
+        if key not in cache:
+            cache[key] = tmp_path_factory.mktemp("reference")
+            run_job(cache[key], *key)
+        return cache[key]
 
     return get
 

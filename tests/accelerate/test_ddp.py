@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from tests.accelerate.runs import run_job, stats
+from tests.accelerate.runs import run_job, stats, training_args
 from tests.sameness import assert_same_run
 
 pytestmark = pytest.mark.slow
@@ -14,13 +14,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """The uninterrupted two-rank run of a test's training arguments (``runs.training_args``), run once."""
     cache: dict[tuple[str, ...], object] = {}
 
     def get(*args: str):
-        if args not in cache:
-            cache[args] = tmp_path_factory.mktemp("reference-ddp")
-            run_job(cache[args], *args, processes=2)
-        return cache[args]
+        key = training_args(args)
+        if key not in cache:
+            cache[key] = tmp_path_factory.mktemp("reference-ddp")
+            run_job(cache[key], *key, processes=2)
+        return cache[key]
 
     return get
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 import threading
 import uuid
 
@@ -19,6 +18,7 @@ from air_core import AsyncCheckpointer, FileEntry
 from air_core.manifest import PartRecord
 from tests.conftest import REPO
 from tests.dist_worker import rank_state
+from tests.zygote import python
 
 
 def _launch(root: str, tmp_path, scenario: str) -> list[subprocess.CompletedProcess]:
@@ -27,7 +27,7 @@ def _launch(root: str, tmp_path, scenario: str) -> list[subprocess.CompletedProc
     procs = [
         subprocess.Popen(
             [
-                sys.executable,
+                python(),
                 os.path.join(REPO, "tests/dist_worker.py"),
                 str(r),
                 "2",

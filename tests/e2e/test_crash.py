@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,12 +11,13 @@ import torch
 from air_core import AsyncCheckpointer
 from tests.conftest import REPO
 from tests.crash_worker import state
+from tests.zygote import python
 
 pytestmark = pytest.mark.slow
 
 
 def _run_until_killed(root: str, staging: str, phase: str, endpoint: str | None = None) -> None:
-    args = [sys.executable, os.path.join(REPO, "tests/crash_worker.py"), root, staging, phase]
+    args = [python(), os.path.join(REPO, "tests/crash_worker.py"), root, staging, phase]
     out = subprocess.run(
         args + ([endpoint] if endpoint else []),
         capture_output=True,

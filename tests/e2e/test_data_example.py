@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.sameness import assert_same_run, step_ids
+from tests.zygote import python
 
 pytestmark = pytest.mark.slow
 EXAMPLE = os.path.join(REPO, "examples/data/train_s3.py")
@@ -35,7 +36,7 @@ def data(s3_endpoint: str) -> tuple[str, str]:
 
 def run(data, workdir: Path, *args: str, ranks: int = 1, expect_kill: bool = False) -> list[dict]:
     endpoint, url = data
-    launcher = [sys.executable]
+    launcher = [python()]
     if ranks > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -61,15 +62,23 @@ def run(data, workdir: Path, *args: str, ranks: int = 1, expect_kill: bool = Fal
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.fixture(scope="module")
+def clean_run(data, tmp_path_factory) -> tuple[Path, dict]:
+    """The uninterrupted run (its workdir and stats), shared by the warm and the cold resume."""
+    workdir = tmp_path_factory.mktemp("clean")
+    (stats,) = run(data, workdir)
+    return workdir, stats
+
+
 @pytest.mark.parametrize("cache", ["warm", "cold"])
-def test_killed_mid_epoch_resumes_exactly_from_a_warm_or_cold_cache(data, tmp_path, cache):
-    (clean,) = run(data, tmp_path / "clean")
+def test_killed_mid_epoch_resumes_exactly_from_a_warm_or_cold_cache(data, tmp_path, cache, clean_run):
+    clean_dir, clean = clean_run
     assert clean["data_cache_hits"] + clean["data_cache_misses"] == 2 * FILES
     assert clean["data_cache_hits"] >= 0.9 * 2 * FILES, "depth 16 covers the loader's read-ahead"
     run(data, tmp_path / "run", "--kill-after", "8", expect_kill=True)  # resumes from step 5
     cache_dir = tmp_path / "run" / "cache" if cache == "warm" else tmp_path / "fresh-node-cache"
     (resumed,) = run(data, tmp_path / "run", "--cache-dir", str(cache_dir))
-    assert_same_run(tmp_path / "run", tmp_path / "clean")
+    assert_same_run(tmp_path / "run", clean_dir)
     downloaded = resumed["data_cache_bytes_downloaded"]
     if cache == "warm":  # the killed launch had fetched part of epoch 0: only the rest is new
         assert 0 < downloaded < clean["data_cache_bytes_downloaded"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch
 from air_core import AsyncCheckpointer, ConfigError, StorageError
 from tests.conftest import REPO
 from tests.faults.trials import Plan, launch
+from tests.zygote import python
 
 
 @pytest.mark.parametrize(
@@ -79,7 +79,7 @@ def test_accelerate_resume_into_another_model_is_refused_before_any_step(tmp_pat
 def test_lightning_cli_resume_into_another_model_is_refused_before_any_step(tmp_path):
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, os.path.join(REPO, "examples/lightning/train.py"), "fit"]
+            [python(), os.path.join(REPO, "examples/lightning/train.py"), "fit"]
             + ["--config", os.path.join(REPO, "examples/lightning/config.yaml"), *args],
             cwd=tmp_path,
             capture_output=True,

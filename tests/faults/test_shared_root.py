@@ -16,6 +16,7 @@ import torch
 from air_core import AsyncCheckpointer, ConfigError, SaveError
 from air_core.lease import LEASE_PATH, StorageLost
 from tests.conftest import REPO
+from tests.zygote import python
 
 HOLDER = """
 import socket, sys
@@ -31,6 +32,8 @@ ckpt.close()
 
 
 def start_holder(root: str, host: str = "") -> subprocess.Popen:
+    # A fresh interpreter, not tests/zygote.py's: killing a zygote launcher kills its program a moment
+    # later, and the tests take over the root as soon as the holder's kill returns.
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER, root, *([host] if host else [])],
         stdin=subprocess.PIPE,
@@ -124,7 +127,7 @@ def test_a_training_job_on_a_root_in_use_is_refused_before_any_step(tmp_path, ad
     holder = start_holder(root)
     try:
         out = subprocess.run(
-            [sys.executable, os.path.join(REPO, f"tests/{adapter}/job.py"), str(tmp_path), "--root", root],
+            [python(), os.path.join(REPO, f"tests/{adapter}/job.py"), str(tmp_path), "--root", root],
             capture_output=True,
             text=True,
             timeout=300,

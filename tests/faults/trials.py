@@ -31,6 +31,7 @@ from air_core.recovery import scan, verify
 from air_core.storage import Storage
 from tests.conftest import REPO
 from tests.kill_at import read_journal
+from tests.zygote import python
 
 JOBS = {"lightning": "tests/lightning/job.py", "accelerate": "tests/accelerate/job.py"}
 _PHASES = get_args(Phase)
@@ -134,12 +135,14 @@ def launch(plan: Plan, workdir: Path, extra: list[str], root: tuple[str, dict] |
     args = [*plan.base_args, *extra]
     if root is not None:
         args += ["--root", root[0], "--endpoint", root[1]["client_kwargs"]["endpoint_url"]]
+    # Two ranks: the real interpreter, so that _watch finds the ranks among the launch's descendants.
+    interpreter = sys.executable if plan.processes == 2 else python()
     if plan.processes == 2 and plan.adapter == "accelerate":
-        from tests.accelerate.runs import LAUNCH
+        from tests.accelerate.runs import LAUNCH_ARGS
 
-        command = [*LAUNCH, job, str(workdir), *args]
+        command = [interpreter, *LAUNCH_ARGS, job, str(workdir), *args]
     else:
-        command = [sys.executable, job, str(workdir), *args]
+        command = [interpreter, job, str(workdir), *args]
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
             command,

@@ -15,6 +15,7 @@ from tests.conftest import REPO, run_python
 from tests.lightning.model import Model
 from tests.lightning.test_crash_resume import run_job
 from tests.sameness import assert_same_run
+from tests.zygote import python
 
 
 def _trainer(tmp_path, plugin=None, callbacks=(), **kw) -> pl.Trainer:
@@ -53,7 +54,7 @@ def test_checkpoint_loads_with_plain_torch_and_lightning_without_the_plugin(tmp_
         "assert not plugin, plugin\n"
         "print('global_step', ckpt['global_step'])\n"
     )
-    out = run_python(code, env={"PYTHONPATH": REPO})
+    out = run_python(code, env={"PYTHONPATH": REPO}, interpreter=python())  # imports no air-plugins module
     assert out.returncode == 0, out.stderr
     assert "global_step 16" in out.stdout
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import REPO
+from tests.zygote import python
 
 TRAIN = os.path.join(REPO, "examples/lightning/train.py")
 CONFIG = os.path.join(REPO, "examples/lightning/config.yaml")
@@ -16,7 +16,7 @@ CONFIG = os.path.join(REPO, "examples/lightning/config.yaml")
 
 def _cli(cwd, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, TRAIN, "fit", "--config", CONFIG, *args],
+        [python(), TRAIN, "fit", "--config", CONFIG, *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -61,7 +61,7 @@ def test_mistyped_key_or_value_fails_with_the_cli_error_before_training(tmp_path
     path = tmp_path / "bad.yaml"
     path.write_text(config)
     out = subprocess.run(
-        [sys.executable, TRAIN, "fit", "--config", str(path)],
+        [python(), TRAIN, "fit", "--config", str(path)],
         cwd=tmp_path,
         capture_output=True,
         text=True,

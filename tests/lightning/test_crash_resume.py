@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
 from tests.sameness import assert_same_run
+from tests.zygote import python
 
 pytestmark = pytest.mark.slow
 JOB = os.path.join(REPO, "tests/lightning/job.py")
@@ -25,7 +25,7 @@ JOB = os.path.join(REPO, "tests/lightning/job.py")
 
 def run_job(workdir: Path, *args: str, expect_kill: bool = False) -> None:
     out = subprocess.run(
-        [sys.executable, JOB, str(workdir), *args],
+        [python(), JOB, str(workdir), *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -109,7 +109,7 @@ def test_sigterm_during_an_upload_flushes_and_commits_it_then_resumes_exactly(tm
     from lightning_air import latest_checkpoint
 
     out = subprocess.run(
-        [sys.executable, JOB, str(tmp_path), "--sigterm", "10:upload_start"],
+        [python(), JOB, str(tmp_path), "--sigterm", "10:upload_start"],
         capture_output=True,
         text=True,
         timeout=300,
