@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # GPU check, run on a CUDA machine from the repository root: bash benchmarks/gpu_check.sh [SIZE_MIB]
+# Section "stall" (GPU_CHECK_SECTIONS, default "stall sharded"):
 # 1. measures pinned device-to-host bandwidth (cudaHostRegister'd host memory, as air_core pins it);
 # 2. runs benchmarks/checkpoint_stall.py on the GPU with a multi-GB state (default 8192 MiB);
 # 3. prints the blocking time next to the bound state size / pinned bandwidth.
-# Output also lands in $OUT (if set) as gpu_check.json and gpu_check.txt.
+# Section "sharded":
+# 4. runs benchmarks/sharded_save.py with CUDA tensors: FSDP2 on one GPU (world 1, NCCL + gloo), stock
+#    Lightning sharded save vs DCP async_save vs air_core.dcp, SHARDED_MIB of state (default 2048),
+#    bounded to 5 minutes.
+# Output also lands in $OUT (if set) as gpu_check.json, gpu_check.txt and sharded_save.txt.
+#   GPU_CHECK_SECTIONS=sharded bash benchmarks/gpu_check.sh     # the sharded benchmark only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE_MIB="${1:-8192}"
 PY="${PYTHON:-python3}"
 OUT_DIR="${OUT:-/tmp}"
+SECTIONS=" ${GPU_CHECK_SECTIONS:-stall sharded} "
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [[ "$SECTIONS" == *" stall "* ]]; then
 "$PY" - <<'PYEOF' | tee "$OUT_DIR/gpu_check.txt"
 import torch, time
 assert torch.cuda.is_available(), "no CUDA device"
@@ -44,3 +52,9 @@ for method in ("air_thread", "air_process"):
     print(f"{method}: blocking {r['blocking_seconds']:.3f} s; state / pinned D2H bandwidth = {bound:.3f} s "
           f"({r['blocking_seconds'] / bound:.2f}x the bound)")
 PYEOF
+fi
+if [[ "$SECTIONS" == *" sharded "* ]]; then
+"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
+timeout 300 "$PY" benchmarks/sharded_save.py --device cuda --worlds 1 --size-mib "${SHARDED_MIB:-2048}" \
+    --saves 2 --dir "${BENCH_DIR:-/tmp}" | tee "$OUT_DIR/sharded_save.txt"
+fi
