@@ -127,5 +127,5 @@ def test_training_goes_on_when_the_mlflow_server_goes_away(tmp_path):
             job.kill()
     assert job.returncode == 0, stderr[-3000:]
     assert_same_run(workdir, reference)
-    ours = [line for line in stderr.splitlines() if line.startswith("air_core.mlflow_sink WARNING")]
+    ours = [line for line in stderr.splitlines() if line.startswith("air_core.session.mlflow_sink WARNING")]
     assert len(ours) <= 2, ours
