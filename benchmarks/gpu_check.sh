@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check, run on a CUDA machine from the repository root: bash benchmarks/gpu_check.sh [SIZE_MIB]
-# Section "stall" (GPU_CHECK_SECTIONS, default "stall sharded"):
+# Section "stall" (GPU_CHECK_SECTIONS, default "stall sharded fsdp2"):
 # 1. measures pinned device-to-host bandwidth (cudaHostRegister'd host memory, as air_core pins it);
 # 2. runs benchmarks/checkpoint_stall.py on the GPU with a multi-GB state (default 8192 MiB);
 # 3. prints the blocking time next to the bound state size / pinned bandwidth.
@@ -8,6 +8,9 @@
 # 4. runs benchmarks/sharded_save.py with CUDA tensors: FSDP2 on one GPU (world 1, NCCL + gloo), stock
 #    Lightning sharded save vs DCP async_save vs air_core.dcp, SHARDED_MIB of state (default 2048),
 #    bounded to 5 minutes.
+# Section "fsdp2":
+# 5. runs benchmarks/gpu_fsdp2.py: AirModelParallelStrategy on every visible GPU (sharded saves, a resume
+#    checked tensor by tensor) and, with 2+ GPUs, AirAccelerator with FSDP2 (save_state, load_state).
 # Output also lands in $OUT (if set) as gpu_check.json, gpu_check.txt and sharded_save.txt.
 #   GPU_CHECK_SECTIONS=sharded bash benchmarks/gpu_check.sh     # the sharded benchmark only
 set -euo pipefail
@@ -15,7 +18,7 @@ cd "$(dirname "$0")/.."
 SIZE_MIB="${1:-8192}"
 PY="${PYTHON:-python3}"
 OUT_DIR="${OUT:-/tmp}"
-SECTIONS=" ${GPU_CHECK_SECTIONS:-stall sharded} "
+SECTIONS=" ${GPU_CHECK_SECTIONS:-stall sharded fsdp2} "
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [[ "$SECTIONS" == *" stall "* ]]; then
 "$PY" - <<'PYEOF' | tee "$OUT_DIR/gpu_check.txt"
@@ -57,4 +60,10 @@ if [[ "$SECTIONS" == *" sharded "* ]]; then
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
 timeout 300 "$PY" benchmarks/sharded_save.py --device cuda --worlds 1 --size-mib "${SHARDED_MIB:-2048}" \
     --saves 2 --dir "${BENCH_DIR:-/tmp}" | tee "$OUT_DIR/sharded_save.txt"
+fi
+if [[ "$SECTIONS" == *" fsdp2 "* ]]; then
+NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())")"
+timeout 240 "$PY" benchmarks/gpu_fsdp2.py lightning "${BENCH_DIR:-/tmp}/air-fsdp2-lightning" | tee "$OUT_DIR/fsdp2.txt"
+timeout 240 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" benchmarks/gpu_fsdp2.py \
+    accelerate "${BENCH_DIR:-/tmp}/air-fsdp2-accelerate" | tee -a "$OUT_DIR/fsdp2.txt"
 fi
