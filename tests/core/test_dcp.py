@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from air_core import dcp as air_dcp
 from air_core.errors import ConfigError
 from tests.conftest import REPO
 from tests.sameness import assert_same_state
+from tests.zygote import python
 
 
 def _run(world: int, root: str, mode: str, arg: int | None = None) -> list[subprocess.CompletedProcess]:
@@ -29,7 +29,7 @@ def _run(world: int, root: str, mode: str, arg: int | None = None) -> list[subpr
     worker = os.path.join(REPO, "tests/sharded_worker.py")
     procs = [
         subprocess.Popen(
-            [sys.executable, worker, str(r), str(world), root, init, mode, *extra],
+            [python(), worker, str(r), str(world), root, init, mode, *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

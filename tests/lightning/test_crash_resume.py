@@ -23,9 +23,10 @@ pytestmark = pytest.mark.slow
 JOB = os.path.join(REPO, "tests/lightning/job.py")
 
 
-def run_job(workdir: Path, *args: str, expect_kill: bool = False) -> None:
+def run_job(workdir: Path, *args: str, expect_kill: bool = False, job: str = JOB) -> None:
+    """Run a Lightning test job script (default tests/lightning/job.py) to completion or to its SIGKILL."""
     out = subprocess.run(
-        [python(), JOB, str(workdir), *args],
+        [python(), job, str(workdir), *args],
         capture_output=True,
         text=True,
         timeout=300,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from lightning_air import latest_checkpoint
 from tests.concurrent_jobs import finish, start
 from tests.lightning.model import N_SAMPLES
 from tests.lightning.test_crash_resume import JOB, run_job
+from tests.zygote import python
 
 pytestmark = pytest.mark.slow
 SAVED_STEP = 5  # saves every 5 steps; an epoch is 8 steps on two ranks
@@ -45,7 +45,7 @@ def test_a_two_rank_checkpoint_continues_on_one_and_three_ranks_each_sample_once
         work = tmp_path_factory.mktemp(f"on-{devices}")
         shutil.copytree(saved / "ckpts", work / "ckpts")
         args = ("--devices", str(devices), "--every", str(SAVED_STEP), "--epochs", "2", "--elastic")
-        runs[devices] = (work, start([sys.executable, JOB, str(work), *args, "--dump-loaded"], work))
+        runs[devices] = (work, start([python(), JOB, str(work), *args, "--dump-loaded"], work))
     finish({f"the resume on {n} process(es)": run for n, run in runs.items()})
     for devices, (work, _) in runs.items():
         for rank in range(devices):

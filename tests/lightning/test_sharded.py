@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -24,24 +22,15 @@ from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
 from tests.concurrent_jobs import finish, start
 from tests.conftest import REPO
 from tests.lightning.model import N_SAMPLES
+from tests.lightning.test_crash_resume import run_job
 from tests.sameness import assert_same_run
+from tests.zygote import python
 
 JOB = os.path.join(REPO, "tests/lightning/sharded_job.py")
 
 
-def run_sharded(workdir: Path, *args: str, expect_kill: bool = False) -> subprocess.CompletedProcess:
-    out = subprocess.run(
-        [sys.executable, JOB, str(workdir), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": REPO},
-    )
-    if expect_kill:
-        assert out.returncode == -9, f"expected a SIGKILL ({args}): rc={out.returncode}\n{out.stderr[-3000:]}"
-    else:
-        assert out.returncode == 0, f"job failed ({args}):\n{out.stderr[-3000:]}"
-    return out
+def run_sharded(workdir: Path, *args: str, expect_kill: bool = False) -> None:
+    run_job(workdir, *args, expect_kill=expect_kill, job=JOB)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +89,7 @@ def test_a_two_rank_sharded_checkpoint_continues_on_one_and_three_ranks(tmp_path
         work = tmp_path_factory.mktemp(f"sharded-on-{devices}")
         shutil.copytree(saved / "ckpts", work / "ckpts")
         args = ("--devices", str(devices), "--epochs", "2", "--elastic")
-        runs[devices] = (work, start([sys.executable, JOB, str(work), *args], work))
+        runs[devices] = (work, start([python(), JOB, str(work), *args], work))
     finish({f"the sharded resume on {n} process(es)": run for n, run in runs.items()})
     for devices, (work, _) in runs.items():
         loaded = torch.load(work / "loaded.pt")
