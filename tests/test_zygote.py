@@ -10,6 +10,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from tests.conftest import REPO
 from tests.zygote import launcher as python  # whether or not AIR_TEST_ZYGOTE turned it off for the jobs
 
@@ -93,6 +95,24 @@ def test_a_killed_launcher_takes_the_programs_process_group_with_it():
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_running(p) for p in pids), "the program and its child die with the launcher"
+
+
+@pytest.mark.parametrize(("end", "left_running"), [("sys.exit(0)", True), ("sys.exit(3)", False)])
+def test_what_a_failed_program_left_in_its_process_group_is_killed(end, left_running):
+    code = (
+        "import subprocess, sys\n"
+        "sleep = [sys.executable, '-c', 'import time; time.sleep(60)']\n"
+        "child = subprocess.Popen(sleep, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        f"print(child.pid, flush=True)\n{end}\n"
+    )
+    out = run("-c", code)
+    left = int(out.stdout)
+    deadline = time.monotonic() + 10
+    while _running(left) and not left_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(left) == left_running, "a clean exit leaves its children; a failure takes them along"
+    if left_running:
+        os.kill(left, signal.SIGKILL)
 
 
 def _running(pid: int) -> bool:

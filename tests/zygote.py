@@ -11,7 +11,9 @@ same way), and the normal interpreter exit (threads joined, atexit handlers run)
 alive while the child runs, forwards the signals it gets to the child's process group, and ends as
 the child ended: the same exit code, or killed by the same signal. If the launcher itself is killed,
 the kernel SIGKILLs the child's process group (the child's end of their socket raises SIGKILL on
-hangup: ``F_SETOWN`` + ``F_SETSIG``), as ``killpg`` on a plain process would.
+hangup: ``F_SETOWN`` + ``F_SETSIG``), as ``killpg`` on a plain process would; and when the child dies
+of a signal or exits with an error, what it left in its group (loader workers, a rank it started) is
+killed with it, as the tests' ``killpg`` of a failed plain job's group does.
 
 Whatever the server cannot run exactly as a fresh interpreter would (other interpreter flags, or an
 environment that differs in variables read when the libraries are imported) runs the real
@@ -226,12 +228,18 @@ def serve(path: str) -> tuple[socket.socket, dict[str, Any], list[int], dict[str
                 conn.sendall(f"P {pid}\n".encode())
             children[pid] = conn
         while children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+            try:  # look first, leaving the child a zombie: its process group cannot be reused meanwhile
+                found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
                 break
-            if pid == 0:
+            if found is None:
                 break
+            if found.si_code != os.CLD_EXITED or found.si_status != 0:
+                # What a killed or failed job left in its process group (loader workers, a rank it
+                # started) goes too, as the tests' ``killpg`` of a plain job's group would take them.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(found.si_pid, signal.SIGKILL)
+            pid, status = os.waitpid(found.si_pid, 0)
             conn = children.pop(pid, None)
             if conn is not None:
                 with contextlib.suppress(OSError):

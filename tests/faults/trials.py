@@ -17,7 +17,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -135,14 +134,12 @@ def launch(plan: Plan, workdir: Path, extra: list[str], root: tuple[str, dict] |
     args = [*plan.base_args, *extra]
     if root is not None:
         args += ["--root", root[0], "--endpoint", root[1]["client_kwargs"]["endpoint_url"]]
-    # Two ranks: the real interpreter, so that _watch finds the ranks among the launch's descendants.
-    interpreter = sys.executable if plan.processes == 2 else python()
     if plan.processes == 2 and plan.adapter == "accelerate":
         from tests.accelerate.runs import LAUNCH_ARGS
 
-        command = [interpreter, *LAUNCH_ARGS, job, str(workdir), *args]
+        command = [python(), *LAUNCH_ARGS, job, str(workdir), *args]
     else:
-        command = [interpreter, job, str(workdir), *args]
+        command = [python(), job, str(workdir), *args]
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
             command,
@@ -152,7 +149,7 @@ def launch(plan: Plan, workdir: Path, extra: list[str], root: tuple[str, dict] |
             start_new_session=True,
         )
         try:
-            _watch(proc, plan.processes)
+            _watch(proc, plan.processes, workdir)
         finally:
             with contextlib.suppress(ProcessLookupError):  # orphaned ranks, worker processes
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -160,14 +157,16 @@ def launch(plan: Plan, workdir: Path, extra: list[str], root: tuple[str, dict] |
         return proc.returncode, err.read()
 
 
-def _watch(proc: subprocess.Popen, ranks: int, grace: float = 5.0, limit: float = 300.0) -> None:
+def _watch(
+    proc: subprocess.Popen, ranks: int, workdir: Path, grace: float = 5.0, limit: float = 300.0
+) -> None:
     deadline = time.monotonic() + limit
     seen = lost_at = 0.0
     while proc.poll() is None:
         if time.monotonic() > deadline:
             raise TimeoutError("the job did not finish within 300 s")
         if ranks > 1:
-            alive = sum(1 for c in psutil.Process(proc.pid).children(recursive=True) if _is_rank(c)) + 1
+            alive = running_ranks(workdir)
             seen = max(seen, alive)
             if seen >= ranks and alive < ranks and not lost_at:
                 lost_at = time.monotonic()
@@ -178,10 +177,15 @@ def _watch(proc: subprocess.Popen, ranks: int, grace: float = 5.0, limit: float 
         time.sleep(0.2)
 
 
-def _is_rank(child: psutil.Process) -> bool:
-    with contextlib.suppress(psutil.Error):
-        return any(arg.endswith("job.py") for arg in child.cmdline())
-    return False
+def running_ranks(workdir: Path) -> int:
+    """The live processes that run a job on ``workdir``: the launch itself, its ranks and their loader
+    workers; or, with ``tests/zygote.py``, the launchers of the launch and of each rank (each lives as
+    long as what it started; the forked programs carry the server's command line)."""
+    count = 0
+    for p in psutil.process_iter(["cmdline"]):
+        command = p.info["cmdline"] or []  # None for a zombie
+        count += str(workdir) in command and any(arg.endswith("job.py") for arg in command)
+    return count
 
 
 def audit(outcome: Outcome, workdir: Path, root: tuple[str, dict] | None) -> None:

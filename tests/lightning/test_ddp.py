@@ -6,16 +6,16 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 
 from lightning_air import latest_checkpoint
 from tests.conftest import REPO
+from tests.faults.trials import running_ranks
 from tests.lightning.test_crash_resume import JOB, run_job
 from tests.sameness import assert_same_run
+from tests.zygote import python
 
 pytestmark = pytest.mark.slow
 DDP = ["--devices", "2", "--every", "5"]
@@ -32,7 +32,7 @@ def test_ddp_crash_of_both_ranks_resumes_exactly_per_rank(tmp_path_factory):
 
 def test_rank_killed_before_commit_leaves_previous_checkpoint_newest(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, JOB, str(tmp_path), *DDP, "--kill", "10:upload_start:1", "--commit-timeout", "5"],
+        [python(), JOB, str(tmp_path), *DDP, "--kill", "10:upload_start:1", "--commit-timeout", "5"],
         env={**os.environ, "PYTHONPATH": REPO},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -42,7 +42,7 @@ def test_rank_killed_before_commit_leaves_previous_checkpoint_newest(tmp_path):
         deadline = time.monotonic() + 180
         seen_two = False
         while time.monotonic() < deadline and proc.poll() is None:
-            ranks = len(psutil.Process(proc.pid).children(recursive=True)) + 1
+            ranks = running_ranks(tmp_path)
             seen_two |= ranks >= 2
             if seen_two and ranks < 2:
                 break  # rank 1 is gone; give rank 0 time to give up on its part
