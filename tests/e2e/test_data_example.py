@@ -16,7 +16,6 @@ import pytest
 
 from tests.conftest import REPO
 from tests.sameness import assert_same_run, step_ids
-from tests.zygote import python
 
 pytestmark = pytest.mark.slow
 EXAMPLE = os.path.join(REPO, "examples/data/train_s3.py")
@@ -36,7 +35,9 @@ def data(s3_endpoint: str) -> tuple[str, str]:
 
 def run(data, workdir: Path, *args: str, ranks: int = 1, expect_kill: bool = False) -> list[dict]:
     endpoint, url = data
-    launcher = [python()]
+    # The real interpreter: with the pre-imported one a warm resume once ended a bit off the clean
+    # run's weights in CI (same samples); cause not yet found, so this test keeps fresh interpreters.
+    launcher = [sys.executable]
     if ranks > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
