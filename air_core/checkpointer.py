@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
-from . import layout
+from . import layout, open_roots
 from .catalog import scan
 from .config import BusyPolicy, CheckpointerConfig, WriterKind, check_filename, check_name, check_step
 from .errors import AirError, ConfigError
@@ -109,9 +109,11 @@ class AsyncCheckpointer:
         self._dest = choose_destination(cfg, self._storage)
         self._cache_dir = self._dest.cache_dir  # None: the root is written in place
         self._lease: RootLease | None = None
+        self._root_key = (str(self._storage.fs.protocol), self._storage.base)
         if not cfg.read_only:
             self._storage.check_writable()
             if cfg.rank == 0:
+                open_roots.take_over(self._root_key, self._storage.url, self)
                 self._lease = RootLease(self._storage, cfg.launch_id, lease_seconds=cfg.lease_seconds)
                 self._lease.acquire()
         self._emit = Emitter(listeners)
@@ -122,6 +124,8 @@ class AsyncCheckpointer:
         self._handles: list[SaveHandle] = []
         self._warned_spill = False
         self._closed = False
+        if not cfg.read_only:
+            open_roots.register(self._root_key, self)
 
     # -- saving ------------------------------------------------------------------------------
     def save(
@@ -229,8 +233,14 @@ class AsyncCheckpointer:
             raise failed[0]
 
     # -- recovery ----------------------------------------------------------------------------
-    def list(self) -> list[CheckpointInfo]:
-        """Every checkpoint under the root with its status, oldest step first (a fresh listing)."""
+    def list(self, *, settle: bool = True) -> list[CheckpointInfo]:
+        """Every checkpoint under the root with its status, oldest step first (a fresh listing).
+
+        Like every read, it first waits for the saves this process has in flight to the root, so a save
+        that returned is listed committed (``settle=False``: list now; those show as partial).
+        """
+        if settle:
+            open_roots.settle(self._root_key, self._storage.url, "listing")
         return scan(self._storage)
 
     def latest(self) -> CheckpointInfo | None:
@@ -240,6 +250,7 @@ class AsyncCheckpointer:
 
     def verify(self, info: CheckpointInfo) -> str:
         """Re-read every file of ``info`` and check its CRC-32; return the problem or ``""``."""
+        open_roots.settle(self._root_key, self._storage.url, "a verification")
         return verify_with(self._dest, info, max_transfers=self.config.max_transfers)
 
     def delete(self, name: str) -> None:
@@ -270,6 +281,7 @@ class AsyncCheckpointer:
             CorruptCheckpointError: ``info`` (or every committed checkpoint) fails verification.
         """
         self._check_open("fetch")
+        open_roots.settle(self._root_key, self._storage.url, "a restore")
         return restore(
             self._storage,
             self._dest,
@@ -320,6 +332,20 @@ class AsyncCheckpointer:
         """How many times a staging buffer was allocated (stays flat while the state size does)."""
         return self._pool.allocations
 
+    def in_flight(self) -> list[str]:
+        """Names of the saves not committed or failed yet."""
+        return [h.name for h in self._handles if not h.done()]
+
+    def wait_in_flight(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) for the saves in flight; unlike ``flush``, raise nothing."""
+        deadline = time.monotonic() + timeout
+        return all(h.wait(max(deadline - time.monotonic(), 0.0)) for h in list(self._handles))
+
+    @property
+    def closed(self) -> bool:
+        """Closed by ``close``, or by a newer writer of the same root in this process."""
+        return self._closed
+
     def close(self) -> None:
         """Flush (bounded by ``close_timeout_seconds``), stop the writer, free the buffers. Idempotent.
 
@@ -329,6 +355,7 @@ class AsyncCheckpointer:
         if self._closed:
             return
         self._closed = True
+        open_roots.unregister(self._root_key, self)
         deadline = time.monotonic() + self.config.close_timeout_seconds
         try:
             self.flush(self.config.close_timeout_seconds)

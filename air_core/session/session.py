@@ -99,6 +99,8 @@ class TrainingSession:
         Raises:
             ConfigError: a different root was opened before (a session writes under one root).
         """
+        if self._ckpt is not None and self._ckpt.closed:  # a newer writer of its root took it over
+            self._ckpt = None
         if self._ckpt is None:
             self._ckpt = AsyncCheckpointer(
                 root,
@@ -108,7 +110,7 @@ class TrainingSession:
                 listeners=self._listeners,
                 **self._settings,
             )
-            if self.rank == 0 and self._measure:
+            if self.rank == 0 and self._measure and self._goodput_log is None:
                 self._goodput_log = GoodputLog(self._ckpt.storage, self.launch_id)
                 self.records.goodput = self._goodput_log
         elif self._ckpt.config.root.rstrip("/") != str(root).rstrip("/"):

@@ -343,3 +343,21 @@ def test_bad_filename_argument_is_a_config_error_not_a_corrupt_checkpoint(tmp_pa
         assert f"{call}(" in str(info.value), f"the message must quote the call: {info.value}"
         assert ckpt.list() == [], "nothing may be written for a refused save"
     assert not (tmp_path / "outside.pt").exists()
+
+
+def test_every_read_in_this_process_sees_a_save_that_returned(tmp_path, caplog):
+    """Read your writes: a listing, ``latest``, a load (and a reader opened on the same root) made after
+    ``save`` returned wait for its commit; ``list(settle=False)`` does not."""
+    root = f"flaky://{tmp_path.name}/ryw"
+    slow = {"transient_failures": 3, "fail_on": "put"}  # the upload retries for ~1 s: surely in flight
+    with AsyncCheckpointer(root, storage_options=slow, retry_backoff_seconds=0.2) as ckpt:
+        ckpt.save({"w": torch.arange(4)}, step=1)
+        assert ckpt.in_flight() == ["step-000000001"]
+        assert [i.status for i in ckpt.list(settle=False)] in ([], ["partial"])
+        with AsyncCheckpointer(root, read_only=True) as reader:
+            assert [(i.step, i.status) for i in reader.list()] == [(1, "committed")]
+        assert not ckpt.in_flight()
+        ckpt.save({"w": torch.arange(4) + 1}, step=2)
+        assert torch.equal(ckpt.load()["w"], torch.arange(4) + 1)
+        ckpt.save({"w": torch.arange(4) + 2}, step=3)
+        assert ckpt.latest().step == 3

@@ -63,12 +63,16 @@ def test_a_second_writer_is_refused_and_a_killed_holder_is_taken_over_at_once(tm
         assert ckpt.latest().step == 2
 
 
-def test_a_second_writer_in_the_same_process_is_told_to_close_the_first_or_read_only(tmp_path):
-    with AsyncCheckpointer(str(tmp_path)):
-        with pytest.raises(ConfigError, match="another AsyncCheckpointer in this process.*read_only=True"):
-            AsyncCheckpointer(str(tmp_path))
-        AsyncCheckpointer(str(tmp_path), read_only=True).close()
-    AsyncCheckpointer(str(tmp_path)).close()  # released by the first one's close
+def test_a_second_writer_in_the_same_process_takes_the_root_over_after_the_first_commits(tmp_path):
+    first = AsyncCheckpointer(str(tmp_path))  # a notebook's first Trainer, never torn down
+    first.save({"w": torch.ones(1000)}, step=1)
+    with AsyncCheckpointer(str(tmp_path)) as second:  # its second Trainer, same folder
+        assert first.closed, "the earlier writer handed the root over"
+        assert [(i.step, i.status) for i in second.list()] == [(1, "committed")]
+        second.save({"w": 2}, step=2).result(60)
+    first.close()  # idempotent
+    with AsyncCheckpointer(str(tmp_path), read_only=True) as reader:
+        assert [i.step for i in reader.list() if i.status == "committed"] == [1, 2]
 
 
 def test_a_clean_close_releases_the_root(tmp_path):
