@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 
-.PHONY: demo demo-core test venv lint bench clean
+.PHONY: demo demo-core test venv lint bench compat clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,14 @@ lint: venv
 
 bench: venv
 	$(PY) benchmarks/checkpoint_stall.py
+
+# The frameworks' own checkpoint tests, stock and with our classes substituted (docs/compat.md); not part
+# of `make test`. Test-only dependencies, not the package's. Pass options: make compat COMPAT_ARGS='--mode io'
+COMPAT_ARGS ?=
+compat: venv
+	$(PY) -c "import tensorboardX, parameterized, pytest_timeout" 2>/dev/null || \
+		$(PY) -m pip install -q tensorboardX parameterized pytest-timeout
+	$(PY) -m compat.run $(COMPAT_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
