@@ -253,14 +253,15 @@ class AsyncCheckpointer:
         open_roots.settle(self._root_key, self._storage.url, "a verification")
         return verify_with(self._dest, info, max_transfers=self.config.max_transfers)
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, *, even_newest: bool = False) -> None:
         """Delete checkpoint ``name`` on the writer thread, after every save submitted before.
 
-        The newest committed checkpoint is never deleted: its deletion waits until a newer one commits.
+        The newest committed checkpoint is kept until a newer one commits (a job must always have one to
+        resume from), unless ``even_newest``: an explicit removal that no newer save will follow.
         Returns at once; call on rank 0 only.
         """
         self._check_open("delete", write=True)
-        self._writer.submit(DeleteJob(check_name(name)))
+        self._writer.submit(DeleteJob(check_name(name), even_newest=even_newest))
 
     def fetch(
         self,

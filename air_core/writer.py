@@ -71,6 +71,8 @@ class DeleteJob:
     """A request to delete one checkpoint, ordered after every save submitted before it."""
 
     name: str
+    even_newest: bool = False
+    """Delete it even if it is the newest committed one (an explicit removal, not retention)."""
 
 
 @dataclass
@@ -115,6 +117,7 @@ class Writer:
         """Guards ``_busy`` and ``_thread`` (the training thread submits, the writer thread releases)."""
         self._busy: set[str] = set()
         self._deferred: set[str] = set()
+        self._forced: set[str] = set()
         # The thread runs only while there is work: non-daemon, so the interpreter never exits with a
         # save half done, yet an idle checkpointer that was never closed does not keep a process alive.
         self._thread: threading.Thread | None = None
@@ -161,6 +164,8 @@ class Writer:
                         return
             elif isinstance(job, DeleteJob):
                 self._deferred.add(job.name)
+                if job.even_newest:
+                    self._forced.add(job.name)
                 self._run_deletes(None)
             else:
                 self._save(job)
@@ -347,7 +352,7 @@ class Writer:
             for info in catalog.infos:
                 if info.name not in self._deferred:
                     continue
-                if newest is not None and info.name == newest.name:
+                if newest is not None and info.name == newest.name and info.name not in self._forced:
                     logger.info(
                         "rank %d: keeping %s until a newer checkpoint commits", self._config.rank, info.name
                     )
@@ -355,6 +360,7 @@ class Writer:
                 catalog = self._delete(info, catalog)
                 self._deferred.discard(info.name)
             self._deferred &= {i.name for i in catalog.infos}
+            self._forced &= self._deferred
         except Exception:
             logger.warning(
                 "rank %d: deleting %s failed; will retry", self._config.rank, self._deferred, exc_info=True

@@ -68,6 +68,11 @@ class AirCallback(Callback):
         """The session of the running (or last) fit."""
         self._saves_at_step: dict[int, int] = defaultdict(int)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``ddp_spawn``'s workers, ``deepcopy(trainer)``) starts without the session: its loaders,
+        generators and threads stay with the original."""
+        return {**self.__dict__, "session": None}
+
     @property
     def records(self) -> Any:
         """``fetch_seconds`` per step and the save/restore records of this rank (the session's Recorder)."""
@@ -175,7 +180,8 @@ class AirCallback(Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        assert self.session is not None, "AirCallback.setup did not run"
+        if self.session is None or self.session.closed:
+            return  # a save after fit (a notebook's): no data position to resume
         step = trainer.global_step
         seq = self._saves_at_step[step]
         self._saves_at_step[step] += 1

@@ -3,17 +3,25 @@
 ``ModelCheckpoint`` keeps choosing when and where; this plugin makes each save asynchronous, staged and
 committed. The ``.ckpt`` file lands at the path Lightning chose (plain ``torch.load`` reads it); its
 commit record lives under ``<dirpath>/.air/``. With ``AirCallback`` every rank adds its own part
-(RNG, data position) to the same commit. Loads refuse anything that is not committed and verified.
+(RNG, data position) to the same commit. Loads of a file a commit names are verified (damaged or
+unfinished ones refused); a file from elsewhere (a stock checkpoint, a URL) loads as Lightning loads it.
+
+Like ``torch.save``, a save that returned is seen by every later read of the process (the core waits for
+it). Saves are asynchronous during a fit; outside one (``trainer.save_checkpoint`` after ``fit``, in a
+notebook) and to another folder than the fit's, they return once committed, and their writer closes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 from typing_extensions import override
 
 from air_core import (
@@ -35,11 +43,12 @@ _NEVER_BY_COUNT = 1 << 30  # ModelCheckpoint decides retention; the core only cl
 
 
 def split_path(path: str) -> tuple[str, str]:
-    """``dirpath/file.ckpt`` (any URL) -> (dirpath, file.ckpt)."""
-    head, _, tail = str(path).rstrip("/").rpartition("/")
-    if not head or not tail:
-        raise ConfigError(f"AirCheckpointIO: cannot split {path!r} into a folder and a file name.")
-    return head, tail
+    """``dirpath/file.ckpt`` (any URL) -> (dirpath, file.ckpt); a bare file name is in the working folder."""
+    path = str(path).rstrip("/")
+    head, sep, tail = path.rpartition("/")
+    if not tail or tail in (".", ".."):
+        raise ConfigError(f"AirCheckpointIO: {path!r} names no file; give a path such as 'run/last.ckpt'.")
+    return head or (sep or "."), tail
 
 
 def commit_name(filename: str, step: int) -> str:
@@ -95,7 +104,18 @@ class AirCheckpointIO(CheckpointIO):
         self.loaded_rank_states: dict[int, Any] = {}
         """The parts of saved ranks > 0 the last ``load_checkpoint`` read: this rank's, or every saved
         rank's for an elastic resume at another world size (``TrainingSession.ranks_to_load``)."""
-        self._owners: dict[str, list[str]] = {}
+        self._owners: dict[str, dict[str, list[str]]] = {}
+        """Per root: the commit names of each file or folder this plugin saved or found there."""
+        self._in_fit = True
+        """Saves are asynchronous until the fit ends (``teardown``); ``AirCallback.setup`` sets it again.
+        A plugin cannot see a fit start, so without ``AirCallback`` only its first fit is asynchronous."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``ddp_spawn``'s workers, ``deepcopy(trainer)``) starts without the runtime parts: the
+        session's threads, buffers and lease stay with the original."""
+        state = self.__dict__.copy()
+        state.update(_session=None, _module=None, _owners={}, loaded_rank_state=None, loaded_rank_states={})
+        return state
 
     def add_listener(self, listener: Listener) -> None:
         """Receive the core's events (phases, save and restore records); call before training starts."""
@@ -109,6 +129,7 @@ class AirCheckpointIO(CheckpointIO):
         settings and listeners, ``ranks`` = rank, world_size, broadcast, gather."""
         if self._session is not None and self._session.checkpointer is not None:
             raise ConfigError("AirCheckpointIO: a new session while the last one still has saves open.")
+        self._in_fit = True
         self._session = TrainingSession(
             config, checkpointer=self._settings, listeners=self._listeners, **ranks
         )
@@ -120,8 +141,9 @@ class AirCheckpointIO(CheckpointIO):
 
     @property
     def session(self) -> TrainingSession:
-        """The training session (a one-rank session without metrics when no ``AirCallback`` made one)."""
-        if self._session is None:
+        """The training session (a one-rank session without metrics when no ``AirCallback`` made one, or
+        after its fit ended: Lightning saves on rank 0 only then)."""
+        if self._session is None or self._session.closed:
             self._session = TrainingSession(
                 SessionConfig(owner="AirCheckpointIO"),
                 checkpointer=self._settings,
@@ -133,6 +155,30 @@ class AirCheckpointIO(CheckpointIO):
     def checkpointer(self, root: str) -> AsyncCheckpointer:
         """The core checkpointer for ``root`` (one per session; created on first use)."""
         return self.session.open(root)
+
+    @contextlib.contextmanager
+    def _writing(self, root: str) -> Iterator[tuple[AsyncCheckpointer, bool]]:
+        """The writer of ``root`` and whether the save returns only once committed: the session's, during a
+        fit; after it (its writer then closes) or for another root than the fit's (a one-off writer)."""
+        session = self.session
+        ckpt = session.checkpointer
+        if ckpt is not None and not ckpt.closed and not _same_root(ckpt.config.root, root):
+            with AsyncCheckpointer(root, listeners=self._listeners, **self._settings) as elsewhere:
+                yield elsewhere, True
+            return
+        ckpt = self.checkpointer(root)
+        try:
+            yield ckpt, not self._in_fit
+        finally:
+            if not self._in_fit:
+                session.close_checkpointer()
+
+    @contextlib.contextmanager
+    def _reading(self, root: str) -> Iterator[AsyncCheckpointer]:
+        """A read-only view of ``root``: no lease, no probe write; it sees this process's saves in flight."""
+        settings = {k: self._settings[k] for k in ("staging_dir", "storage_options", "max_transfers", "retries")}
+        with AsyncCheckpointer(root, read_only=True, **settings) as ckpt:
+            yield ckpt
 
     def latest_checkpoint(self, dirpath: str) -> str | None:
         """``latest_checkpoint(dirpath)`` with this plugin's storage_options."""
@@ -151,12 +197,17 @@ class AirCheckpointIO(CheckpointIO):
         root, filename = split_path(str(path))
         step = int(checkpoint.get("global_step", 0))
         name = checkpoint.get(AIR_KEY, {}).get("name") or commit_name(filename, step)
-        ckpt = self.checkpointer(root)
-        owners = self._owners_of(ckpt, filename)
-        for older in owners:  # Lightning rewrites last.ckpt in place: retire its previous commit
-            ckpt.delete(older)
-        owners[:] = [name]
-        self.session.save({filename: checkpoint}, step=step, name=name)
+        with self._writing(root) as (ckpt, committed):
+            owners = self._owners_of(ckpt, filename)
+            for older in owners:  # Lightning rewrites last.ckpt in place: retire its previous commit
+                ckpt.delete(older)
+            owners[:] = [name]
+            if ckpt is self.session.checkpointer:
+                handle = self.session.save({filename: checkpoint}, step=step, name=name)
+            else:
+                handle = ckpt.save_files({filename: checkpoint}, step=step, name=name)
+            if committed:
+                handle.result()
 
     def save_sharded(
         self, sharded: dict[str, Any], checkpoint: dict[str, Any], path: str, *, meta_file: str
@@ -179,12 +230,16 @@ class AirCheckpointIO(CheckpointIO):
             files[f"{folder}/{meta_file}"] = checkpoint
         elif "rank_state" in air:
             files[session.state_file(name)] = air["rank_state"]
-        session.save_sharded({folder: sharded}, step=step, name=name, files=files)
+        handle = session.save_sharded({folder: sharded}, step=step, name=name, files=files)
+        if not self._in_fit:
+            handle.result()
+            session.close_checkpointer()
 
     def is_sharded(self, path: str) -> bool:
         """Whether ``path`` is a sharded checkpoint folder this plugin committed."""
         root, folder = split_path(path)
-        commits = self._commits_of(self.checkpointer(root), folder)
+        with self._reading(root) as ckpt:
+            commits = self._commits_of(ckpt, folder)
         return bool(commits) and dcp.dcp_folders(commits[-1]) == [folder]
 
     def load_sharded(
@@ -193,53 +248,73 @@ class AirCheckpointIO(CheckpointIO):
         """Every rank: load the committed sharded checkpoint ``path`` into ``state`` in place (resharded
         at this world size by DCP; each rank fetches only the files it needs); return rank 0's rest."""
         root, folder = split_path(path)
-        ckpt = self.checkpointer(root)
-        info = self._commits_of(ckpt, folder)[-1]
-        dcp.load(ckpt, state, info, folder=folder)
-        meta = f"{folder}/{meta_file}"
-        local = ckpt.fetch(info, paths=[meta])
-        self._load_rank_states(ckpt, info, weights_only)
-        return torch.load(local.paths[meta], map_location="cpu", weights_only=weights_only)
+        with self._reading(root) as ckpt:
+            info = self._commits_of(ckpt, folder)[-1]
+            dcp.load(ckpt, state, info, folder=folder)
+            meta = f"{folder}/{meta_file}"
+            local = ckpt.fetch(info, paths=[meta])
+            self._load_rank_states(ckpt, info, weights_only)
+            return torch.load(local.paths[meta], map_location="cpu", weights_only=weights_only)
 
     def save_rank_part(self, root: str, state: Any, *, step: int, name: str) -> None:
         """Ranks > 0: add this rank's part to the commit rank 0 makes of ``name``."""
         self.checkpointer(root)
         session = self.session
-        session.save({session.state_file(name): state}, step=step, name=name)
+        handle = session.save({session.state_file(name): state}, step=step, name=name)
+        if not self._in_fit:
+            handle.result()
+            session.close_checkpointer()
 
     @override
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Load the committed checkpoint whose file is ``path``; refuse partial or corrupt ones.
+        """Load ``path``: verified if a commit names it; as Lightning would if it comes from elsewhere.
 
         Raises:
-            CorruptCheckpointError: ``path`` is not part of a committed, verified checkpoint.
+            FileNotFoundError: nothing is at ``path``.
+            CorruptCheckpointError: ``path`` is damaged, or belongs to a save that never committed.
         """
-        root, filename = split_path(str(path))
-        ckpt = self.checkpointer(root)
-        commits = self._commits_of(ckpt, filename)
-        if not commits:
-            found = [f"{i.name}: {i.status} {i.reason}" for i in ckpt.list() if i.status != "committed"]
-            raise CorruptCheckpointError(
-                f"AirCheckpointIO.load_checkpoint({path!r}): no committed checkpoint holds this file"
-                + (f" (found {'; '.join(found)})" if found else "")
-                + ". Resume from lightning_air.latest_checkpoint(dirpath): it returns committed ones only.",
-                path=str(path),
-                reason="not committed",
-            )
-        info = commits[-1]
-        location = map_location if map_location is not None else "cpu"
-        checkpoint = ckpt.load(info, map_location=location, weights_only=weights_only, rank=0)
-        if self._module is not None and getattr(self._module, "strict_loading", True):
-            self.session.check_model(
-                self._module.state_dict(),
-                checkpoint.get("state_dict", {}),
-                what=f"checkpoint {info.name} under {root}",
-                fix="Resume with the model it was saved from, or give this run its own ModelCheckpoint "
-                "dirpath (set LightningModule.strict_loading = False to load a partial match on purpose).",
-            )
-        self._load_rank_states(ckpt, info, weights_only)
+        path = str(path)
+        if path.startswith(("http://", "https://")):
+            return self._load_unverified(path, map_location, weights_only, why="a URL")
+        root, filename = split_path(path)
+        with self._reading(root) as ckpt:
+            infos = ckpt.list()
+            commits = self._commits_of(infos, filename)
+            if not commits:
+                unfinished = [f"{i.name}: {i.status} {i.reason}" for i in infos if i.status != "committed"]
+                if not unfinished or not ckpt.storage.exists(filename):
+                    why = "in no folder of air-plugins" if not infos else "named by no commit"
+                    return self._load_unverified(path, map_location, weights_only, why=why)
+                raise CorruptCheckpointError(
+                    f"AirCheckpointIO.load_checkpoint({path!r}): no committed checkpoint holds this file, and "
+                    f"saves under {root!r} did not finish ({'; '.join(unfinished)}): it may be one of them. "
+                    "Resume from lightning_air.latest_checkpoint(dirpath): it returns committed ones only.",
+                    path=path,
+                    reason="not committed",
+                )
+            info = commits[-1]
+            location = map_location if map_location is not None else "cpu"
+            checkpoint = ckpt.load(info, map_location=location, weights_only=weights_only, rank=0)
+            if self._module is not None and getattr(self._module, "strict_loading", True):
+                self.session.check_model(
+                    self._module.state_dict(),
+                    checkpoint.get("state_dict", {}),
+                    what=f"checkpoint {info.name} under {root}",
+                    fix="Resume with the model it was saved from, or give this run its own ModelCheckpoint "
+                    "dirpath (set LightningModule.strict_loading = False to load a partial match on purpose).",
+                )
+            self._load_rank_states(ckpt, info, weights_only)
+        return checkpoint
+
+    def _load_unverified(
+        self, path: str, map_location: Any, weights_only: bool | None, *, why: str
+    ) -> dict[str, Any]:
+        """A checkpoint from elsewhere, loaded as stock Lightning loads it (``FileNotFoundError`` if absent)."""
+        checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        logger.info("AirCheckpointIO: loaded %s as Lightning does, not verified (%s)", path, why)
+        self.loaded_rank_state, self.loaded_rank_states = None, {}
         return checkpoint
 
     def _load_rank_states(
@@ -265,44 +340,60 @@ class AirCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path`` after any save queued before (never the newest committed)."""
+        """Delete the checkpoint at ``path`` after any save queued before. During a fit the newest committed
+        one is kept until a newer one commits; outside a fit it goes at once, as asked."""
         root, filename = split_path(str(path))
-        ckpt = self.checkpointer(root)
-        for name in self._owners_of(ckpt, filename):  # in flight or committed: queued behind its save
-            ckpt.delete(name)
-        self._owners.pop(filename, None)
+        with self._writing(root) as (ckpt, now):
+            owners = self._owners_of(ckpt, filename)
+            for name in owners:  # in flight or committed: queued behind its save
+                ckpt.delete(name, even_newest=now)
+            owners.clear()
 
     @override
     def teardown(self) -> None:
-        """Flush and close; a failed save is raised, unless another exception is already propagating."""
+        """The fit ended: commit what is in flight and close (releasing the root); a failed save is raised,
+        unless another exception is already propagating. Later saves return once committed."""
         self._owners = {}
+        self._in_fit = False
         if self._session is not None:
             self._session.close_checkpointer()
 
     def _owners_of(self, ckpt: AsyncCheckpointer, filename: str) -> list[str]:
-        """Names of the checkpoints whose rank-0 file (or folder) is ``filename`` (a live list; rank 0 only).
+        """Names of the checkpoints under ``ckpt``'s root whose rank-0 file (or folder) is ``filename`` (a live
+        list; rank 0 only).
 
-        The root is listed once, at the first save or removal; after that this plugin's own saves keep
-        the map, so no listing runs on the training thread per save and a removal also finds a save
-        that has not committed yet.
+        A root is listed once, at its first save or removal; after that this plugin's own saves keep the map,
+        so no listing runs on the training thread per save and a removal also finds a save in flight.
         """
-        if not self._owners:
-            for info in self._commits_of(ckpt):
+        owners = self._owners.get(ckpt.config.root)
+        if owners is None:
+            owners = self._owners[ckpt.config.root] = {}
+            for info in self._commits_of(ckpt.list()):
                 for top in {_top(f.path) for f in info.manifest.files_of(0)} if info.manifest else ():
-                    self._owners.setdefault(top, []).append(info.name)
-            self._owners.setdefault("", [])  # marks the listing as done, even for an empty root
-        return self._owners.setdefault(filename, [])
+                    owners.setdefault(top, []).append(info.name)
+        return owners.setdefault(filename, [])
 
     @staticmethod
-    def _commits_of(ckpt: AsyncCheckpointer, filename: str | None = None) -> list[CheckpointInfo]:
+    def _commits_of(
+        infos: AsyncCheckpointer | list[CheckpointInfo], filename: str | None = None
+    ) -> list[CheckpointInfo]:
         """Committed checkpoints (whose rank-0 file or folder is ``filename``, if given), oldest first."""
+        if isinstance(infos, AsyncCheckpointer):
+            infos = infos.list()
         return [
             info
-            for info in ckpt.list()
+            for info in infos
             if info.status == "committed"
             and info.manifest is not None
             and (filename is None or any(_top(f.path) == filename for f in info.manifest.files_of(0)))
         ]
+
+
+def _same_root(a: str, b: str) -> bool:
+    """Whether two roots are one folder (Lightning resolves ``dirpath``; a ``ckpt_path`` may be relative)."""
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _top(path: str) -> str:

@@ -121,6 +121,11 @@ class TrainingSession:
         return self._ckpt
 
     @property
+    def closed(self) -> bool:
+        """``close`` ran: the launch ended (its fit or stage is over)."""
+        return self._closed
+
+    @property
     def checkpointer(self) -> AsyncCheckpointer | None:
         """The open checkpointer, or None before ``open``."""
         return self._ckpt

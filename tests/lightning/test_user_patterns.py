@@ -1,0 +1,138 @@
+"""What Lightning users do with checkpoints, done with our classes in place of Lightning's: each test runs
+the pattern stock (``TorchCheckpointIO``) where an outcome can be compared, and with ours."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import pickle
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from air_core import CorruptCheckpointError
+from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
+
+
+def _trainer(root, plugin, callbacks=(), **kw) -> pl.Trainer:
+    kw = {"max_steps": 4, "limit_val_batches": 0, **kw}
+    return pl.Trainer(
+        accelerator="cpu",
+        plugins=[plugin],
+        callbacks=list(callbacks),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        **kw,
+    )
+
+
+def _ckpt_files(folder) -> list[str]:
+    """What a user sees in a checkpoint folder, our metadata folder aside."""
+    return sorted(
+        os.path.relpath(os.path.join(d, f), folder)
+        for d, dirs, files in os.walk(folder)
+        for f in files
+        if ".air" not in os.path.relpath(d, folder).split(os.sep)
+    )
+
+
+def _params(module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("with_callback", [False, True])
+def test_a_save_after_fit_is_committed_when_it_returns_and_leaves_no_writer_open(tmp_path, with_callback):
+    plugin = AirCheckpointIO()
+    callbacks = [AirCallback(mlflow=False)] if with_callback else []
+    trainer = _trainer(tmp_path, plugin, callbacks)
+    model = BoringModel()
+    trainer.fit(model)
+    path = str(tmp_path / "notebook" / "after_fit.ckpt")
+    trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=False)["global_step"] == 4  # a plain read sees it at once
+    assert latest_checkpoint(str(tmp_path / "notebook")) == path
+    assert plugin.session.checkpointer is None, "the writer of a save outside fit is closed (lease released)"
+    again = pickle.loads(pickle.dumps(trainer.strategy.checkpoint_io))  # ddp_spawn pickles the plugin
+    assert isinstance(again, AirCheckpointIO)
+    copy.deepcopy(trainer.callbacks)  # and deep copies of the Trainer's parts work
+    other = _trainer(tmp_path, AirCheckpointIO())  # a second Trainer on the same folder is not refused
+    other.fit(BoringModel(), ckpt_path=path)
+    assert other.global_step == 4
+
+
+def test_fit_resumes_from_a_stock_checkpoint_in_another_folder_and_from_a_bare_file_name(
+    tmp_path, monkeypatch, caplog
+):
+    stock = _trainer(tmp_path / "stock", TorchCheckpointIO())
+    stock.fit(BoringModel())
+    foreign = str(tmp_path / "stock" / "done.ckpt")
+    stock.save_checkpoint(foreign)
+    mc = ModelCheckpoint(dirpath=str(tmp_path / "ours"))
+    trainer = _trainer(tmp_path / "ours", AirCheckpointIO(), [AirCallback(mlflow=False), mc], max_steps=6)
+    with caplog.at_level(logging.INFO, logger="lightning_air"):
+        trainer.fit(BoringModel(), ckpt_path=foreign)
+    assert trainer.global_step == 6
+    assert any("not verified" in r.getMessage() for r in caplog.records)
+    assert not os.path.exists(tmp_path / "stock" / ".air"), "a read writes nothing where it reads"
+    monkeypatch.chdir(tmp_path / "stock")
+    trainer = _trainer(tmp_path / "bare", AirCheckpointIO(), max_steps=5)
+    trainer.fit(BoringModel(), ckpt_path="done.ckpt")
+    assert trainer.global_step == 5
+
+
+def test_a_missing_ckpt_path_raises_file_not_found_naming_it(tmp_path):
+    missing = str(tmp_path / "nowhere" / "x.ckpt")
+    for plugin in (TorchCheckpointIO(), AirCheckpointIO()):
+        with pytest.raises(FileNotFoundError, match="nowhere/x.ckpt"):
+            _trainer(tmp_path, plugin).fit(BoringModel(), ckpt_path=missing)
+
+
+def test_a_damaged_file_inside_a_managed_folder_is_still_refused(tmp_path):
+    mc = ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), filename="only")
+    _trainer(tmp_path, AirCheckpointIO(), [mc]).fit(BoringModel())
+    path = str(tmp_path / "ckpts" / "only.ckpt")
+    with open(path, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptCheckpointError):
+        _trainer(tmp_path, AirCheckpointIO()).fit(BoringModel(), ckpt_path=path)
+
+
+@pytest.mark.parametrize(
+    "checkpoint_kw",
+    [
+        {"filename": "fixed", "save_top_k": -1, "every_n_train_steps": 2},  # the version counter
+        {"filename": "fixed", "enable_version_counter": False, "every_n_train_steps": 2},
+        {"save_last": True, "every_n_train_steps": 2},
+        {"save_last": "link", "every_n_train_steps": 2},  # top-1: each save removes the one before
+    ],
+    ids=["version-counter", "no-version-counter", "save-last", "save-last-link"],
+)
+def test_model_checkpoint_leaves_the_files_stock_leaves_over_two_fits(tmp_path, checkpoint_kw):
+    """Names, version counters, top-k removal and last links, as a rerun in the same and a new Trainer
+    sees them: the folder holds the same files as with Lightning's own CheckpointIO."""
+    seen = {}
+    for kind in ("stock", "ours"):
+        dirpath = str(tmp_path / kind / "ckpts")
+
+        def trainer(steps, kind=kind, dirpath=dirpath):
+            plugin = TorchCheckpointIO() if kind == "stock" else AirCheckpointIO()
+            mc = ModelCheckpoint(dirpath=dirpath, **checkpoint_kw)
+            return _trainer(tmp_path / kind, plugin, [mc], max_steps=steps)
+
+        first = trainer(4)
+        first.fit(BoringModel())
+        first.fit_loop.epoch_loop.max_steps = 6  # a rerun in the same Trainer continues
+        first.fit(first.lightning_module)
+        trainer(4).fit(BoringModel())  # and a new Trainer starts over in the same folder
+        seen[kind] = _ckpt_files(dirpath)
+    assert seen["ours"] == seen["stock"]
