@@ -28,15 +28,30 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from torch.utils.data import RandomSampler
 from typing_extensions import override
 
-from air_core import ConfigError, dcp
+from air_core import (
+    AirError,
+    AsyncCheckpointer,
+    CheckpointInfo,
+    ConfigError,
+    CorruptCheckpointError,
+    LocalCheckpoint,
+    dcp,
+)
 from air_core.session import TrainingSession
 
-from .layout import accelerate_files, air_file, batch_layout, model_file, rank_state_of
+from . import places
+from .layout import accelerate_files, air_file, batch_layout, folder_view, model_file, rank_state_of
 from .plugin import AirPlugin, warn_if_inexact
 from .sharded import fsdp2_sharded, load_sharded, sharded_folders
 
 logger = logging.getLogger(__name__)
 _SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
+_KEEP_ALL = 2**31 - 1
+"""Retention that deletes nothing (Accelerate's automatic naming without ``total_limit``)."""
+
+
+class CheckpointNotFoundError(FileNotFoundError, ValueError):
+    """No checkpoint at the path given to ``load_state`` (a ``ValueError`` too, as stock Accelerate raises)."""
 
 
 @contextlib.contextmanager
@@ -118,7 +133,7 @@ class AirAccelerator(Accelerator):
         self.start_epoch = 0
         self.air_session = TrainingSession(
             air_plugin.session,
-            checkpointer=air_plugin.checkpointer,
+            checkpointer={**air_plugin.checkpointer, "keep_last": self._air_retention(air_plugin)},
             rank=self.process_index,
             world_size=self.num_processes,
             broadcast=lambda value: broadcast_object_list([value])[0],
@@ -126,11 +141,62 @@ class AirAccelerator(Accelerator):
             listeners=air_plugin.listeners,
         )
         self._air = self.air_session.open(air_plugin.root)
+        self._air_root = places.norm(air_plugin.root)
+        self._air_flat: AsyncCheckpointer | None = None
+        """The writer of the last folder saved outside the root (``save_state(output_dir)``)."""
+        self._air_places: dict[int, places.Place] = {}
         self._air_tracked: set[int] = set()
-        self._air_taken: set[str] | None = None
-        """Checkpoint names under the root (listed at the first save) and of this launch's saves."""
+        self._air_positioned: dict[int, int] = {}
+        """Loaders whose position ``load_state`` restored -> their epoch then (``skip_first_batches``)."""
+        self._air_said_skip = False
         self._air_step_hook: Any = None
         self._air_started = False
+
+    def _air_retention(self, plugin: AirPlugin) -> int:
+        """``keep_last`` of the root: Accelerate's ``total_limit`` under automatic naming, whose folders
+        (``project_dir/checkpoints/checkpoint_<i>``) must then be the plugin's root.
+
+        Raises:
+            ConfigError: automatic naming with another root, or a ``keep_last`` that contradicts it.
+        """
+        config = self.project_configuration
+        if not config.automatic_checkpoint_naming:
+            return int(plugin.checkpointer["keep_last"])
+        wanted = None if self.project_dir is None else places.norm(os.path.join(self.project_dir, "checkpoints"))
+        if wanted != places.norm(plugin.root):
+            raise ConfigError(
+                f"AirAccelerator: ProjectConfiguration(automatic_checkpoint_naming=True) saves checkpoint_<i> "
+                f"under project_dir/checkpoints ({wanted}), but AirPlugin(root={plugin.root!r}) is elsewhere. "
+                "Pass AirPlugin(os.path.join(project_dir, 'checkpoints')), or turn automatic naming off "
+                "(AirAccelerator then names checkpoints step-<n> under its root)."
+            )
+        keep = _KEEP_ALL if config.total_limit is None else max(int(config.total_limit), 1)
+        if plugin.keep_last_given is not None and plugin.keep_last_given != keep:
+            raise ConfigError(
+                f"AirPlugin(keep_last={plugin.keep_last_given}) contradicts ProjectConfiguration(total_limit="
+                f"{config.total_limit}), which is the retention under automatic naming; drop one of them."
+            )
+        return keep
+
+    # -- pickling ----------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled copy keeps the prepared objects (loaders untracked), not the checkpointing runtime:
+        threads, leases and the session belong to this process's object only."""
+        state = self.__dict__.copy()
+        for key in ("air_session", "_air", "_air_flat", "_air_step_hook"):
+            state[key] = None
+        state["_air_places"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def _air_check_live(self, what: str) -> None:
+        if self.air_session is None:
+            raise AirError(
+                f"AirAccelerator.{what}: this is a pickled copy, which does not checkpoint (its session "
+                "stayed with the original); build a new AirAccelerator."
+            )
 
     # -- preparation -------------------------------------------------------------------------
     @override
@@ -208,84 +274,196 @@ class AirAccelerator(Accelerator):
     def save_state(
         self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs: Any
     ) -> str:
-        """Snapshot the state and commit it in the background under ``air_plugin.root``; return its URL.
+        """Snapshot the state and commit it in the background at ``output_dir``; return where.
 
-        ``output_dir`` names the checkpoint (its last path segment); by default it is
-        ``step-<completed_steps>`` (``-1``, ``-2``, ... appended when the root holds a committed or
-        corrupt checkpoint of that name, e.g. one that resume skipped: such a location is never
-        written twice). Model weights are written as ``pytorch_model.bin`` (torch format, whatever
-        ``safe_serialization`` says), which a stock ``load_state`` reads as well. Returns after the
-        host copy; on a GPU the copy finishes by the next optimizer step.
+        ``output_dir`` (a local path or URL) is the checkpoint's folder, as in Accelerate; saving the same
+        folder again replaces its checkpoint (the older commit is retired once the new one commits).
+        ``None``: a folder under ``air_plugin.root``, ``checkpoint_<i>`` with Accelerate's automatic
+        naming, else ``step-<completed_steps>`` (``-1``, ``-2`` ... appended when the root holds a
+        committed or damaged checkpoint of that name). Files written into ``output_dir`` by save-state
+        pre hooks are committed too. Weights are written as ``pytorch_model.bin`` (torch format,
+        whatever ``safe_serialization`` says), which a stock ``load_state`` reads as well. Returns after
+        the host copy (never waiting for an earlier save to commit beyond ``max_in_flight``); on a GPU
+        the copy finishes by the next optimizer step.
         """
-        name = self._air_name(output_dir)
+        self._air_check_live("save_state")
+        place, folder, name = self._air_target(output_dir)
+        if self.process_index == 0:
+            for older in place.claim(folder, name):
+                place.ckpt.delete(older)  # deferred by the core until this save commits
+        else:
+            place.claim(folder, name)
         rank_state = self.air_session.rank_state()
-        files = accelerate_files(self, rank_state["rng"], sharded=self._air_sharded)
+        files = accelerate_files(self, rank_state["rng"], tracked=self._air_tracked, sharded=self._air_sharded)
         files[air_file(self.process_index)] = {
             "completed_steps": self.completed_steps,
             "rank_state": rank_state,
         }
-        files = {f"{name}/{f}": state for f, state in files.items()}
+        files = {places.join(folder, f): state for f, state in files.items()}
         if self._air_sharded:  # every process: its shards, in Accelerate's DCP folders, one commit
-            folders = sharded_folders(name, self._models, self._optimizers)
-            self.air_session.save_sharded(folders, step=self.completed_steps, name=name, files=files)
+            shards = sharded_folders(folder, self._models, self._optimizers)
+            self.air_session.save_sharded(
+                shards, step=self.completed_steps, name=name, files=files, checkpointer=place.ckpt
+            )
         else:
-            self.air_session.save(files, step=self.completed_steps, name=name)
+            self.air_session.save(files, step=self.completed_steps, name=name, checkpointer=place.ckpt)
+        where = places.join(place.ckpt.config.root.rstrip("/"), folder).rstrip("/")
+        if not places.is_url(where):  # as after a stock save, the folder exists (a script may add files)
+            os.makedirs(where, exist_ok=True)
         self.project_configuration.iteration += 1
-        return f"{self.air_plugin.root.rstrip('/')}/{name}"
+        return where
 
-    def _air_name(self, output_dir: str | None) -> str:
+    def _air_target(self, output_dir: str | None) -> tuple[places.Place, str, str]:
+        """The place, folder and commit name of a save to ``output_dir`` (every process alike)."""
+        if self.project_configuration.automatic_checkpoint_naming:  # Accelerate ignores output_dir then
+            place = self._air_place(self._air)
+            folder = f"checkpoint_{self.save_iteration}"
+            local = os.path.join(self._air_root, folder)
+            if folder in place.owned or (not places.is_url(local) and os.path.exists(local)):
+                raise ValueError(
+                    f"Checkpoint directory {local} ({self.save_iteration}) already exists. Please manually "
+                    "override `self.save_iteration` with what iteration to start with."
+                )
+            return place, folder, place.fresh(folder)
         if output_dir is None:
-            base = f"step-{self.completed_steps:09d}"
-        else:
-            base = os.path.basename(os.path.normpath(str(output_dir)))
-        if self._air_taken is None:  # a committed location is never written twice, not even a corrupt one
-            # Partial saves do not count: they are never loaded, and another rank's first intent record
-            # may already be there (every rank must choose the same name). No commit of this launch can
-            # exist before every rank has listed, so the ranks agree.
-            self._air_taken = {info.name for info in self._air.list() if info.status != "partial"}
-        name, n = base, 0
-        while name in self._air_taken:
-            n += 1
-            name = f"{base}-{n}"
-        self._air_taken.add(name)
-        return name
+            place = self._air_place(self._air)
+            name = place.fresh(f"step-{self.completed_steps:09d}")
+            return place, name, name
+        target = places.norm(output_dir)
+        if target == self._air_root:
+            raise ConfigError(
+                f"AirAccelerator.save_state({output_dir!r}): that is the plugin's root, which holds checkpoint "
+                "folders; pass a folder inside it, another folder, or nothing (an automatic name)."
+            )
+        base = places.safe_name(target.rsplit("/", 1)[-1])
+        if places.parent(target) == self._air_root:
+            place = self._air_place(self._air)
+            folder = target.rsplit("/", 1)[-1]
+            return place, folder, place.fresh(base)
+        place = self._air_place(self._air_open_flat(target))
+        return place, "", place.fresh(base)
+
+    def _air_place(self, ckpt: AsyncCheckpointer) -> places.Place:
+        place = self._air_places.get(id(ckpt))
+        if place is None or place.ckpt is not ckpt:
+            place = places.Place.listed(ckpt, flat=ckpt is not self._air)
+            self._air_places[id(ckpt)] = place
+        return place
+
+    def _air_open_flat(self, target: str) -> AsyncCheckpointer:
+        """The writer of a folder outside the plugin's root (its own root); one such is open at a time,
+        so a script saving to ever new folders holds one staging buffer, not one per folder."""
+        current = self._air_flat
+        if current is not None and not current.closed and places.norm(current.config.root) == target:
+            return current
+        if current is not None:
+            self._air_places.pop(id(current), None)
+            current.close()  # commits its save in flight: the backpressure a save waits for anyway
+        self._air_flat = self.air_session.open_another(target)
+        return self._air_flat
 
     # -- load --------------------------------------------------------------------------------
     @override
     def load_state(
         self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any
     ) -> None:
-        """Load the newest committed, verified checkpoint (``input_dir=None``), the checkpoint of that
-        name under the root, or an existing local folder; then restore every rank's RNG, data
-        position, ``completed_steps`` and MLflow run.
+        """Load a checkpoint: ``input_dir=None`` the newest committed, verified one under the root; a
+        folder a commit names (under the root, or a folder saved with ``save_state(folder)``), checksums
+        verified; any other local folder (a stock checkpoint) as stock Accelerate loads it, unverified.
+        Then restore every rank's RNG, data position, ``completed_steps`` and MLflow run.
 
+        Saves of this process in flight are committed first, so a load right after a save reads it.
         With ``AirPlugin(elastic=True)`` a checkpoint of another number of processes continues: each
         process reads every saved process's small ``air-rank-<r>.pt`` and takes its share of the rest of
         the interrupted epoch (``air_core.session.elastic``).
 
         Raises:
-            FileNotFoundError: nothing committed under the root, or no checkpoint of that name.
+            CheckpointNotFoundError: nothing committed under the root, or no folder at ``input_dir``
+                (a ``FileNotFoundError``, and a ``ValueError`` as stock Accelerate raises).
+            CorruptCheckpointError: ``input_dir`` is a checkpoint that never committed or is damaged.
             ConfigError: the checkpoint was written by another number of processes (without ``elastic``)
                 or loaders.
         """
-        info = None
-        if input_dir is not None and os.path.isdir(os.path.expanduser(str(input_dir))):
-            folder = os.path.expanduser(str(input_dir))
+        self._air_check_live("load_state")
+        with contextlib.ExitStack() as stack:
+            ckpt, info, folder = self._air_source(input_dir, stack)
+            if ckpt is None:  # no commit names it: as stock Accelerate loads it
+                self._air_load_folder(folder, None, None, "", load_kwargs, load_model_func_kwargs)
+                return
+            local = self._air_fetch(ckpt, info)
+            folder = "" if ckpt is not self._air else places.top_folder(local.info)
+            view = stack.enter_context(folder_view(local.paths, folder))
+            self._air_load_folder(view, ckpt, local.info, folder, load_kwargs, load_model_func_kwargs)
+
+    def _air_source(
+        self, input_dir: str | None, stack: contextlib.ExitStack
+    ) -> tuple[AsyncCheckpointer | None, CheckpointInfo | None, str]:
+        """Where ``load_state(input_dir)`` reads: (checkpointer, commit or None for the newest, folder),
+        or (None, None, local folder) for a folder no commit names."""
+        if input_dir is None:
+            return self._air, None, ""
+        target = places.norm(input_dir)
+        if target == self._air_root:
+            return self._air, None, ""
+        if places.parent(target) == self._air_root:
+            ckpt, folder = self._air, target.rsplit("/", 1)[-1]
         else:
-            if input_dir is not None:
-                wanted = os.path.basename(os.path.normpath(str(input_dir)))
-                committed = {i.name: i for i in self._air.list() if i.status == "committed"}
-                if wanted not in committed:
-                    raise FileNotFoundError(
-                        f"AirAccelerator.load_state({input_dir!r}): no committed checkpoint {wanted!r} under "
-                        f"{self.air_plugin.root}; committed: {sorted(committed) or 'none'}."
-                    )
-                info = committed[wanted]
-            folder, info = self._air_fetch(info)
+            ckpt, folder = self._air_reader(target, stack), ""
+        infos = ckpt.list() if ckpt is not None else []  # waits for this process's saves to it
+        found = places.owners(infos, folder)
+        if found:
+            return ckpt, found[-1], folder
+        damaged = places.mentioned(infos, folder)
+        if damaged:
+            raise CorruptCheckpointError(
+                f"AirAccelerator.load_state({input_dir!r}): {target} is a checkpoint that did not commit or is "
+                f"damaged ({'; '.join(f'{i.name}: {i.status} {i.reason}'.strip() for i in damaged)}); load "
+                "another one (load_state() takes the newest committed)."
+            )
+        if not places.is_url(target) and os.path.isdir(target):
+            logger.info(
+                "AirAccelerator.load_state: %s is not a committed checkpoint: loading it as stock Accelerate "
+                "does, without verifying it",
+                target,
+            )
+            return None, None, target
+        text = os.fspath(input_dir)
+        if "/" not in text and os.sep not in text:  # a checkpoint's name under the root
+            found = places.owners(self._air.list(), text)
+            if found:
+                return self._air, found[-1], text
+        raise CheckpointNotFoundError(
+            f"AirAccelerator.load_state({input_dir!r}): no checkpoint at {target} (nothing committed there "
+            f"and no such folder); the plugin's root is {self.air_plugin.root}."
+        )
+
+    def _air_reader(self, target: str, stack: contextlib.ExitStack) -> AsyncCheckpointer | None:
+        """A checkpointer to read ``target`` as a root: ours if this process saves there, else a read-only
+        one (no lease, no probe write); None for a local folder without commit records."""
+        for ckpt in (self._air_flat,):
+            if ckpt is not None and not ckpt.closed and places.norm(ckpt.config.root) == target:
+                return ckpt
+        if not places.is_url(target) and not os.path.isdir(os.path.join(target, ".air")):
+            return None
+        settings = {**self.air_plugin.checkpointer, "rank": self.process_index}
+        settings["world_size"] = self.num_processes
+        return stack.enter_context(AsyncCheckpointer(target, read_only=True, **settings))
+
+    def _air_load_folder(
+        self,
+        folder: str,
+        ckpt: AsyncCheckpointer | None,
+        info: CheckpointInfo | None,
+        prefix: str,
+        load_kwargs: dict | None,
+        load_model_func_kwargs: dict[str, Any],
+    ) -> None:
+        """Check, then load the local ``folder`` through Accelerate, then restore what it does not keep."""
         airs = self._air_rank_files(folder)
         states = {r: rank_state_of(a) for r, a in airs.items()}
         saved = int(states[0]["world_size"]) if 0 in states else self.num_processes
-        what = f"AirAccelerator.load_state: the checkpoint {os.path.basename(folder)}"
+        label = info.name if info is not None else folder
+        what = f"AirAccelerator.load_state: the checkpoint {label}"
         if states:  # every process refuses another world size (without elastic) before any weight is copied
             self.air_session.check_world_size(saved, what=what)
         for i, model in enumerate(self._models):  # before Accelerate copies any weight
@@ -294,59 +472,62 @@ class AirAccelerator(Accelerator):
                 self.air_session.check_model(
                     self.unwrap_model(model).state_dict(),
                     torch.load(path, map_location="cpu", weights_only=True, mmap=True),
-                    what=f"AirAccelerator.load_state: {os.path.basename(folder)}/{model_file(i)}",
+                    what=f"AirAccelerator.load_state: {label}/{model_file(i)}",
                     fix="Resume with the model it was saved from, or give this run its own AirPlugin root.",
                 )
-        if self._air_sharded and info is not None:  # FSDP2 shards through the core's reader, the rest stock
-            load_sharded(self._air, info, self._models, self._optimizers)
+        if self._air_sharded and ckpt is not None and info is not None:  # FSDP2 shards: the core's reader
+            load_sharded(ckpt, info, self._models, self._optimizers, folder=prefix)
             with _hidden(self, "_models", "_optimizers"):  # Accelerate would read them from local folders
                 super().load_state(folder, load_kwargs, **load_model_func_kwargs)
         else:
             super().load_state(folder, load_kwargs, **load_model_func_kwargs)
         needed = self.air_session.ranks_to_load(saved)
         if not needed or any(r not in states for r in needed):
-            logger.warning(
+            log = logger.warning if ckpt is not None else logger.info  # a stock folder: said above
+            log(
                 "AirAccelerator.load_state(%s): no %s; RNG and data position come from Accelerate's files "
                 "only, so the resumed run may repeat or skip samples.",
-                folder,
+                label,
                 air_file(self.process_index),
             )
             return
         mine = self.process_index if self.process_index in states else 0  # a process the checkpoint lacked
         self.completed_steps = airs[mine]["completed_steps"]
         self.air_session.restore_rank_states({r: states[r] for r in needed}, what=what)
-        for dl, position in zip(self._dataloaders, states[mine]["loaders"], strict=True):
+        tracked = [dl for dl in self._dataloaders if id(dl) in self._air_tracked]
+        for dl, position in zip(tracked, states[mine]["loaders"], strict=True):
             if position is None:
                 continue
             # At an epoch's end the loop re-enters that epoch for the code after its batches; the
             # loader's next real pass is the following epoch.
             dl.iteration = position["epoch"] + (1 if position["where"] == "end" else 0)
-            if dl is self._dataloaders[0]:
+            self._air_positioned[id(dl)] = dl.iteration  # skip_first_batches must not skip again
+            if dl is tracked[0]:
                 self.start_epoch = position["epoch"]
         if self.air_session.resumed_mlflow_run:
             self._air_continue_mlflow_run(self.air_session.resumed_mlflow_run)
 
-    def _air_fetch(self, info: Any) -> tuple[str, Any]:
+    def _air_fetch(self, ckpt: AsyncCheckpointer, info: CheckpointInfo | None) -> LocalCheckpoint:
         """Fetch ``info`` (None: the newest committed that verifies) into the local cache (rank 0's files
-        and this process's; every process's when an elastic resume needs their rank files); return the
-        folder and the checkpoint. Shards in DCP folders are left to the reader (only what is needed)."""
+        and this process's; every process's when an elastic resume needs their rank files). Shards in
+        DCP folders are left to the reader (only what is needed)."""
         ranks = {0, self.process_index}
         if self._air_sharded:  # one chosen checkpoint: its shards are read later, by the reader
-            info = info or self._air.latest()
-        hint = info or (self._air.latest() if self.air_plugin.session.elastic else None)
+            info = info or ckpt.latest()
+        hint = info or (ckpt.latest() if self.air_plugin.session.elastic else None)
         if hint is not None and hint.manifest is not None:  # the saved world size decides
             ranks |= set(self.air_session.ranks_to_load(hint.manifest.world_size))
         if self._air_sharded and info is not None and info.manifest is not None:
             shards = tuple(f"{folder}/" for folder in dcp.dcp_folders(info))
             paths = [f.path for f in info.manifest.files if f.rank in ranks and not f.path.startswith(shards)]
-            local = self._air.fetch(info, paths=paths)
+            local = ckpt.fetch(info, paths=paths)
         else:
-            local = self._air.fetch(info, ranks=ranks)
+            local = ckpt.fetch(info, ranks=ranks)
         manifest = local.info.manifest
         assert manifest is not None  # committed
         if not set(self.air_session.ranks_to_load(manifest.world_size)) <= ranks:  # it fell back to another
-            local = self._air.fetch(local.info, ranks=set(range(manifest.world_size)))
-        return os.path.dirname(next(iter(local.paths.values()))), local.info  # all under <name>/
+            local = ckpt.fetch(local.info, ranks=set(range(manifest.world_size)))
+        return local
 
     def _air_rank_files(self, folder: str) -> dict[int, dict[str, Any]]:
         """The ``air-rank-<r>.pt`` files in ``folder`` this process resumes from: rank 0's (which tells the
@@ -363,6 +544,22 @@ class AirAccelerator(Accelerator):
                 if r not in airs and (a := read(r)) is not None:
                     airs[r] = a
         return airs
+
+    @override
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """As Accelerate's, except for a loader whose position ``load_state`` restored, in that epoch:
+        it already continues after the consumed batches, so it is returned as it is (logged once)."""
+        if self._air_positioned.get(id(dataloader), -1) == getattr(dataloader, "iteration", None):
+            del self._air_positioned[id(dataloader)]
+            if not self._air_said_skip:
+                self._air_said_skip = True
+                logger.info(
+                    "AirAccelerator: skip_first_batches(%d) after load_state: the loader already continues "
+                    "where the checkpoint left it, so no batch is skipped again",
+                    num_batches,
+                )
+            return dataloader
+        return super().skip_first_batches(dataloader, num_batches)
 
     def resume(self) -> int:
         """Load the newest committed checkpoint if there is one; return ``start_epoch`` (0 when fresh).

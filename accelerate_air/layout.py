@@ -9,8 +9,11 @@ own loader. Only what a rank would write is built: rank 0 the shared state, ever
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from accelerate import Accelerator
@@ -25,7 +28,7 @@ from accelerate.utils import (
 )
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from air_core import AirError
+from air_core.serializer import Bundle
 from air_core.session import DealtBatches, raw_from_safe
 
 
@@ -44,30 +47,28 @@ def model_file(i: int) -> str:
 
 
 def accelerate_files(
-    accelerator: Accelerator, rng: dict[str, Any], *, sharded: bool = False
+    accelerator: Accelerator, rng: dict[str, Any], *, tracked: set[int], sharded: bool = False
 ) -> dict[str, Any]:
     """File name -> state, as ``save_state`` would write them on this rank (weights in torch format).
 
     ``rng`` is the session's capture of this save (``capture_rng``): Accelerate's RNG file is made from
-    it, so the generators are read once per save. ``sharded``: models and optimizers are saved as DCP
-    folders (``sharded.py``), not here.
+    it, so the generators are read once per save. ``tracked``: ids of the prepared loaders whose
+    position the session keeps (the others that are stateful get Accelerate's ``dl_state_dict`` file).
+    ``sharded``: models and optimizers are saved as DCP folders (``sharded.py``), not here.
 
-    Raises:
-        AirError: a registered save-state pre hook wrote files into ``output_dir`` (they could not
-            be part of the commit).
+    The save-state pre hooks run with a fresh local folder as ``output_dir``; what they write there
+    (the ``save_pretrained`` pattern) is read back and committed with the rest, from the main process
+    (hooks of other processes write the same files; their copies are dropped).
     """
     acc: Any = accelerator
     files: dict[str, Any] = {}
     weights = [] if sharded else [acc.get_state_dict(m, unwrap=False) for m in acc._models]
-    with tempfile.TemporaryDirectory(prefix="air-hooks-") as hook_dir:
-        for hook in acc._save_model_state_pre_hook.values():
-            hook(acc._models, weights, hook_dir)
-        if os.listdir(hook_dir):
-            raise AirError(
-                "AirAccelerator.save_state: a save-state pre hook wrote files into output_dir; they would "
-                "not be part of the commit. Register objects with state_dict()/load_state_dict() through "
-                "accelerator.register_for_checkpointing(...) instead."
-            )
+    if acc._save_model_state_pre_hook:
+        with tempfile.TemporaryDirectory(prefix="air-hooks-") as hook_dir:
+            for hook in acc._save_model_state_pre_hook.values():
+                hook(acc._models, weights, hook_dir)
+            if acc.is_main_process:
+                files.update(_written_in(hook_dir))
     if acc.is_main_process:
         for i, state in enumerate(weights):
             files[model_file(i)] = state
@@ -80,6 +81,10 @@ def accelerate_files(
                 sampler = dl.get_sampler()
                 if isinstance(sampler, SeedableRandomSampler):
                     files[_indexed(SAMPLER_NAME, i, ".bin")] = sampler
+            if getattr(dl, "use_stateful_dataloader", False) and id(dl) not in tracked:
+                # Not tracked (a DataLoaderDispatcher: the main process iterates for all): Accelerate's
+                # own file, which its load_state restores.
+                files[_indexed("dl_state_dict", i, ".bin")] = dl.state_dict()
         if acc.scaler is not None:
             files[SCALER_NAME] = acc.scaler.state_dict()
         for i, obj in enumerate(acc._custom_objects):
@@ -95,6 +100,17 @@ def accelerate_files(
         stock["torch_cuda_manual_seed"] = rng["cuda"]
     files[f"{RNG_STATE_NAME}_{acc.process_index}.pkl"] = stock
     return files
+
+
+def _written_in(folder: str) -> dict[str, Bundle]:
+    """Every file under ``folder`` (relative POSIX path -> its bytes, written as they are)."""
+    found: dict[str, Bundle] = {}
+    for top, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(top, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, folder).replace(os.sep, "/")] = Bundle([f.read()])
+    return found
 
 
 def rank_state_of(air: dict[str, Any]) -> dict[str, Any]:
@@ -159,3 +175,21 @@ def batch_layout(base: Any) -> DealtBatches | None:
     if type(dealt) is BatchSampler:
         return DealtBatches(dealt, world_size=1, rank=0, deal=lambda batches: batches)
     return None
+
+
+@contextlib.contextmanager
+def folder_view(paths: dict[str, str], folder: str) -> Iterator[str]:
+    """A temporary local folder holding exactly ``paths``' files of ``folder`` (root-relative path ->
+    local file), linked, for Accelerate's ``load_state``: files left in the same place by an earlier,
+    stock save (``model.safetensors`` beside our ``pytorch_model.bin``) are never read."""
+    view = tempfile.mkdtemp(prefix="air-load-")
+    try:
+        for rel, local in paths.items():
+            if folder and not rel.startswith(f"{folder}/"):
+                continue
+            target = os.path.join(view, *(rel[len(folder) + 1 :] if folder else rel).split("/"))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.symlink(os.path.abspath(local), target)
+        yield view
+    finally:
+        shutil.rmtree(view, ignore_errors=True)

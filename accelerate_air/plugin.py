@@ -25,6 +25,9 @@ class AirPlugin:
             Accelerate's MLflow tracker if one is active, else the active run, else a new run in
             ``mlflow_experiment`` at ``MLFLOW_TRACKING_URI`` (default: ``./mlflow.db``, sqlite).
             None: when MLflow is installed.
+        keep_last: how many committed checkpoints the root keeps (default 2). With Accelerate's
+            ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the retention is its
+            ``total_limit`` (None: all), and a different ``keep_last`` is refused.
         elastic: resume a checkpoint written by another number of processes: the rest of the interrupted
             epoch is split over this run's processes, every sample once, but the run is no longer bitwise
             equal to an uninterrupted one (and the global batch changes). Off: such a resume is refused.
@@ -39,7 +42,7 @@ class AirPlugin:
         *,
         staging_dir: str | None = None,
         host_budget_bytes: int | None = None,
-        keep_last: int = 2,
+        keep_last: int | None = None,
         max_in_flight: int = 1,
         on_busy: Literal["wait", "skip"] = "wait",
         writer: Literal["thread", "process"] = "thread",
@@ -56,7 +59,7 @@ class AirPlugin:
         self.checkpointer: dict[str, Any] = dict(
             staging_dir=staging_dir,
             host_budget_bytes=host_budget_bytes,
-            keep_last=keep_last,
+            keep_last=2 if keep_last is None else keep_last,
             max_in_flight=max_in_flight,
             on_busy=on_busy,
             writer=writer,
@@ -78,6 +81,8 @@ class AirPlugin:
         )
         """The training session's settings (validated now)."""
         self.root = root
+        self.keep_last_given = keep_last
+        """``keep_last`` as the user passed it (None: not given), checked against ``total_limit``."""
         self.listeners: list[Listener] = []
 
     def add_listener(self, listener: Listener) -> None:

@@ -35,42 +35,50 @@ def fsdp2_sharded(accelerator: Any) -> bool:
     return str(getattr(kind, "name", kind)).upper().endswith("SHARDED_STATE_DICT")
 
 
-def model_folder(name: str, i: int) -> str:
-    """The ``i``-th model's DCP folder in checkpoint ``name`` (Accelerate's name for it)."""
-    return f"{name}/{FSDP_MODEL_NAME}_{i}"
+def model_folder(folder: str, i: int) -> str:
+    """The ``i``-th model's DCP folder in checkpoint folder ``folder`` (Accelerate's name for it;
+    ``folder == ""``: at the root's top)."""
+    return f"{folder}/{FSDP_MODEL_NAME}_{i}" if folder else f"{FSDP_MODEL_NAME}_{i}"
 
 
-def optimizer_folder(name: str, i: int) -> str:
-    """The ``i``-th optimizer's DCP folder in checkpoint ``name`` (Accelerate's name for it)."""
-    return f"{name}/{OPTIMIZER_NAME}_{i}"
+def optimizer_folder(folder: str, i: int) -> str:
+    """The ``i``-th optimizer's DCP folder in checkpoint folder ``folder`` (Accelerate's name for it)."""
+    return f"{folder}/{OPTIMIZER_NAME}_{i}" if folder else f"{OPTIMIZER_NAME}_{i}"
 
 
 def _raw(optimizer: Any) -> Any:
     return getattr(optimizer, "optimizer", optimizer)  # an AcceleratedOptimizer wraps the torch one
 
 
-def sharded_folders(name: str, models: list[Any], optimizers: list[Any]) -> dict[str, dict[str, Any]]:
+def sharded_folders(folder: str, models: list[Any], optimizers: list[Any]) -> dict[str, dict[str, Any]]:
     """Folder -> state dict of every model and optimizer (optimizer ``i`` belongs to model ``i``, as
     Accelerate pairs them), DTensor shards as they live on the device."""
     folders = {
-        model_folder(name, i): {"model": get_model_state_dict(m, options=OPTIONS)}
+        model_folder(folder, i): {"model": get_model_state_dict(m, options=OPTIONS)}
         for i, m in enumerate(models)
     }
     for i, opt in enumerate(optimizers):
         state: Any = get_optimizer_state_dict(models[i], _raw(opt), options=OPTIONS)
-        folders[optimizer_folder(name, i)] = {"optimizer": state}
+        folders[optimizer_folder(folder, i)] = {"optimizer": state}
     return folders
 
 
 def load_sharded(
-    checkpointer: AsyncCheckpointer, info: CheckpointInfo, models: list[Any], optimizers: list[Any]
+    checkpointer: AsyncCheckpointer,
+    info: CheckpointInfo,
+    models: list[Any],
+    optimizers: list[Any],
+    *,
+    folder: str | None = None,
 ) -> None:
-    """Load every model's and optimizer's shards of ``info`` in place (every rank; DCP reshards)."""
+    """Load every model's and optimizer's shards of ``info`` in place (every rank; DCP reshards).
+    ``folder``: the checkpoint's folder under the root (default: its name)."""
+    folder = info.name if folder is None else folder
     for i, model in enumerate(models):
         state: dict[str, Any] = {"model": get_model_state_dict(model, options=OPTIONS)}
-        dcp.load(checkpointer, state, info, folder=model_folder(info.name, i))
+        dcp.load(checkpointer, state, info, folder=model_folder(folder, i))
         set_model_state_dict(model, state["model"], options=OPTIONS)
     for i, opt in enumerate(optimizers):
         optim: dict[str, Any] = {"optimizer": get_optimizer_state_dict(models[i], _raw(opt), options=OPTIONS)}
-        dcp.load(checkpointer, optim, info, folder=optimizer_folder(info.name, i))
+        dcp.load(checkpointer, optim, info, folder=optimizer_folder(folder, i))
         set_optimizer_state_dict(models[i], _raw(opt), cast(Any, optim["optimizer"]), options=OPTIONS)

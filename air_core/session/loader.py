@@ -125,6 +125,11 @@ class TrackedLoader:
     def __class__(self) -> type:
         return type(self._loader)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickle as the wrapped loader: tracking is runtime state of one process (its callbacks hold
+        the session), so a pickled copy of a prepared loader is the framework's loader, untracked."""
+        return self._loader.__reduce_ex__(protocol)
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)

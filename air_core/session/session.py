@@ -81,6 +81,8 @@ class TrainingSession:
         self._settings = dict(checkpointer)
         self._listeners = [self.records, *listeners]
         self._ckpt: AsyncCheckpointer | None = None
+        self._others: list[AsyncCheckpointer] = []
+        """Checkpointers of further roots (``open_another``), flushed and closed with the main one."""
         self._goodput_log: GoodputLog | None = None
         self._sink: MlflowSink | None = None
         self._resumed_run: str | None = None
@@ -89,7 +91,7 @@ class TrainingSession:
         self._failed: BaseException | None = None
         self._closed = False
         self._preemption = FlushOnSigterm(
-            lambda: self._ckpt, timeout_seconds=config.flush_timeout_seconds, who=config.owner, log=logger
+            self._flushable, timeout_seconds=config.flush_timeout_seconds, who=config.owner, log=logger
         )
 
     # -- the checkpoint root -------------------------------------------------------------------------
@@ -120,33 +122,87 @@ class TrainingSession:
             )
         return self._ckpt
 
+    def reader(self, root: str) -> AsyncCheckpointer:
+        """A read-only checkpointer of ``root`` (no lease, no probe write: any folder or URL may be read)
+        that reports its restores to this session and sees this process's saves in flight. Close it."""
+        keep = ("staging_dir", "storage_options", "max_transfers", "retries", "retry_backoff_seconds")
+        return AsyncCheckpointer(
+            root,
+            read_only=True,
+            rank=self.rank,
+            world_size=self.world_size,
+            launch_id=self.launch_id,
+            listeners=self._listeners,
+            **{k: v for k, v in self._settings.items() if k in keep},
+        )
+
     @property
     def closed(self) -> bool:
         """``close`` ran: the launch ended (its fit or stage is over)."""
         return self._closed
+
+    def open_another(self, root: str) -> AsyncCheckpointer:
+        """A checkpointer of ``root`` besides the main one (``open``), with the same settings and
+        listeners: for a framework that saves some checkpoints outside the job's root (Accelerate's
+        ``save_state(output_dir)``). The session flushes it at SIGTERM and closes it at ``close``; the
+        adapter may close it earlier (``close()`` on it), and a later call opens the root again."""
+        self._others = [c for c in self._others if not c.closed]
+        for ckpt in self._others:
+            if ckpt.config.root.rstrip("/") == str(root).rstrip("/"):
+                return ckpt
+        ckpt = AsyncCheckpointer(
+            root,
+            rank=self.rank,
+            world_size=self.world_size,
+            launch_id=self.launch_id,
+            listeners=self._listeners,
+            **self._settings,
+        )
+        self._others.append(ckpt)
+        return ckpt
+
+    def _flushable(self) -> Any:  # FlushOnSigterm only calls flush(timeout) on it
+        open_ = [c for c in (self._ckpt, *self._others) if c is not None and not c.closed]
+        return _Flush(open_) if open_ else None
 
     @property
     def checkpointer(self) -> AsyncCheckpointer | None:
         """The open checkpointer, or None before ``open``."""
         return self._ckpt
 
-    def save(self, files: Mapping[str, Any], *, step: int, name: str) -> SaveHandle:
-        """Snapshot this rank's ``files`` (path under the root -> state) into checkpoint ``name``."""
-        if self._ckpt is None:
+    def save(
+        self,
+        files: Mapping[str, Any],
+        *,
+        step: int,
+        name: str,
+        checkpointer: AsyncCheckpointer | None = None,
+    ) -> SaveHandle:
+        """Snapshot this rank's ``files`` (path under the root -> state) into checkpoint ``name``
+        (through ``checkpointer``, one of ``open_another``'s; default: the main one)."""
+        ckpt = checkpointer or self._ckpt
+        if ckpt is None:
             raise AirError(f"{self.config.owner}: save() before the checkpoint root was opened.")
-        self.last_handle = self._ckpt.save_files(files, step=step, name=name)
+        self.last_handle = ckpt.save_files(files, step=step, name=name)
         self.returned_at = time.monotonic()
         return self.last_handle
 
     def save_sharded(
-        self, folders: Mapping[str, dict[str, Any]], *, step: int, name: str, files: Mapping[str, Any]
+        self,
+        folders: Mapping[str, dict[str, Any]],
+        *,
+        step: int,
+        name: str,
+        files: Mapping[str, Any],
+        checkpointer: AsyncCheckpointer | None = None,
     ) -> SaveHandle:
         """Every rank: ``torch.distributed.checkpoint`` save of each state dict (DTensors, shards) into its
         folder of checkpoint ``name``, with this rank's ``files``; returns after the snapshot
-        (``air_core.dcp``)."""
-        if self._ckpt is None:
+        (``air_core.dcp``; through ``checkpointer`` as in ``save``)."""
+        ckpt = checkpointer or self._ckpt
+        if ckpt is None:
             raise AirError(f"{self.config.owner}: save_sharded() before the checkpoint root was opened.")
-        self.last_handle = dcp.save(self._ckpt, folders, step=step, name=name, files=files)
+        self.last_handle = dcp.save(ckpt, folders, step=step, name=name, files=files)
         self.returned_at = time.monotonic()
         return self.last_handle
 
@@ -348,9 +404,14 @@ class TrainingSession:
         Raises:
             SaveError: a save failed, unless training is already failing (then it is logged).
         """
+        others, self._others = self._others, []
+        for other in others:  # saves outside the root first: the main root's events come last
+            self._close_one(other)
         ckpt, self._ckpt = self._ckpt, None
-        if ckpt is None:
-            return
+        if ckpt is not None:
+            self._close_one(ckpt)
+
+    def _close_one(self, ckpt: AsyncCheckpointer) -> None:
         if self._failed is not None:
             ckpt.__exit__(type(self._failed), self._failed, None)
         else:
@@ -377,3 +438,14 @@ class TrainingSession:
                     self._sink.log(self.goodput.as_metrics(), step)
             if self._sink is not None:
                 self._sink.close(status="FAILED" if self._failed is not None else "FINISHED")
+
+
+class _Flush:
+    """Every open checkpointer of a session, flushed as one (the SIGTERM handler's target)."""
+
+    def __init__(self, checkpointers: list[AsyncCheckpointer]) -> None:
+        self._checkpointers = checkpointers
+
+    def flush(self, timeout: float | None = None) -> None:
+        for ckpt in self._checkpointers:
+            ckpt.flush(timeout)
