@@ -176,8 +176,7 @@ class AirCheckpointIO(CheckpointIO):
     @contextlib.contextmanager
     def _reading(self, root: str) -> Iterator[AsyncCheckpointer]:
         """A read-only view of ``root``: no lease, no probe write; it sees this process's saves in flight."""
-        settings = {k: self._settings[k] for k in ("staging_dir", "storage_options", "max_transfers", "retries")}
-        with AsyncCheckpointer(root, read_only=True, **settings) as ckpt:
+        with self.session.reader(root) as ckpt:
             yield ckpt
 
     def latest_checkpoint(self, dirpath: str) -> str | None:

@@ -34,12 +34,12 @@ def _trainer(root, plugin, callbacks=(), **kw) -> pl.Trainer:
 
 
 def _ckpt_files(folder) -> list[str]:
-    """What a user sees in a checkpoint folder, our metadata folder aside."""
+    """What a user sees in a checkpoint folder, our metadata folders (``.air``, ``.air-events``) aside."""
     return sorted(
         os.path.relpath(os.path.join(d, f), folder)
         for d, dirs, files in os.walk(folder)
         for f in files
-        if ".air" not in os.path.relpath(d, folder).split(os.sep)
+        if not os.path.relpath(d, folder).startswith(".air")
     )
 
 
@@ -136,3 +136,27 @@ def test_model_checkpoint_leaves_the_files_stock_leaves_over_two_fits(tmp_path, 
         trainer(4).fit(BoringModel())  # and a new Trainer starts over in the same folder
         seen[kind] = _ckpt_files(dirpath)
     assert seen["ours"] == seen["stock"]
+
+
+def test_ddp_spawn_fits_saves_and_resumes_with_our_classes_without_air_callback_too(tmp_path):
+    """``ddp_spawn`` pickles the Trainer's plugins and callbacks into its workers and hands rank 0's
+    weights back through a temporary checkpoint file; both ranks load the ``ckpt_path`` of a resume."""
+    dirpath = str(tmp_path / "ckpts")
+    for callbacks in ([AirCallback(mlflow=False)], []):
+        model = BoringModel()
+        before = _params(model)
+        mc = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)
+        trainer = _trainer(
+            tmp_path, AirCheckpointIO(), [*callbacks, mc], strategy="ddp_spawn", devices=2, max_steps=4
+        )
+        trainer.fit(model, ckpt_path=latest_checkpoint(dirpath))
+        assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), "weights came back"
+        assert not os.path.exists(tmp_path / ".temp.ckpt")
+        mc = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)
+        trainer = _trainer(
+            tmp_path, AirCheckpointIO(), [*callbacks, mc], strategy="ddp_spawn", devices=2, max_steps=6
+        )
+        trainer.fit(BoringModel(), ckpt_path=latest_checkpoint(dirpath))  # continues at step 4
+        assert latest_checkpoint(dirpath).endswith("step=6.ckpt")
+        assert _ckpt_files(dirpath) == [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6)]
+        dirpath = str(tmp_path / "ckpts-io-only")
