@@ -54,6 +54,8 @@ LIGHTNING_FILES = [  # relative to Lightning's tests/ folder (shared/compat/READ
     "tests_pytorch/callbacks/test_weight_averaging.py",
     "tests_pytorch/trainer/connectors/test_signal_connector.py",
 ]
+# It reads the old releases' checkpoints that Lightning's CI downloads into tests/legacy/ (not in the tree).
+LIGHTNING_IGNORE = ["tests_pytorch/checkpointing/test_legacy_checkpoints.py"]
 ACCELERATE_FILES = ["tests/test_state_checkpointing.py", "tests/test_accelerator.py"]
 PASSING = ("passed", "xfailed")  # an expected failure that still fails is as good as a pass
 
@@ -66,6 +68,7 @@ class Framework:
     workdir: str  # relative to the copy: where pytest runs
     files: list[str]  # selection, relative to workdir
     plugin: str
+    ignore: list[str] = field(default_factory=list)  # files that cannot run here, relative to workdir
     modes: list[str | None] = field(default_factory=lambda: [None])
 
 
@@ -228,6 +231,7 @@ def run_pytest(
         "--basetemp",
         os.path.join(tmp, f"{label}-pytest-tmp"),
     ]
+    cmd += ["--continue-on-collection-errors", *(f"--ignore={path}" for path in fw.ignore)]
     if args.jobs > 1:
         cmd += ["-n", str(args.jobs), "--dist", "loadfile"]
     if args.k:
@@ -266,8 +270,8 @@ def run_pytest(
         f"{tail[0]}",
         flush=True,
     )
-    if not results:
-        raise SystemExit(f"compat: {label}: pytest reported no tests (exit {rc}); see {log}")
+    if not results or rc not in (0, 1):  # 2 interrupted, 3 internal error, 4 usage, 5 nothing collected
+        raise SystemExit(f"compat: {label}: pytest did not complete (exit {rc}); see {log}")
     shutil.rmtree(copy, ignore_errors=True)  # tests' own files; keep the disk small
     return results
 
@@ -380,6 +384,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # A SIGTERM unwinds like Ctrl-C: the running pytest's process group ends, the temporary folder goes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.jobs > 1:
         try:
             import xdist  # noqa: F401
@@ -411,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                 "tests",
                 picked_l or LIGHTNING_FILES,
                 "compat.substitute_lightning",
-                ["io", "callback"] if args.mode == "both" else [args.mode],
+                ignore=[] if picked_l else LIGHTNING_IGNORE,
+                modes=["io", "callback"] if args.mode == "both" else [args.mode],
             )
         )
     if args.framework in ("accelerate", "all") and (picked_a or not args.selection):

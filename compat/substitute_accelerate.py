@@ -64,6 +64,8 @@ def install() -> type:
     if _state["stock"] is None:
         _state["stock"] = accelerate.accelerator.Accelerator
         _state["cls"] = _make_substitute()
+    globals()["Accelerator"] = _state["cls"]  # importable by name: pickle stores classes by reference
+    globals()["Accelerator"] = _state["cls"]  # importable by name: pickle stores classes by reference
     accelerate.Accelerator = _state["cls"]
     accelerate.accelerator.Accelerator = _state["cls"]
     return _state["cls"]
