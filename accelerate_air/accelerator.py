@@ -18,14 +18,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import DistributedType, broadcast_object_list
-from torch.utils.data import RandomSampler
 from typing_extensions import override
 
 from air_core import (
@@ -33,56 +31,28 @@ from air_core import (
     AsyncCheckpointer,
     CheckpointInfo,
     ConfigError,
-    CorruptCheckpointError,
     LocalCheckpoint,
     dcp,
 )
 from air_core.session import TrainingSession
 
 from . import places
-from .layout import accelerate_files, air_file, batch_layout, folder_view, model_file, rank_state_of
+from .folders import Folders, retention
+from .layout import (
+    accelerate_files,
+    air_file,
+    batch_layout,
+    folder_view,
+    hidden,
+    model_file,
+    rank_state_of,
+    start_epochs_at_iter,
+)
 from .plugin import AirPlugin, warn_if_inexact
 from .sharded import fsdp2_sharded, load_sharded, sharded_folders
 
 logger = logging.getLogger(__name__)
 _SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
-_KEEP_ALL = 2**31 - 1
-"""Retention that deletes nothing (Accelerate's automatic naming without ``total_limit``)."""
-
-
-class CheckpointNotFoundError(FileNotFoundError, ValueError):
-    """No checkpoint at the path given to ``load_state`` (a ``ValueError`` too, as stock Accelerate raises)."""
-
-
-@contextlib.contextmanager
-def _hidden(obj: Any, *lists: str) -> Iterator[None]:
-    """Empty the named list attributes of ``obj`` for the duration (restored even on an exception)."""
-    saved = {name: getattr(obj, name) for name in lists}
-    try:
-        for name in lists:
-            setattr(obj, name, [])
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(obj, name, value)
-
-
-def _start_epochs_at_iter(prepared: Any) -> None:
-    """Make a stateful loader draw each epoch's order when it is iterated, as a plain loader does.
-
-    Accelerate asks a new multi-worker ``StatefulDataLoader`` for its state, which makes it start its
-    first epoch (and draw that epoch's order) inside ``prepare``; that iterator is dropped so the first
-    epoch starts at ``iter()`` like the others. A shuffling sampler without a generator gets one (as
-    Accelerate does for its multi-process loaders), so its order is part of the saved position.
-    """
-    base = prepared.base_dataloader
-    if getattr(base, "_initial_iter_for_state_dict", False):  # torchdata's flag for that early iterator
-        base._iterator = None
-        base._initial_iter_for_state_dict = False
-    sampler = prepared.get_sampler()
-    if type(sampler) is RandomSampler and sampler.generator is None:
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        sampler.generator = torch.Generator().manual_seed(seed)
 
 
 class AirAccelerator(Accelerator):
@@ -133,7 +103,7 @@ class AirAccelerator(Accelerator):
         self.start_epoch = 0
         self.air_session = TrainingSession(
             air_plugin.session,
-            checkpointer={**air_plugin.checkpointer, "keep_last": self._air_retention(air_plugin)},
+            checkpointer={**air_plugin.checkpointer, "keep_last": retention(self, air_plugin)},
             rank=self.process_index,
             world_size=self.num_processes,
             broadcast=lambda value: broadcast_object_list([value])[0],
@@ -141,10 +111,7 @@ class AirAccelerator(Accelerator):
             listeners=air_plugin.listeners,
         )
         self._air = self.air_session.open(air_plugin.root)
-        self._air_root = places.norm(air_plugin.root)
-        self._air_flat: AsyncCheckpointer | None = None
-        """The writer of the last folder saved outside the root (``save_state(output_dir)``)."""
-        self._air_places: dict[int, places.Place] = {}
+        self._air_folders = Folders(self.air_session, self._air, air_plugin)
         self._air_tracked: set[int] = set()
         self._air_positioned: dict[int, int] = {}
         """Loaders whose position ``load_state`` restored -> their epoch then (``skip_first_batches``)."""
@@ -152,40 +119,13 @@ class AirAccelerator(Accelerator):
         self._air_step_hook: Any = None
         self._air_started = False
 
-    def _air_retention(self, plugin: AirPlugin) -> int:
-        """``keep_last`` of the root: Accelerate's ``total_limit`` under automatic naming, whose folders
-        (``project_dir/checkpoints/checkpoint_<i>``) must then be the plugin's root.
-
-        Raises:
-            ConfigError: automatic naming with another root, or a ``keep_last`` that contradicts it.
-        """
-        config = self.project_configuration
-        if not config.automatic_checkpoint_naming:
-            return int(plugin.checkpointer["keep_last"])
-        wanted = None if self.project_dir is None else places.norm(os.path.join(self.project_dir, "checkpoints"))
-        if wanted != places.norm(plugin.root):
-            raise ConfigError(
-                f"AirAccelerator: ProjectConfiguration(automatic_checkpoint_naming=True) saves checkpoint_<i> "
-                f"under project_dir/checkpoints ({wanted}), but AirPlugin(root={plugin.root!r}) is elsewhere. "
-                "Pass AirPlugin(os.path.join(project_dir, 'checkpoints')), or turn automatic naming off "
-                "(AirAccelerator then names checkpoints step-<n> under its root)."
-            )
-        keep = _KEEP_ALL if config.total_limit is None else max(int(config.total_limit), 1)
-        if plugin.keep_last_given is not None and plugin.keep_last_given != keep:
-            raise ConfigError(
-                f"AirPlugin(keep_last={plugin.keep_last_given}) contradicts ProjectConfiguration(total_limit="
-                f"{config.total_limit}), which is the retention under automatic naming; drop one of them."
-            )
-        return keep
-
     # -- pickling ----------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         """A pickled copy keeps the prepared objects (loaders untracked), not the checkpointing runtime:
         threads, leases and the session belong to this process's object only."""
         state = self.__dict__.copy()
-        for key in ("air_session", "_air", "_air_flat", "_air_step_hook"):
+        for key in ("air_session", "_air", "_air_folders", "_air_step_hook"):
             state[key] = None
-        state["_air_places"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -210,16 +150,20 @@ class AirAccelerator(Accelerator):
         if id(prepared) in self._air_tracked:
             return prepared
         if type(prepared) is not DataLoaderShard:
+            if getattr(prepared, "use_stateful_dataloader", False):  # its position is Accelerate's own state
+                start_epochs_at_iter(prepared)  # (dl_state_dict, main process), with its shuffle order
+                return prepared
             logger.warning(
                 "AirAccelerator: %s loaders cannot resume exactly mid-epoch (only per-rank sharded loaders "
-                "can); set DataLoaderConfiguration(dispatch_batches=False) to resume exactly.",
+                "can, and stateful dispatching ones); set DataLoaderConfiguration(dispatch_batches=False) or "
+                "use_stateful_dataloader=True to resume exactly.",
                 type(prepared).__name__,
             )
             return prepared
         warn_if_inexact(prepared)
         stateful = getattr(prepared, "use_stateful_dataloader", False)
         if stateful:
-            _start_epochs_at_iter(prepared)
+            start_epochs_at_iter(prepared)
         layout = batch_layout(prepared.base_dataloader)
         prepared.base_dataloader = self.air_session.track(
             prepared.base_dataloader,
@@ -287,14 +231,21 @@ class AirAccelerator(Accelerator):
         the copy finishes by the next optimizer step.
         """
         self._air_check_live("save_state")
-        place, folder, name = self._air_target(output_dir)
+        place, folder, name = self._air_folders.save_target(
+            output_dir,
+            automatic=self.project_configuration.automatic_checkpoint_naming,
+            iteration=self.save_iteration,
+            step=self.completed_steps,
+        )
         if self.process_index == 0:
             for older in place.claim(folder, name):
                 place.ckpt.delete(older)  # deferred by the core until this save commits
         else:
             place.claim(folder, name)
         rank_state = self.air_session.rank_state()
-        files = accelerate_files(self, rank_state["rng"], tracked=self._air_tracked, sharded=self._air_sharded)
+        files = accelerate_files(
+            self, rank_state["rng"], tracked=self._air_tracked, sharded=self._air_sharded
+        )
         files[air_file(self.process_index)] = {
             "completed_steps": self.completed_steps,
             "rank_state": rank_state,
@@ -312,55 +263,6 @@ class AirAccelerator(Accelerator):
             os.makedirs(where, exist_ok=True)
         self.project_configuration.iteration += 1
         return where
-
-    def _air_target(self, output_dir: str | None) -> tuple[places.Place, str, str]:
-        """The place, folder and commit name of a save to ``output_dir`` (every process alike)."""
-        if self.project_configuration.automatic_checkpoint_naming:  # Accelerate ignores output_dir then
-            place = self._air_place(self._air)
-            folder = f"checkpoint_{self.save_iteration}"
-            local = os.path.join(self._air_root, folder)
-            if folder in place.owned or (not places.is_url(local) and os.path.exists(local)):
-                raise ValueError(
-                    f"Checkpoint directory {local} ({self.save_iteration}) already exists. Please manually "
-                    "override `self.save_iteration` with what iteration to start with."
-                )
-            return place, folder, place.fresh(folder)
-        if output_dir is None:
-            place = self._air_place(self._air)
-            name = place.fresh(f"step-{self.completed_steps:09d}")
-            return place, name, name
-        target = places.norm(output_dir)
-        if target == self._air_root:
-            raise ConfigError(
-                f"AirAccelerator.save_state({output_dir!r}): that is the plugin's root, which holds checkpoint "
-                "folders; pass a folder inside it, another folder, or nothing (an automatic name)."
-            )
-        base = places.safe_name(target.rsplit("/", 1)[-1])
-        if places.parent(target) == self._air_root:
-            place = self._air_place(self._air)
-            folder = target.rsplit("/", 1)[-1]
-            return place, folder, place.fresh(base)
-        place = self._air_place(self._air_open_flat(target))
-        return place, "", place.fresh(base)
-
-    def _air_place(self, ckpt: AsyncCheckpointer) -> places.Place:
-        place = self._air_places.get(id(ckpt))
-        if place is None or place.ckpt is not ckpt:
-            place = places.Place.listed(ckpt, flat=ckpt is not self._air)
-            self._air_places[id(ckpt)] = place
-        return place
-
-    def _air_open_flat(self, target: str) -> AsyncCheckpointer:
-        """The writer of a folder outside the plugin's root (its own root); one such is open at a time,
-        so a script saving to ever new folders holds one staging buffer, not one per folder."""
-        current = self._air_flat
-        if current is not None and not current.closed and places.norm(current.config.root) == target:
-            return current
-        if current is not None:
-            self._air_places.pop(id(current), None)
-            current.close()  # commits its save in flight: the backpressure a save waits for anyway
-        self._air_flat = self.air_session.open_another(target)
-        return self._air_flat
 
     # -- load --------------------------------------------------------------------------------
     @override
@@ -386,68 +288,14 @@ class AirAccelerator(Accelerator):
         """
         self._air_check_live("load_state")
         with contextlib.ExitStack() as stack:
-            ckpt, info, folder = self._air_source(input_dir, stack)
+            ckpt, info, folder = self._air_folders.load_source(input_dir, stack)
             if ckpt is None:  # no commit names it: as stock Accelerate loads it
                 self._air_load_folder(folder, None, None, "", load_kwargs, load_model_func_kwargs)
                 return
             local = self._air_fetch(ckpt, info)
-            folder = "" if ckpt is not self._air else places.top_folder(local.info)
+            folder = places.top_folder(local.info) if self._air_folders.is_main(ckpt) else ""
             view = stack.enter_context(folder_view(local.paths, folder))
             self._air_load_folder(view, ckpt, local.info, folder, load_kwargs, load_model_func_kwargs)
-
-    def _air_source(
-        self, input_dir: str | None, stack: contextlib.ExitStack
-    ) -> tuple[AsyncCheckpointer | None, CheckpointInfo | None, str]:
-        """Where ``load_state(input_dir)`` reads: (checkpointer, commit or None for the newest, folder),
-        or (None, None, local folder) for a folder no commit names."""
-        if input_dir is None:
-            return self._air, None, ""
-        target = places.norm(input_dir)
-        if target == self._air_root:
-            return self._air, None, ""
-        if places.parent(target) == self._air_root:
-            ckpt, folder = self._air, target.rsplit("/", 1)[-1]
-        else:
-            ckpt, folder = self._air_reader(target, stack), ""
-        infos = ckpt.list() if ckpt is not None else []  # waits for this process's saves to it
-        found = places.owners(infos, folder)
-        if found:
-            return ckpt, found[-1], folder
-        damaged = places.mentioned(infos, folder)
-        if damaged:
-            raise CorruptCheckpointError(
-                f"AirAccelerator.load_state({input_dir!r}): {target} is a checkpoint that did not commit or is "
-                f"damaged ({'; '.join(f'{i.name}: {i.status} {i.reason}'.strip() for i in damaged)}); load "
-                "another one (load_state() takes the newest committed)."
-            )
-        if not places.is_url(target) and os.path.isdir(target):
-            logger.info(
-                "AirAccelerator.load_state: %s is not a committed checkpoint: loading it as stock Accelerate "
-                "does, without verifying it",
-                target,
-            )
-            return None, None, target
-        text = os.fspath(input_dir)
-        if "/" not in text and os.sep not in text:  # a checkpoint's name under the root
-            found = places.owners(self._air.list(), text)
-            if found:
-                return self._air, found[-1], text
-        raise CheckpointNotFoundError(
-            f"AirAccelerator.load_state({input_dir!r}): no checkpoint at {target} (nothing committed there "
-            f"and no such folder); the plugin's root is {self.air_plugin.root}."
-        )
-
-    def _air_reader(self, target: str, stack: contextlib.ExitStack) -> AsyncCheckpointer | None:
-        """A checkpointer to read ``target`` as a root: ours if this process saves there, else a read-only
-        one (no lease, no probe write); None for a local folder without commit records."""
-        for ckpt in (self._air_flat,):
-            if ckpt is not None and not ckpt.closed and places.norm(ckpt.config.root) == target:
-                return ckpt
-        if not places.is_url(target) and not os.path.isdir(os.path.join(target, ".air")):
-            return None
-        settings = {**self.air_plugin.checkpointer, "rank": self.process_index}
-        settings["world_size"] = self.num_processes
-        return stack.enter_context(AsyncCheckpointer(target, read_only=True, **settings))
 
     def _air_load_folder(
         self,
@@ -477,7 +325,7 @@ class AirAccelerator(Accelerator):
                 )
         if self._air_sharded and ckpt is not None and info is not None:  # FSDP2 shards: the core's reader
             load_sharded(ckpt, info, self._models, self._optimizers, folder=prefix)
-            with _hidden(self, "_models", "_optimizers"):  # Accelerate would read them from local folders
+            with hidden(self, "_models", "_optimizers"):  # Accelerate would read them from local folders
                 super().load_state(folder, load_kwargs, **load_model_func_kwargs)
         else:
             super().load_state(folder, load_kwargs, **load_model_func_kwargs)

@@ -4,7 +4,9 @@ Keeping Accelerate's layout (``pytorch_model.bin``, ``optimizer.bin``, ``schedul
 ``custom_checkpoint_<i>.pkl``, ``random_states_<rank>.pkl``) is what lets a stock ``load_state`` read a
 downloaded checkpoint and lets ``AirAccelerator.load_state`` hand the fetched folder to Accelerate's
 own loader. Only what a rank would write is built: rank 0 the shared state, every rank its RNG file.
-``batch_layout`` tells the core how a prepared loader's batches are dealt to processes (elastic resume).
+``batch_layout`` tells the core how a prepared loader's batches are dealt to processes (elastic resume);
+``folder_view`` hands Accelerate's loader exactly a commit's files; ``hidden`` and
+``start_epochs_at_iter`` adjust Accelerate's and torchdata's objects where the adapter must.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard, SeedableRandomSampler
 from accelerate.utils import (
@@ -26,7 +29,7 @@ from accelerate.utils import (
     SCALER_NAME,
     SCHEDULER_NAME,
 )
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
 from air_core.serializer import Bundle
 from air_core.session import DealtBatches, raw_from_safe
@@ -193,3 +196,34 @@ def folder_view(paths: dict[str, str], folder: str) -> Iterator[str]:
         yield view
     finally:
         shutil.rmtree(view, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def hidden(obj: Any, *lists: str) -> Iterator[None]:
+    """Empty the named list attributes of ``obj`` for the duration (restored even on an exception)."""
+    saved = {name: getattr(obj, name) for name in lists}
+    try:
+        for name in lists:
+            setattr(obj, name, [])
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(obj, name, value)
+
+
+def start_epochs_at_iter(prepared: Any) -> None:
+    """Make a stateful loader draw each epoch's order when it is iterated, as a plain loader does.
+
+    Accelerate asks a new multi-worker ``StatefulDataLoader`` for its state, which makes it start its
+    first epoch (and draw that epoch's order) inside ``prepare``; that iterator is dropped so the first
+    epoch starts at ``iter()`` like the others. A shuffling sampler without a generator gets one (as
+    Accelerate does for its multi-process loaders), so its order is part of the saved position.
+    """
+    base = prepared.base_dataloader
+    if getattr(base, "_initial_iter_for_state_dict", False):  # torchdata's flag for that early iterator
+        base._iterator = None
+        base._initial_iter_for_state_dict = False
+    sampler = prepared.get_sampler()
+    if type(sampler) is RandomSampler and sampler.generator is None:
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        sampler.generator = torch.Generator().manual_seed(seed)

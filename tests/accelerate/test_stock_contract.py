@@ -1,0 +1,243 @@
+"""AirAccelerator keeps Accelerate's own save_state/load_state contract (issue 15): where checkpoints go,
+what a load reads right after a save, save hooks, foreign folders, the documented resume recipe."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import stat
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+from torch.utils.data import DataLoader, TensorDataset
+
+from accelerate_air import AirAccelerator, AirPlugin
+from air_core import AsyncCheckpointer, ConfigError, CorruptCheckpointError
+from tests.accelerate.test_accelerator import air, setup, train
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def same(model: torch.nn.Module, want: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(model.state_dict()[k], v) for k, v in want.items())
+
+
+def committed_names(root: str) -> list[str]:
+    with AsyncCheckpointer(root, read_only=True) as ckpt:
+        return [i.name for i in ckpt.list() if i.status == "committed"]
+
+
+def test_load_right_after_save_reads_the_save_just_made(tmp_path):
+    accelerator = air(str(tmp_path / "root"))
+    model, optimizer, loader, scheduler, counter = setup(accelerator)
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=2)
+    accelerator.save_state()
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=2)
+    accelerator.save_state()  # in flight when the load below starts: the load waits for it
+    want = weights(model)
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=2)
+    accelerator.load_state()
+    assert same(model, want) and accelerator.completed_steps == 4, "the newest save, not the one before"
+    accelerator.end_training()
+
+
+def test_save_into_a_folder_holding_a_stock_checkpoint_never_loads_the_stale_files(tmp_path):
+    folder = tmp_path / "ckpt"
+    stock = Accelerator(cpu=True)
+    stock_model = setup(stock, seed=5)[0]
+    stock.save_state(str(folder))  # model.safetensors: Accelerate prefers it to pytorch_model.bin
+    stale = weights(stock_model)
+    accelerator = air(str(tmp_path / "root"))
+    model, optimizer, loader, scheduler, counter = setup(accelerator)
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=3)
+    assert accelerator.save_state(str(folder)) == str(folder)
+    want = weights(model)
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=2)
+    accelerator.load_state(str(folder))
+    assert same(model, want) and not same(model, stale), "our commit, not the stock files left in the folder"
+    assert accelerator.completed_steps == 3
+    accelerator.end_training()
+
+
+def test_saving_a_folder_twice_replaces_it_and_load_reads_the_second(tmp_path):
+    for folder in (tmp_path / "elsewhere" / "state", tmp_path / "root" / "state"):  # own root; root's folder
+        accelerator = air(str(tmp_path / "root"))
+        model, optimizer, loader, scheduler, counter = setup(accelerator)
+        train(accelerator, model, optimizer, loader, scheduler, counter, steps=2)
+        accelerator.save_state(str(folder))
+        train(accelerator, model, optimizer, loader, scheduler, counter, steps=2)
+        accelerator.save_state(str(folder))
+        second = weights(model)
+        train(accelerator, model, optimizer, loader, scheduler, counter, steps=2)
+        accelerator.load_state(str(folder))
+        assert same(model, second) and accelerator.completed_steps == 4, f"the second save of {folder}"
+        accelerator.end_training()
+        owners = committed_names(str(folder) if "elsewhere" in str(folder) else str(tmp_path / "root"))
+        assert len(owners) == 1, f"the first commit of {folder} was retired: {owners}"
+        stock = Accelerator(cpu=True)
+        stock_model = setup(stock, seed=3)[0]
+        stock.load_state(str(folder))
+        assert same(stock_model, second), "the folder still loads with stock Accelerate"
+
+
+def test_automatic_checkpoint_naming_and_total_limit_are_honoured(tmp_path):
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+    accelerator = AirAccelerator(
+        air_plugin=AirPlugin(str(tmp_path / "checkpoints")), project_config=config, cpu=True
+    )
+    model, optimizer, loader, scheduler, counter = setup(accelerator)
+    for _ in range(4):
+        train(accelerator, model, optimizer, loader, scheduler, counter, steps=1)
+        where = accelerator.save_state()
+    assert where == str(tmp_path / "checkpoints" / "checkpoint_3")
+    accelerator.end_training()  # retention runs after each commit, before the writer stops
+    assert sorted(committed_names(str(tmp_path / "checkpoints"))) == ["checkpoint_2", "checkpoint_3"]
+    assert not (tmp_path / "checkpoints" / "checkpoint_0").exists(), "total_limit is the retention"
+    with pytest.raises(ConfigError, match="project_dir/checkpoints"):
+        AirAccelerator(air_plugin=AirPlugin(str(tmp_path / "other")), project_config=config, cpu=True)
+    with pytest.raises(ConfigError, match="total_limit"):
+        AirAccelerator(
+            air_plugin=AirPlugin(str(tmp_path / "checkpoints"), keep_last=5), project_config=config, cpu=True
+        )
+
+
+def test_files_written_by_save_hooks_are_committed_with_the_checkpoint(tmp_path):
+    accelerator = air(str(tmp_path / "root"))
+    setup(accelerator)
+
+    def save_config(models, weights, output_dir):  # the diffusers save_pretrained pattern
+        os.makedirs(os.path.join(output_dir, "unet"))
+        with open(os.path.join(output_dir, "unet", "config.json"), "w") as f:
+            json.dump({"hidden": 16}, f)
+        weights.pop()  # the hook saved the model itself
+
+    seen = {}
+
+    def load_config(models, input_dir):
+        with open(os.path.join(input_dir, "unet", "config.json")) as f:
+            seen.update(json.load(f))
+        models.pop()
+
+    accelerator.register_save_state_pre_hook(save_config)
+    accelerator.register_load_state_pre_hook(load_config)
+    folder = tmp_path / "root" / "hooked"
+    accelerator.save_state(str(folder))
+    accelerator.load_state(str(folder))
+    assert seen == {"hidden": 16}, "the hook's file was committed and is there at load"
+    accelerator.end_training()
+    with AsyncCheckpointer(str(tmp_path / "root"), read_only=True) as ckpt:
+        files = {f.path for f in ckpt.latest().manifest.files}
+    assert "hooked/unet/config.json" in files and "hooked/pytorch_model.bin" not in files
+
+
+def test_a_stock_folder_loads_as_stock_unverified_and_untouched(tmp_path, caplog):
+    folder = tmp_path / "stock"
+    stock = Accelerator(cpu=True)
+    want = weights(setup(stock, seed=7)[0])
+    stock.save_state(str(folder))
+    before = sorted(os.listdir(folder))
+    for path in [folder, *folder.iterdir()]:  # a read-only location
+        path.chmod(path.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    try:
+        accelerator = air(str(tmp_path / "root"))
+        model = setup(accelerator)[0]
+        with caplog.at_level(logging.INFO, logger="accelerate_air"):
+            accelerator.load_state(str(folder))
+        assert same(model, want), "loaded as stock Accelerate loads it"
+        lines = [r.getMessage() for r in caplog.records if "not a committed checkpoint" in r.getMessage()]
+        assert len(lines) == 1 and "without verifying" in lines[0]
+        assert sorted(os.listdir(folder)) == before, "no lease, no probe, no record written there"
+        with pytest.raises(FileNotFoundError, match="missing"):
+            accelerator.load_state(str(tmp_path / "missing"))
+        accelerator.end_training()
+    finally:
+        for path in [folder, *folder.iterdir()]:
+            path.chmod(path.stat().st_mode | stat.S_IWUSR)
+
+
+def test_an_uncommitted_folder_inside_the_root_is_refused(tmp_path):
+    root = tmp_path / "root"
+    accelerator = air(str(root))
+    setup(accelerator)
+    accelerator.save_state(str(root / "broken"))
+    accelerator.wait_for_checkpoints()
+    (root / ".air" / "broken" / "manifest.json").unlink()
+    with pytest.raises(CorruptCheckpointError, match="broken"):
+        accelerator.load_state(str(root / "broken"))
+    accelerator.end_training()
+
+
+def ids_loader(
+    accelerator: AirAccelerator, **config
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, DataLoader]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.arange(24.0)), batch_size=2, shuffle=True)
+    return accelerator.prepare(model, optimizer, loader)
+
+
+def run(accelerator, model, optimizer, loader, save_at: str | None = None) -> list[float]:
+    """One epoch; with ``save_at``, ``save_state(save_at)`` after the 5th step, inside the loop (a loop
+    left early starts its epoch afresh, as a plain DataLoader does)."""
+    seen = []
+    for step, (x,) in enumerate(loader, start=1):
+        seen += x.tolist()
+        model(x[:, None]).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if save_at is not None and step == 5:
+            accelerator.save_state(save_at)
+    return seen
+
+
+def test_the_documented_resume_recipe_with_skip_first_batches_sees_every_sample_once(tmp_path, caplog):
+    first = air(str(tmp_path / "root"))
+    want = run(first, *ids_loader(first), save_at=str(tmp_path / "root" / "mid"))
+    first.end_training()
+    resumed = air(str(tmp_path / "root"))
+    model, optimizer, loader = ids_loader(resumed)
+    resumed.load_state(str(tmp_path / "root" / "mid"))
+    with caplog.at_level(logging.INFO, logger="accelerate_air"):
+        skipped = resumed.skip_first_batches(loader, 5)  # Accelerate's documented recipe
+    assert run(resumed, model, optimizer, skipped) == want[10:], "the rest of the uninterrupted run, in order"
+    assert sum("no batch is skipped again" in r.getMessage() for r in caplog.records) == 1
+    resumed.end_training()
+
+
+def test_a_stateful_dispatching_loader_resumes_its_position(tmp_path):
+    config = DataLoaderConfiguration(dispatch_batches=True, use_stateful_dataloader=True)
+
+    def make() -> AirAccelerator:
+        return AirAccelerator(
+            air_plugin=AirPlugin(str(tmp_path / "root")), dataloader_config=config, cpu=True
+        )
+
+    first = make()
+    want = run(first, *ids_loader(first), save_at=str(tmp_path / "root" / "mid"))
+    first.end_training()
+    resumed = make()
+    model, optimizer, loader = ids_loader(resumed)
+    resumed.load_state(str(tmp_path / "root" / "mid"))
+    assert run(resumed, model, optimizer, loader) == want[10:]
+
+
+def test_prepared_loaders_pickle_and_end_training_releases_the_root(tmp_path):
+    AcceleratorState._reset_state(True)  # what Accelerate's own test case does between tests
+    GradientState._reset_state()
+    accelerator = air(str(tmp_path / "root"))
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(6.0)), batch_size=2))
+    copy = pickle.loads(pickle.dumps(accelerator))
+    assert [b[0].tolist() for b in copy._dataloaders[0]] == [b[0].tolist() for b in loader]
+    accelerator.save_state()
+    accelerator.end_training()
+    assert accelerator.air_session.checkpointer is None and accelerator._air.closed
+    lease = json.loads((tmp_path / "root" / ".air" / "lease.json").read_text())
+    assert lease.get("released"), f"the lease is released at end_training: {lease}"
