@@ -9,6 +9,7 @@ The training thread calls ``save`` (blocks only for the snapshot), ``latest``/``
 
 from __future__ import annotations
 
+import builtins
 import logging
 import time
 import uuid
@@ -333,14 +334,17 @@ class AsyncCheckpointer:
         """How many times a staging buffer was allocated (stays flat while the state size does)."""
         return self._pool.allocations
 
-    def in_flight(self) -> list[str]:
+    def in_flight(self) -> builtins.list[str]:
         """Names of the saves not committed or failed yet."""
         return [h.name for h in self._handles if not h.done()]
 
-    def wait_in_flight(self, timeout: float) -> bool:
+    def wait_in_flight(self, timeout: float | None = None) -> bool:
         """Wait (at most ``timeout`` seconds) for the saves in flight; unlike ``flush``, raise nothing."""
-        deadline = time.monotonic() + timeout
-        return all(h.wait(max(deadline - time.monotonic(), 0.0)) for h in list(self._handles))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(
+            h.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+            for h in list(self._handles)
+        )
 
     @property
     def closed(self) -> bool:

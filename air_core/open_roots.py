@@ -81,5 +81,7 @@ def take_over(root: Hashable, display: str, new: Writer) -> None:
             )
             try:
                 writer.close()
-            except Exception as err:  # the failure belongs to the earlier writer: report it, do not stop the new one
+            except (
+                Exception
+            ) as err:  # the failure belongs to the earlier writer: report it, do not stop the new one
                 logger.error("closing the earlier checkpointer of %s: %s", display, err)

@@ -16,7 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import CombinedLoader
@@ -108,6 +108,9 @@ class AirCallback(Callback):
             gather=gather,
         )
         plugin.attach(pl_module)
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                _see_saves_in_flight(callback, plugin)
         root = getattr(trainer.checkpoint_callback, "dirpath", None)
         if root:
             self.session.open(str(root))
@@ -254,6 +257,23 @@ def _check_sharded_saves_reach_the_plugin(strategy: Any) -> None:
             "AirCheckpointIO. Use state_dict_type='full', or FSDP2 through "
             "lightning_air.AirModelParallelStrategy (asynchronous sharded saves)."
         )
+
+
+def _see_saves_in_flight(callback: ModelCheckpoint, plugin: AirCheckpointIO) -> None:
+    """``ModelCheckpoint`` picks version suffixes (``-v1``) and rerun names by asking whether a file exists;
+    a save that returned but is still in flight must count, as a finished ``torch.save`` would. Its
+    ``file_exists`` (public, called on every rank) first waits for a save of that file in flight."""
+    if getattr(callback.file_exists, "_air", False):
+        return
+    stock = callback.file_exists
+
+    def file_exists(filepath: Any, trainer: pl.Trainer) -> bool:
+        if trainer.is_global_zero:
+            plugin.wait_for(str(filepath))
+        return stock(filepath, trainer)
+
+    file_exists._air = True  # type: ignore[attr-defined]
+    callback.file_exists = file_exists  # type: ignore[method-assign]
 
 
 def _count_from_the_share(trainer: pl.Trainer) -> None:

@@ -234,6 +234,15 @@ class AirCheckpointIO(CheckpointIO):
             handle.result()
             session.close_checkpointer()
 
+    def wait_for(self, path: str) -> None:
+        """Rank 0: wait for a save of ``path`` still in flight, so that an existence check sees it."""
+        ckpt = self._session.checkpointer if self._session is not None else None
+        root, filename = split_path(path)
+        if ckpt is None or ckpt.closed or not _same_root(ckpt.config.root, root):
+            return
+        if set(self._owners.get(ckpt.config.root, {}).get(filename, ())) & set(ckpt.in_flight()):
+            ckpt.wait_in_flight()
+
     def is_sharded(self, path: str) -> bool:
         """Whether ``path`` is a sharded checkpoint folder this plugin committed."""
         root, folder = split_path(path)
@@ -287,7 +296,8 @@ class AirCheckpointIO(CheckpointIO):
                     why = "in no folder of air-plugins" if not infos else "named by no commit"
                     return self._load_unverified(path, map_location, weights_only, why=why)
                 raise CorruptCheckpointError(
-                    f"AirCheckpointIO.load_checkpoint({path!r}): no committed checkpoint holds this file, and "
+                    f"AirCheckpointIO.load_checkpoint({path!r}): no committed checkpoint holds this file, "
+                    "and "
                     f"saves under {root!r} did not finish ({'; '.join(unfinished)}): it may be one of them. "
                     "Resume from lightning_air.latest_checkpoint(dirpath): it returns committed ones only.",
                     path=path,
@@ -302,7 +312,8 @@ class AirCheckpointIO(CheckpointIO):
                     checkpoint.get("state_dict", {}),
                     what=f"checkpoint {info.name} under {root}",
                     fix="Resume with the model it was saved from, or give this run its own ModelCheckpoint "
-                    "dirpath (set LightningModule.strict_loading = False to load a partial match on purpose).",
+                    "dirpath (set LightningModule.strict_loading = False to load a partial match on "
+                    "purpose).",
                 )
             self._load_rank_states(ckpt, info, weights_only)
         return checkpoint
@@ -310,8 +321,10 @@ class AirCheckpointIO(CheckpointIO):
     def _load_unverified(
         self, path: str, map_location: Any, weights_only: bool | None, *, why: str
     ) -> dict[str, Any]:
-        """A checkpoint from elsewhere, loaded as stock Lightning loads it (``FileNotFoundError`` if absent)."""
-        checkpoint = TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        """A checkpoint from elsewhere, loaded as stock Lightning does (``FileNotFoundError`` if absent)."""
+        checkpoint = TorchCheckpointIO().load_checkpoint(
+            path, map_location=map_location, weights_only=weights_only
+        )
         logger.info("AirCheckpointIO: loaded %s as Lightning does, not verified (%s)", path, why)
         self.loaded_rank_state, self.loaded_rank_states = None, {}
         return checkpoint
@@ -344,6 +357,8 @@ class AirCheckpointIO(CheckpointIO):
         root, filename = split_path(str(path))
         with self._writing(root) as (ckpt, now):
             owners = self._owners_of(ckpt, filename)
+            if not owners:  # not ours: a link (save_last="link") or a stock file, removed as Lightning does
+                TorchCheckpointIO().remove_checkpoint(path)
             for name in owners:  # in flight or committed: queued behind its save
                 ckpt.delete(name, even_newest=now)
             owners.clear()
@@ -358,8 +373,8 @@ class AirCheckpointIO(CheckpointIO):
             self._session.close_checkpointer()
 
     def _owners_of(self, ckpt: AsyncCheckpointer, filename: str) -> list[str]:
-        """Names of the checkpoints under ``ckpt``'s root whose rank-0 file (or folder) is ``filename`` (a live
-        list; rank 0 only).
+        """Names of the checkpoints under ``ckpt``'s root whose rank-0 file (or folder) is ``filename``
+        (a live list; rank 0 only).
 
         A root is listed once, at its first save or removal; after that this plugin's own saves keep the map,
         so no listing runs on the training thread per save and a removal also finds a save in flight.

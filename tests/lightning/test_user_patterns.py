@@ -160,3 +160,31 @@ def test_ddp_spawn_fits_saves_and_resumes_with_our_classes_without_air_callback_
         assert latest_checkpoint(dirpath).endswith("step=6.ckpt")
         assert _ckpt_files(dirpath) == [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6)]
         dirpath = str(tmp_path / "ckpts-io-only")
+
+
+class LoggingModel(BoringModel):
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log("loss", out["loss"])
+        return out
+
+
+def test_model_checkpoint_counts_a_save_still_in_flight_as_existing(tmp_path):
+    """The version counter asks whether ``fixed.ckpt`` exists while its save is still uploading (the first
+    uploads fail twice and are retried): it must get ``-v1``, as after a ``torch.save`` that returned."""
+    import tests.faultfs  # noqa: F401  (registers flaky://)
+
+    seen = {}
+    for kind in ("stock", "ours"):
+        dirpath = f"flaky://{tmp_path.name}/{kind}"
+        slow = {"transient_failures": 2, "fail_on": "put"}
+        plugin = TorchCheckpointIO() if kind == "stock" else AirCheckpointIO(storage_options=slow)
+        mc = ModelCheckpoint(
+            dirpath=dirpath, filename="fixed", monitor="loss", every_n_train_steps=1, save_top_k=-1
+        )
+        callbacks = [mc] if kind == "stock" else [AirCallback(mlflow=False), mc]
+        _trainer(tmp_path, plugin, callbacks, max_steps=3).fit(LoggingModel())
+        ls = mc._fs.ls(dirpath, detail=False)
+        seen[kind] = sorted(p.rsplit("/", 1)[-1] for p in ls if p.endswith(".ckpt"))
+    assert seen["stock"] == ["fixed-v1.ckpt", "fixed-v2.ckpt", "fixed.ckpt"]
+    assert seen["ours"] == seen["stock"]
