@@ -185,6 +185,4 @@ class Folders:
                 return ckpt
         if not places.is_url(target) and not os.path.isdir(os.path.join(target, ".air")):
             return None
-        settings = {**self._plugin.checkpointer, "rank": self._session.rank}
-        settings["world_size"] = self._session.world_size
-        return stack.enter_context(AsyncCheckpointer(target, read_only=True, **settings))
+        return stack.enter_context(self._session.reader(target))
