@@ -7,8 +7,8 @@ commit record lives under ``<dirpath>/.air/``. With ``AirCallback`` every rank a
 unfinished ones refused); a file from elsewhere (a stock checkpoint, a URL) loads as Lightning loads it.
 
 Like ``torch.save``, a save that returned is seen by every later read of the process (the core waits for
-it). Saves are asynchronous during a fit; outside one (``trainer.save_checkpoint`` after ``fit``, in a
-notebook) and to another folder than the fit's, they return once committed, and their writer closes.
+it). Saves are asynchronous in a fit run with ``AirCallback``; otherwise (the plugin alone, after ``fit``,
+in a notebook) and to another folder than the fit's, they return once committed.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import re
+import uuid
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -52,9 +53,10 @@ def split_path(path: str) -> tuple[str, str]:
 
 
 def commit_name(filename: str, step: int) -> str:
-    """The commit name of a save of ``filename`` at ``step`` (unique per file and step)."""
+    """The commit name of a save of ``filename`` at ``step``: unique, since Lightning may write the same file
+    at the same step again (a rerun with ``enable_version_counter=False``) while the older commit exists."""
     stem = re.sub(r"[^A-Za-z0-9._=+-]", "_", filename.removesuffix(".ckpt")).lstrip(".") or "ckpt"
-    return f"{stem}.s{step:09d}"
+    return f"{stem}.s{step:09d}.{uuid.uuid4().hex[:6]}"
 
 
 class AirCheckpointIO(CheckpointIO):
@@ -106,9 +108,10 @@ class AirCheckpointIO(CheckpointIO):
         rank's for an elastic resume at another world size (``TrainingSession.ranks_to_load``)."""
         self._owners: dict[str, dict[str, list[str]]] = {}
         """Per root: the commit names of each file or folder this plugin saved or found there."""
-        self._in_fit = True
-        """Saves are asynchronous until the fit ends (``teardown``); ``AirCallback.setup`` sets it again.
-        A plugin cannot see a fit start, so without ``AirCallback`` only its first fit is asynchronous."""
+        self._asynchronous = False
+        """In a fit that ``AirCallback`` runs (``new_session`` until ``teardown``): saves return after the
+        snapshot. Otherwise a save returns once committed and closes its writer (no thread or lease left):
+        the plugin alone cannot see a fit start, nor make ``ModelCheckpoint`` see a save in flight."""
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``ddp_spawn``'s workers, ``deepcopy(trainer)``) starts without the runtime parts: the
@@ -129,7 +132,7 @@ class AirCheckpointIO(CheckpointIO):
         settings and listeners, ``ranks`` = rank, world_size, broadcast, gather."""
         if self._session is not None and self._session.checkpointer is not None:
             raise ConfigError("AirCheckpointIO: a new session while the last one still has saves open.")
-        self._in_fit = True
+        self._asynchronous = True
         self._session = TrainingSession(
             config, checkpointer=self._settings, listeners=self._listeners, **ranks
         )
@@ -158,8 +161,8 @@ class AirCheckpointIO(CheckpointIO):
 
     @contextlib.contextmanager
     def _writing(self, root: str) -> Iterator[tuple[AsyncCheckpointer, bool]]:
-        """The writer of ``root`` and whether the save returns only once committed: the session's, during a
-        fit; after it (its writer then closes) or for another root than the fit's (a one-off writer)."""
+        """The writer of ``root`` and whether a save must return only once committed (its writer is then
+        closed after it): the session's, or a one-off writer for another root than the session's."""
         session = self.session
         ckpt = session.checkpointer
         if ckpt is not None and not ckpt.closed and not _same_root(ckpt.config.root, root):
@@ -168,10 +171,16 @@ class AirCheckpointIO(CheckpointIO):
             return
         ckpt = self.checkpointer(root)
         try:
-            yield ckpt, not self._in_fit
+            yield ckpt, not self._asynchronous
         finally:
-            if not self._in_fit:
+            if not self._asynchronous:
                 session.close_checkpointer()
+
+    def _settle(self, handle: Any) -> None:
+        """After a save through the session: unless asynchronous, wait for its commit and close the writer."""
+        if not self._asynchronous:
+            handle.result()
+            self.session.close_checkpointer()
 
     @contextlib.contextmanager
     def _reading(self, root: str) -> Iterator[AsyncCheckpointer]:
@@ -229,10 +238,7 @@ class AirCheckpointIO(CheckpointIO):
             files[f"{folder}/{meta_file}"] = checkpoint
         elif "rank_state" in air:
             files[session.state_file(name)] = air["rank_state"]
-        handle = session.save_sharded({folder: sharded}, step=step, name=name, files=files)
-        if not self._in_fit:
-            handle.result()
-            session.close_checkpointer()
+        self._settle(session.save_sharded({folder: sharded}, step=step, name=name, files=files))
 
     def wait_for(self, path: str) -> None:
         """Rank 0: wait for a save of ``path`` still in flight, so that an existence check sees it."""
@@ -268,10 +274,7 @@ class AirCheckpointIO(CheckpointIO):
         """Ranks > 0: add this rank's part to the commit rank 0 makes of ``name``."""
         self.checkpointer(root)
         session = self.session
-        handle = session.save({session.state_file(name): state}, step=step, name=name)
-        if not self._in_fit:
-            handle.result()
-            session.close_checkpointer()
+        self._settle(session.save({session.state_file(name): state}, step=step, name=name))
 
     @override
     def load_checkpoint(
@@ -352,10 +355,10 @@ class AirCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path`` after any save queued before. During a fit the newest committed
-        one is kept until a newer one commits; outside a fit it goes at once, as asked."""
+        """Delete the checkpoint at ``path`` after any save queued before. While saves are asynchronous the
+        newest committed one is kept until a newer one commits; otherwise it goes at once, as asked."""
         root, filename = split_path(str(path))
-        with self._writing(root) as (ckpt, now):
+        with self._writing(root) as (ckpt, now):  # synchronous saves: every newer one has committed
             owners = self._owners_of(ckpt, filename)
             if not owners:  # not ours: a link (save_last="link") or a stock file, removed as Lightning does
                 TorchCheckpointIO().remove_checkpoint(path)
@@ -368,7 +371,7 @@ class AirCheckpointIO(CheckpointIO):
         """The fit ended: commit what is in flight and close (releasing the root); a failed save is raised,
         unless another exception is already propagating. Later saves return once committed."""
         self._owners = {}
-        self._in_fit = False
+        self._asynchronous = False
         if self._session is not None:
             self._session.close_checkpointer()
 
