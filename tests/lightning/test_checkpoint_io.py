@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from air_core import ConfigError, CorruptCheckpointError
+from air_core.session import SessionConfig
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
 from tests.conftest import REPO, run_python
 from tests.lightning.model import Model
@@ -81,30 +82,44 @@ def test_corrupt_newest_checkpoint_is_skipped_by_latest_checkpoint(tmp_path):
         AirCheckpointIO().load_checkpoint(newest)
 
 
-def test_top_k_removal_never_deletes_the_newest_committed_checkpoint(tmp_path):
+def _ckpt_files(root: str) -> list[str]:
+    return sorted(f for f in os.listdir(root) if not f.startswith(".air"))
+
+
+def _asynchronous_plugin() -> AirCheckpointIO:
+    """The plugin as ``AirCallback.setup`` leaves it: saves return after the snapshot until ``teardown``."""
     plugin = AirCheckpointIO()
+    plugin.new_session(SessionConfig(mlflow=False, owner="test"))
+    return plugin
+
+
+def test_top_k_removal_never_deletes_the_newest_committed_checkpoint(tmp_path):
+    plugin = _asynchronous_plugin()
     root = str(tmp_path / "ckpts")
     for step in (1, 2):
         plugin.save_checkpoint({"global_step": step, "w": torch.ones(2) * step}, f"{root}/s{step}.ckpt")
     plugin.remove_checkpoint(f"{root}/s2.ckpt")  # the newest: must survive until a newer one commits
     plugin.remove_checkpoint(f"{root}/s1.ckpt")
     plugin.teardown()
-    assert sorted(os.listdir(root)) == [".air", "s2.ckpt"]
+    assert _ckpt_files(root) == ["s2.ckpt"]
+    plugin = _asynchronous_plugin()
     plugin.save_checkpoint({"global_step": 3, "w": torch.ones(2) * 3}, f"{root}/s3.ckpt")
     plugin.remove_checkpoint(f"{root}/s2.ckpt")
     plugin.teardown()
-    assert sorted(os.listdir(root)) == [".air", "s3.ckpt"]
+    assert _ckpt_files(root) == ["s3.ckpt"]
+    plugin.remove_checkpoint(f"{root}/s3.ckpt")  # outside a fit an explicit removal is done as asked
+    assert _ckpt_files(root) == []
 
 
 def test_removing_a_save_still_in_flight_deletes_it_once_a_newer_one_commits(tmp_path):
-    plugin = AirCheckpointIO()
+    plugin = _asynchronous_plugin()
     root = str(tmp_path / "ckpts")
     big = {"global_step": 1, "w": torch.randn(1 << 22)}  # 16 MiB: still being written when removed
     plugin.save_checkpoint(big, f"{root}/s1.ckpt")
     plugin.remove_checkpoint(f"{root}/s1.ckpt")  # top-k dropping the checkpoint it just saved
     plugin.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, f"{root}/s2.ckpt")
     plugin.teardown()
-    assert sorted(os.listdir(root)) == [".air", "s2.ckpt"], "the removed checkpoint must not leak"
+    assert _ckpt_files(root) == ["s2.ckpt"], "the removed checkpoint must not leak"
 
 
 @pytest.mark.parametrize("top_k", [-1, 0])
