@@ -20,6 +20,7 @@ import glob
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -217,6 +218,9 @@ def run_pytest(
             files.append(pattern)
     outcomes = os.path.join(tmp, f"{label}.jsonl")
     plugins = ["-p", "compat.outcomes"] + (["-p", fw.plugin] if substitute else [])
+    hidden_log = os.path.join(tmp, f"{label}.hidden")
+    if substitute and args.hide_metadata:
+        plugins += ["-p", "compat.hide_metadata"]
     cmd = [
         sys.executable,
         "-m",
@@ -242,6 +246,7 @@ def run_pytest(
         p for p in [os.path.join(tmp, "_plugins"), env.get("PYTHONPATH")] if p
     )
     env["AIR_COMPAT_OUTCOMES"] = outcomes
+    env["AIR_COMPAT_HIDDEN_LOG"] = hidden_log
     env.pop("AIR_COMPAT_MODE", None)
     if mode:
         env["AIR_COMPAT_MODE"] = mode
@@ -264,7 +269,13 @@ def run_pytest(
         for line in open(outcomes, encoding="utf-8"):
             rec = json.loads(line)
             results[rec["nodeid"]] = rec
-    tail = open(log, encoding="utf-8", errors="replace").read().strip().splitlines()[-1:] or [""]
+    if os.path.isfile(hidden_log):  # tests from whose listings compat.hide_metadata removed .air/
+        for line in open(hidden_log, encoding="utf-8"):
+            if line.strip() in results:
+                results[line.strip()]["metadata_hidden"] = True
+    lines = open(log, encoding="utf-8", errors="replace").read().splitlines()
+    summary = re.compile(r"\d+ (passed|failed|skipped|errors?|deselected)\b.* in [\d.]+s")
+    tail = [line.strip("= ") for line in reversed(lines) if summary.search(line)][:1] or [""]
     print(
         f"compat: {label}: {len(results)} tests in {time.monotonic() - started:.0f} s, pytest exit {rc}: "
         f"{tail[0]}",
@@ -274,6 +285,15 @@ def run_pytest(
         raise SystemExit(f"compat: {label}: pytest did not complete (exit {rc}); see {log}")
     shutil.rmtree(copy, ignore_errors=True)  # tests' own files; keep the disk small
     return results
+
+
+def stock_from(path: str, framework: str) -> dict[str, dict[str, Any]] | None:
+    """The stock outcomes of ``framework`` in an earlier ``--json`` report (None if it has none)."""
+    for run in json.load(open(path, encoding="utf-8"))["runs"]:
+        if run["framework"] == framework:
+            print(f"compat: {framework}-stock: outcomes from {path} ({len(run['stock'])} tests)", flush=True)
+            return {t: {"nodeid": t, "outcome": o, "message": ""} for t, o in run["stock"].items()}
+    return None
 
 
 # -- comparing ----------------------------------------------------------------------------------
@@ -288,6 +308,8 @@ def compare(
     rows, regressions, documented, fixed = [], [], [], []
     stock_pass = [t for t, r in stock.items() if r["outcome"] in PASSING]
     ours_pass = [t for t in stock_pass if ours.get(t, {}).get("outcome") in PASSING]
+    # --hide-metadata: passing only because a listing did not show .air/ is not a plain pass
+    hidden = [t for t in ours_pass if ours[t].get("metadata_hidden")]
     for nodeid in sorted(set(stock) | set(ours)):
         s = stock.get(nodeid, {}).get("outcome", "missing")
         o = ours.get(nodeid, {}).get("outcome", "missing")
@@ -310,10 +332,12 @@ def compare(
             "regressions": len(regressions),
             "documented_exceptions": len(documented),
             "ours_pass_stock_not": len(fixed),
+            "ours_pass_with_metadata_hidden": len(hidden),
         },
         "rows": rows,
         "regressions": regressions,
         "documented": documented,
+        "metadata_hidden": hidden,
     }
 
 
@@ -331,7 +355,12 @@ def print_report(label: str, result: dict[str, Any]) -> None:
     print(
         f"--- {label}: {c['tests']} tests; stock pass {c['stock_pass']}; ours pass among those "
         f"{c['ours_pass_of_stock_pass']}; regressions {c['regressions']}; documented exceptions "
-        f"{c['documented_exceptions']}; ours pass where stock does not {c['ours_pass_stock_not']}",
+        f"{c['documented_exceptions']}; ours pass where stock does not {c['ours_pass_stock_not']}"
+        + (
+            f"; of ours passing, {c['ours_pass_with_metadata_hidden']} with .air/ hidden from a listing"
+            if result["metadata_hidden"]
+            else ""
+        ),
         flush=True,
     )
 
@@ -375,6 +404,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="REV",
         help="our packages to test: 'worktree' "
         "(default: as they are now, copied at the start) or a git commit such as HEAD",
+    )
+    p.add_argument(
+        "--hide-metadata",
+        action="store_true",
+        help="substituted runs hide .air/ and "
+        ".air-events/ from the listings tests and frameworks make (compat.hide_metadata); such "
+        "passes are counted apart",
+    )
+    p.add_argument(
+        "--stock-from",
+        metavar="JSON",
+        help="take the stock outcomes from an earlier --json "
+        "of the same selection instead of running stock again",
     )
     p.add_argument("--pytest-args", default="", help="extra pytest arguments (one string)")
     args = p.parse_args(argv)
@@ -446,11 +488,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for fw in frameworks:
             print(f"compat: {fw.name} tests from {fw.src}", flush=True)
-            stock = run_pytest(fw, None, False, tmp, args, args.log_dir)
+            stock = stock_from(args.stock_from, fw.name) if args.stock_from else None
+            stock = stock or run_pytest(fw, None, False, tmp, args, args.log_dir)
             for mode in fw.modes:
                 ours = run_pytest(fw, mode, True, tmp, args, args.log_dir)
                 label = fw.name + (f" ({mode})" if mode else "")
-                result = compare(stock, ours, exceptions)
+                # an earlier run's selection may be larger: compare what ran now
+                base = {t: r for t, r in stock.items() if t in ours} if args.stock_from else stock
+                result = compare(base, ours, exceptions)
                 print_report(label, result)
                 regressions += result["counts"]["regressions"]
                 report["runs"].append(
@@ -460,12 +505,16 @@ def main(argv: list[str] | None = None) -> int:
                         "tree": fw.src,
                         "files": fw.files,
                         "k": args.k,
-                        **{k: result[k] for k in ("counts", "rows", "regressions", "documented")},
+                        **{
+                            k: result[k]
+                            for k in ("counts", "rows", "regressions", "documented", "metadata_hidden")
+                        },
                         "ours_failures": {
                             t: {k: ours[t][k] for k in ("outcome", "message", "longrepr")}
                             for t in result["regressions"] + result["documented"]
                             if t in ours
                         },
+                        "hide_metadata": args.hide_metadata,
                         "stock": {t: r["outcome"] for t, r in stock.items()},
                         "ours": {t: r["outcome"] for t, r in ours.items()},
                     }
