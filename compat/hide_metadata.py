@@ -12,11 +12,14 @@ as passing by the documented exception "lists the folder and sees our metadata",
 
 from __future__ import annotations
 
+import glob
 import os
+import pathlib
 import sys
 from collections.abc import Iterator
 from typing import Any
 
+import fsspec
 import pytest
 
 HIDDEN = frozenset({".air", ".air-events"})
@@ -26,16 +29,28 @@ _OURS = tuple(
     for pkg in ("air_core", "lightning_air", "accelerate_air")
 )
 _listdir, _scandir = os.listdir, os.scandir
+_TESTS = [os.getcwd() + os.sep]
+"""The framework's test tree (pytest runs from it): only listings its code makes are filtered."""
 _current: dict[str, Any] = {"test": None, "hid": False}
 
 
+_THROUGH = tuple(
+    os.path.dirname(m.__file__) + os.sep if m.__name__ == "fsspec" else m.__file__
+    for m in (os, glob, pathlib, fsspec)
+)
+"""Modules a test lists through (``os.walk``, ``glob``, ``Path.iterdir``, fsspec's ``ls``): the listing is
+the test's. Anything else between (``shutil.rmtree``, ``tempfile`` cleanup, our packages) sees everything."""
+
+
 def _from_our_code() -> bool:
+    """Whether this listing is not the test's own: the first caller outside ``_THROUGH`` is not test code."""
     frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(_OURS):
-            return True
+    while frame is not None and frame.f_code.co_filename.startswith(_THROUGH):
         frame = frame.f_back
-    return False
+    if frame is None:
+        return True
+    name = frame.f_code.co_filename
+    return name.startswith(_OURS) or not name.startswith(_TESTS[0])
 
 
 def _name(entry: Any) -> str:
@@ -79,6 +94,7 @@ def scandir(path: Any = ".") -> Any:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _TESTS[0] = str(config.rootpath) + os.sep
     os.listdir, os.scandir = listdir, scandir
 
 
