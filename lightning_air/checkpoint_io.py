@@ -106,7 +106,7 @@ class AirCheckpointIO(CheckpointIO):
         self.loaded_rank_states: dict[int, Any] = {}
         """The parts of saved ranks > 0 the last ``load_checkpoint`` read: this rank's, or every saved
         rank's for an elastic resume at another world size (``TrainingSession.ranks_to_load``)."""
-        self._owners: dict[str, dict[str, list[str]]] = {}
+        self._owners: dict[str, dict[str, list[tuple[str, int]]]] = {}
         """Per root: the commit names of each file or folder this plugin saved or found there."""
         self._asynchronous = False
         """In a fit that ``AirCallback`` runs (``new_session`` until ``teardown``): saves return after the
@@ -206,10 +206,7 @@ class AirCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0))
         name = checkpoint.get(AIR_KEY, {}).get("name") or commit_name(filename, step)
         with self._writing(root) as (ckpt, committed):
-            owners = self._owners_of(ckpt, filename)
-            for older in owners:  # Lightning rewrites last.ckpt in place: retire its previous commit
-                ckpt.delete(older)
-            owners[:] = [name]
+            self._retire(ckpt, filename, name, step)
             if ckpt is self.session.checkpointer:
                 handle = self.session.save({filename: checkpoint}, step=step, name=name)
             else:
@@ -231,10 +228,7 @@ class AirCheckpointIO(CheckpointIO):
         session = self.session
         files: dict[str, Any] = {}
         if session.rank == 0:
-            owners = self._owners_of(ckpt, folder)
-            for older in owners:  # a folder rewritten in place (last.ckpt): retire its previous commit
-                ckpt.delete(older)
-            owners[:] = [name]
+            self._retire(ckpt, folder, name, step)
             files[f"{folder}/{meta_file}"] = checkpoint
         elif "rank_state" in air:
             files[session.state_file(name)] = air["rank_state"]
@@ -246,7 +240,7 @@ class AirCheckpointIO(CheckpointIO):
         root, filename = split_path(path)
         if ckpt is None or ckpt.closed or not _same_root(ckpt.config.root, root):
             return
-        if set(self._owners.get(ckpt.config.root, {}).get(filename, ())) & set(ckpt.in_flight()):
+        if {n for n, _ in self._owners.get(ckpt.config.root, {}).get(filename, ())} & set(ckpt.in_flight()):
             ckpt.wait_in_flight()
 
     def is_sharded(self, path: str) -> bool:
@@ -362,7 +356,7 @@ class AirCheckpointIO(CheckpointIO):
             owners = self._owners_of(ckpt, filename)
             if not owners:  # not ours: a link (save_last="link") or a stock file, removed as Lightning does
                 TorchCheckpointIO().remove_checkpoint(path)
-            for name in owners:  # in flight or committed: queued behind its save
+            for name, _ in owners:  # in flight or committed: queued behind its save
                 ckpt.delete(name, even_newest=now)
             owners.clear()
 
@@ -375,8 +369,18 @@ class AirCheckpointIO(CheckpointIO):
         if self._session is not None:
             self._session.close_checkpointer()
 
-    def _owners_of(self, ckpt: AsyncCheckpointer, filename: str) -> list[str]:
-        """Names of the checkpoints under ``ckpt``'s root whose rank-0 file (or folder) is ``filename``
+    def _retire(self, ckpt: AsyncCheckpointer, filename: str, name: str, step: int) -> None:
+        """Lightning rewrites files in place (``last.ckpt``; a rerun into the same folder): the commits that
+        named ``filename`` are retired and the save ``name`` owns it. One whose step is not below ``step`` (a
+        new run rewriting an older run's folder) goes at once, since its file is being replaced; otherwise
+        the newest commit is kept until this one commits."""
+        owners = self._owners_of(ckpt, filename)
+        for older, older_step in owners:
+            ckpt.delete(older, even_newest=older_step >= step)
+        owners[:] = [(name, step)]
+
+    def _owners_of(self, ckpt: AsyncCheckpointer, filename: str) -> list[tuple[str, int]]:
+        """(name, step) of the checkpoints under ``ckpt``'s root whose rank-0 file (or folder) is ``filename``
         (a live list; rank 0 only).
 
         A root is listed once, at its first save or removal; after that this plugin's own saves keep the map,
@@ -387,23 +391,26 @@ class AirCheckpointIO(CheckpointIO):
             owners = self._owners[ckpt.config.root] = {}
             for info in self._commits_of(ckpt.list()):
                 for top in {_top(f.path) for f in info.manifest.files_of(0)} if info.manifest else ():
-                    owners.setdefault(top, []).append(info.name)
+                    owners.setdefault(top, []).append((info.name, info.step))
         return owners.setdefault(filename, [])
 
     @staticmethod
     def _commits_of(
         infos: AsyncCheckpointer | list[CheckpointInfo], filename: str | None = None
     ) -> list[CheckpointInfo]:
-        """Committed checkpoints (whose rank-0 file or folder is ``filename``, if given), oldest first."""
+        """Committed checkpoints, oldest step first; those whose rank-0 file or folder is ``filename`` (if
+        given) oldest write first."""
         if isinstance(infos, AsyncCheckpointer):
             infos = infos.list()
-        return [
+        found = [
             info
             for info in infos
             if info.status == "committed"
             and info.manifest is not None
             and (filename is None or any(_top(f.path) == filename for f in info.manifest.files_of(0)))
         ]
+        # A file rewritten in place is the last write's, whatever its step (a rerun restarts the steps).
+        return found if filename is None else sorted(found, key=lambda i: i.time or 0.0)
 
 
 def _same_root(a: str, b: str) -> bool:

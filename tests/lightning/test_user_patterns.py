@@ -188,3 +188,29 @@ def test_model_checkpoint_counts_a_save_still_in_flight_as_existing(tmp_path):
         seen[kind] = sorted(p.rsplit("/", 1)[-1] for p in ls if p.endswith(".ckpt"))
     assert seen["stock"] == ["fixed-v1.ckpt", "fixed-v2.ckpt", "fixed.ckpt"]
     assert seen["ours"] == seen["stock"]
+
+
+@pytest.mark.parametrize("with_callback", [False, True])
+def test_a_new_run_rewriting_last_ckpt_at_lower_steps_owns_it(tmp_path, with_callback):
+    """A second run from scratch with the same ModelCheckpoint rewrites ``last.ckpt`` at steps below the
+    first run's (Lightning's own loop test does this): the file is the new run's, as stock, and resuming
+    from it loads the new run's state."""
+    seen = {}
+    for kind in ("stock", "ours"):
+        dirpath = str(tmp_path / kind)
+        mc = ModelCheckpoint(dirpath=dirpath, save_last=True, every_n_train_steps=2)
+
+        def trainer(steps, kind=kind, mc=mc):
+            if kind == "stock":
+                return _trainer(tmp_path, TorchCheckpointIO(), [mc], max_steps=steps)
+            callbacks = [AirCallback(mlflow=False)] if with_callback else []
+            return _trainer(tmp_path, AirCheckpointIO(), [*callbacks, mc], max_steps=steps)
+
+        trainer(6).fit(BoringModel())
+        trainer(2).fit(BoringModel())
+        last = torch.load(f"{dirpath}/last.ckpt", weights_only=False)["global_step"]
+        resumed = trainer(4)
+        resumed.fit(BoringModel(), ckpt_path=f"{dirpath}/last.ckpt")
+        seen[kind] = (last, resumed.global_step, _ckpt_files(dirpath))
+    assert seen["stock"][:2] == (2, 4)
+    assert seen["ours"] == seen["stock"]
