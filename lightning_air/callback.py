@@ -110,7 +110,7 @@ class AirCallback(Callback):
         plugin.attach(pl_module)
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
-                _see_saves_in_flight(callback, plugin)
+                callback.file_exists = _WaitForSaves(callback, plugin)  # type: ignore[method-assign]
         root = getattr(trainer.checkpoint_callback, "dirpath", None)
         if root:
             self.session.open(str(root))
@@ -232,12 +232,21 @@ class AirCallback(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        if self.session is not None:
+        if self.session is not None:  # Lightning calls no teardown hook after an exception: end here
             self.session.fail(exception)
+            self._end(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.session is not None:
+        if stage == "fit":
+            self._end(trainer)
+
+    def _end(self, trainer: pl.Trainer) -> None:
+        """Close the session (commits what is in flight; goodput, MLflow) and unhook ``ModelCheckpoint``."""
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(vars(callback).get("file_exists"), _WaitForSaves):
+                delattr(callback, "file_exists")  # the class's method again
+        if self.session is not None:
             self.session.close(trainer.global_step)
 
 
@@ -259,21 +268,19 @@ def _check_sharded_saves_reach_the_plugin(strategy: Any) -> None:
         )
 
 
-def _see_saves_in_flight(callback: ModelCheckpoint, plugin: AirCheckpointIO) -> None:
-    """``ModelCheckpoint`` picks version suffixes (``-v1``) and rerun names by asking whether a file exists;
-    a save that returned but is still in flight must count, as a finished ``torch.save`` would. Its
-    ``file_exists`` (public, called on every rank) first waits for a save of that file in flight."""
-    if getattr(callback.file_exists, "_air", False):
-        return
-    stock = callback.file_exists
+class _WaitForSaves:
+    """``ModelCheckpoint.file_exists`` of one callback, waiting first (rank 0) for a save of that file in
+    flight: it picks version suffixes (``-v1``) and rerun names by asking whether a file exists, and a save
+    that returned must count, as a finished ``torch.save`` would. Picklable (``ddp_spawn``, ``deepcopy``);
+    ``AirCallback.teardown`` takes it off again."""
 
-    def file_exists(filepath: Any, trainer: pl.Trainer) -> bool:
+    def __init__(self, callback: ModelCheckpoint, plugin: AirCheckpointIO) -> None:
+        self.callback, self.plugin = callback, plugin
+
+    def __call__(self, filepath: Any, trainer: pl.Trainer) -> bool:
         if trainer.is_global_zero:
-            plugin.wait_for(str(filepath))
-        return stock(filepath, trainer)
-
-    file_exists._air = True  # type: ignore[attr-defined]
-    callback.file_exists = file_exists  # type: ignore[method-assign]
+            self.plugin.wait_for(str(filepath))
+        return type(self.callback).file_exists(self.callback, filepath, trainer)
 
 
 def _count_from_the_share(trainer: pl.Trainer) -> None:

@@ -41,6 +41,27 @@ Mode = Literal["skip", "state", "reread"]
 LoaderState = tuple[Callable[[], Any], Callable[[Any], None]]
 
 
+class _Pass:
+    """One pass over a ``TrackedLoader``: its generator, pickled as an empty iterator. A framework that
+    pickles itself mid-epoch (Lightning's Trainer, from a hook) drops a ``DataLoader``'s live iterator the
+    same way; a generator would stop the pickling."""
+
+    def __init__(self, generator: Iterator[Any]) -> None:
+        self._generator = generator
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._generator)
+
+    def close(self) -> None:
+        self._generator.close()  # type: ignore[attr-defined]
+
+    def __reduce__(self) -> Any:
+        return iter, ((),)
+
+
 class TrackedLoader:
     """A loader proxy that knows where the training loop is in it, and can put it back there.
 
@@ -262,6 +283,9 @@ class TrackedLoader:
 
     # -- iteration ---------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        return _Pass(self._iterate())
+
+    def _iterate(self) -> Iterator[Any]:
         pending, self._pending = self._pending, None
         self._epoch, self._taken, self._state = self._epoch_fn(), 0, "start"
         self._ahead.clear()

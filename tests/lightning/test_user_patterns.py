@@ -214,3 +214,38 @@ def test_a_new_run_rewriting_last_ckpt_at_lower_steps_owns_it(tmp_path, with_cal
         seen[kind] = (last, resumed.global_step, _ckpt_files(dirpath))
     assert seen["stock"][:2] == (2, 4)
     assert seen["ours"] == seen["stock"]
+
+
+class PicklesTheTrainer(pl.Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        torch.save(trainer, self.path)
+
+
+class FailsAtStep2(BoringModel):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_trainer_pickles_during_a_fit_with_air_callback_and_a_failed_fit_leaves_no_thread(tmp_path):
+    """Lightning's own tests ``torch.save`` the whole Trainer from a hook; a fit that raises gets no teardown
+    hook, yet nothing of ours (writer, lease, goodput log) may outlive it."""
+    import threading
+
+    mc = ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=1)
+    pickles = PicklesTheTrainer(str(tmp_path / "trainer.pt"))
+    _trainer(tmp_path, AirCheckpointIO(), [AirCallback(mlflow=False), mc, pickles]).fit(BoringModel())
+    assert os.path.getsize(tmp_path / "trainer.pt") > 0
+
+    before = {t.name for t in threading.enumerate()}
+    mc = ModelCheckpoint(dirpath=str(tmp_path / "failed"), every_n_train_steps=1)
+    trainer = _trainer(tmp_path, AirCheckpointIO(), [AirCallback(mlflow=False), mc])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(FailsAtStep2())
+    left = {t.name for t in threading.enumerate()} - before
+    assert not {name for name in left if name.startswith("air-")}, left
+    assert latest_checkpoint(str(tmp_path / "failed")).endswith("step=2.ckpt"), "its saves committed"
