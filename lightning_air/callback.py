@@ -10,7 +10,6 @@ same commit (rank 0's inside the ``.ckpt``, the others as their own parts) and r
 from __future__ import annotations
 
 import logging
-import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -114,10 +113,6 @@ class AirCallback(Callback):
         root = getattr(trainer.checkpoint_callback, "dirpath", None)
         if root:
             self.session.open(str(root))
-        # Lightning warns that a plain loader restarts at the top of the epoch; the session's do not.
-        warnings.filterwarnings(
-            "ignore", message="You're resuming from a checkpoint that ended before the epoch"
-        )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -204,7 +199,8 @@ class AirCallback(Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        assert self.session is not None, "AirCallback.setup did not run"
+        if self.session is None or self.session.closed:
+            return  # validate/test/predict from a checkpoint: no training position to restore
         air = checkpoint.get(AIR_KEY)
         states: dict[int, Any] = {}
         if air is not None:  # rank 0's part is in the .ckpt; the plugin loaded the other ones needed
@@ -227,6 +223,11 @@ class AirCallback(Callback):
         # Lightning would also load rank 0's loader state into every rank's loader: ours is per rank.
         checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
         self.session.restore_rank_states(states, what="AirCallback: the checkpoint")
+        if trainer.is_global_zero:
+            logger.info(
+                "AirCallback: every rank's data position and RNG are restored: an interrupted epoch continues "
+                "where it stopped (Lightning's warning that it restarts does not apply to these loaders)."
+            )
 
     @override
     def on_exception(
