@@ -225,8 +225,8 @@ class AirCallback(Callback):
         self.session.restore_rank_states(states, what="AirCallback: the checkpoint")
         if trainer.is_global_zero:
             logger.info(
-                "AirCallback: every rank's data position and RNG are restored: an interrupted epoch continues "
-                "where it stopped (Lightning's warning that it restarts does not apply to these loaders)."
+                "AirCallback: every rank's data position and RNG are restored: an interrupted epoch "
+                "continues where it stopped (Lightning's warning that it restarts does not apply)."
             )
 
     @override
