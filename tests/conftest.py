@@ -80,6 +80,22 @@ class S3Root:
     storage_options: dict[str, Any]
 
 
+@pytest.fixture(autouse=True)
+def own_environment() -> Iterator[None]:
+    """A test that runs distributed in its own process (a strategy's in-process setup, ``ddp_spawn``) sets
+    MASTER_PORT and friends, which every job this test process launches later would inherit (EADDRINUSE),
+    and may leave a process group: both go when the test ends."""
+    saved = dict(os.environ)
+    yield
+    import torch.distributed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """moto's threaded S3 server on 127.0.0.1, started once per test run."""

@@ -124,19 +124,7 @@ def _records(workdir: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (workdir / f"ids-rank{rank}.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture
-def own_process_group():
-    """A strategy that sets up distributed in the test process: its environment (MASTER_PORT, which
-    every job this process launches later would inherit) and process group go when the test ends."""
-    saved = dict(os.environ)
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-def test_stock_sharded_strategies_are_refused_before_training(tmp_path, own_process_group):
+def test_stock_sharded_strategies_are_refused_before_training(tmp_path):
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from tests.lightning.model import Model
