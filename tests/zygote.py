@@ -243,6 +243,10 @@ def serve(path: str) -> tuple[socket.socket, dict[str, Any], list[int], dict[str
             conn = children.pop(pid, None)
             if conn is not None:
                 with contextlib.suppress(OSError):
+                    # The child armed this socket (shared with it) to SIGKILL its group on a hang-up; it is
+                    # gone, so disarm before the launcher hangs up, or what it left running would be killed.
+                    flags = fcntl.fcntl(conn.fileno(), fcntl.F_GETFL)
+                    fcntl.fcntl(conn.fileno(), fcntl.F_SETFL, flags & ~os.O_ASYNC)
                     conn.sendall(f"X {status}\n".encode())
                 conn.close()
 
