@@ -81,7 +81,6 @@ def take_over(root: Hashable, display: str, new: Writer) -> None:
             )
             try:
                 writer.close()
-            except (
-                Exception
-            ) as err:  # the failure belongs to the earlier writer: report it, do not stop the new one
+            except Exception as err:
+                # The failure is the earlier writer's: report it, and let the new one start.
                 logger.error("closing the earlier checkpointer of %s: %s", display, err)

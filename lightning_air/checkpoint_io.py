@@ -182,12 +182,6 @@ class AirCheckpointIO(CheckpointIO):
             handle.result()
             self.session.close_checkpointer()
 
-    @contextlib.contextmanager
-    def _reading(self, root: str) -> Iterator[AsyncCheckpointer]:
-        """A read-only view of ``root``: no lease, no probe write; it sees this process's saves in flight."""
-        with self.session.reader(root) as ckpt:
-            yield ckpt
-
     def latest_checkpoint(self, dirpath: str) -> str | None:
         """``latest_checkpoint(dirpath)`` with this plugin's storage_options."""
         return latest_checkpoint(dirpath, storage_options=self._settings["storage_options"])
@@ -246,8 +240,8 @@ class AirCheckpointIO(CheckpointIO):
     def is_sharded(self, path: str) -> bool:
         """Whether ``path`` is a sharded checkpoint folder this plugin committed."""
         root, folder = split_path(path)
-        with self._reading(root) as ckpt:
-            commits = self._commits_of(ckpt, folder)
+        with self.session.reader(root) as ckpt:
+            commits = self._commits_of(ckpt.list(), folder)
         return bool(commits) and dcp.dcp_folders(commits[-1]) == [folder]
 
     def load_sharded(
@@ -256,8 +250,8 @@ class AirCheckpointIO(CheckpointIO):
         """Every rank: load the committed sharded checkpoint ``path`` into ``state`` in place (resharded
         at this world size by DCP; each rank fetches only the files it needs); return rank 0's rest."""
         root, folder = split_path(path)
-        with self._reading(root) as ckpt:
-            info = self._commits_of(ckpt, folder)[-1]
+        with self.session.reader(root) as ckpt:
+            info = self._commits_of(ckpt.list(), folder)[-1]
             dcp.load(ckpt, state, info, folder=folder)
             meta = f"{folder}/{meta_file}"
             local = ckpt.fetch(info, paths=[meta])
@@ -284,7 +278,7 @@ class AirCheckpointIO(CheckpointIO):
         if path.startswith(("http://", "https://")):
             return self._load_unverified(path, map_location, weights_only, why="a URL")
         root, filename = split_path(path)
-        with self._reading(root) as ckpt:
+        with self.session.reader(root) as ckpt:
             infos = ckpt.list()
             commits = self._commits_of(infos, filename)
             if not commits:
@@ -294,8 +288,8 @@ class AirCheckpointIO(CheckpointIO):
                     return self._load_unverified(path, map_location, weights_only, why=why)
                 raise CorruptCheckpointError(
                     f"AirCheckpointIO.load_checkpoint({path!r}): no committed checkpoint holds this file, "
-                    "and "
-                    f"saves under {root!r} did not finish ({'; '.join(unfinished)}): it may be one of them. "
+                    f"and saves under {root!r} did not finish ({'; '.join(unfinished)}): it may be one of "
+                    "them. "
                     "Resume from lightning_air.latest_checkpoint(dirpath): it returns committed ones only.",
                     path=path,
                     reason="not committed",
@@ -395,13 +389,9 @@ class AirCheckpointIO(CheckpointIO):
         return owners.setdefault(filename, [])
 
     @staticmethod
-    def _commits_of(
-        infos: AsyncCheckpointer | list[CheckpointInfo], filename: str | None = None
-    ) -> list[CheckpointInfo]:
+    def _commits_of(infos: list[CheckpointInfo], filename: str | None = None) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest step first; those whose rank-0 file or folder is ``filename`` (if
         given) oldest write first."""
-        if isinstance(infos, AsyncCheckpointer):
-            infos = infos.list()
         found = [
             info
             for info in infos
