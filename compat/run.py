@@ -189,10 +189,12 @@ def read_exceptions(path: str = EXCEPTIONS_DOC) -> dict[str, str]:
 
 
 def excepted(nodeid: str, exceptions: dict[str, str]) -> str | None:
-    """The reason if ``nodeid`` is listed (exactly, without its parameters, or as a glob pattern)."""
+    """The reason if ``nodeid`` is listed (exactly, without its parameters, or as a glob pattern).
+    Lightning's ids are listed relative to its ``tests/`` folder, where the run prints ``tests/...``."""
     for pattern, reason in exceptions.items():
-        if nodeid == pattern or nodeid.split("[", 1)[0] == pattern or fnmatch.fnmatchcase(nodeid, pattern):
-            return reason
+        for test in {nodeid, nodeid.removeprefix("tests/")}:
+            if test == pattern or test.split("[", 1)[0] == pattern or fnmatch.fnmatchcase(test, pattern):
+                return reason
     return None
 
 

@@ -2,8 +2,8 @@
 
 Lightning keeps only rank 0's callback state and restarts a plain ``DataLoader`` at the top of the
 epoch. The session instead tracks every train loader of every rank (however it reached the Trainer:
-``train_dataloader()``, ``fit(model, loader)`` or a DataModule: the loaders are taken from the fit
-loop's combined loader once Lightning built it), puts each rank's RNG and loader positions into the
+``train_dataloader()``, ``fit(model, loader)`` or a DataModule: the loaders are tracked as the last
+step of Lightning's building them, the strategy's ``process_dataloader``), puts each rank's RNG and loader positions into the
 same commit (rank 0's inside the ``.ckpt``, the others as their own parts) and resumes them exactly.
 """
 
@@ -18,6 +18,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.trainer.connectors.data_connector import _auto_add_worker_init_fn
+from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import CombinedLoader
 from typing_extensions import override
 
@@ -110,6 +112,7 @@ class AirCallback(Callback):
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
                 callback.file_exists = _WaitForSaves(callback, plugin)  # type: ignore[method-assign]
+        strategy.process_dataloader = _TrackTrainLoaders(trainer, self)  # type: ignore[method-assign]
         root = getattr(trainer.checkpoint_callback, "dirpath", None)
         if root:
             self.session.open(str(root))
@@ -117,7 +120,6 @@ class AirCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.session is not None, "AirCallback.setup did not run"
-        self._track_loaders(trainer)
         _count_from_the_share(trainer)
         mlf = next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None)
         run_id = None
@@ -127,38 +129,6 @@ class AirCallback(Callback):
                 mlf._run_id = resumed  # its later metrics go to the checkpoint's run (a private field)
             run_id = mlf.run_id
         self.session.start(mlflow_run_id=run_id, run_is_ours=mlf is None)
-
-    @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._track_loaders(trainer)  # reload_dataloaders_every_n_epochs builds new ones
-
-    def _track_loaders(self, trainer: pl.Trainer) -> None:
-        """Replace the fit loop's train loaders by tracked ones (each once), and its iterator.
-
-        Lightning hands no hook the loaders between building them (``setup_data``: the sampler it
-        injects, ``worker_init_fn``) and iterating them first, so the first iterator, made before
-        ``on_train_start``, is replaced: it has fetched nothing that training saw.
-        """
-        loop = trainer.fit_loop
-        combined: CombinedLoader | None = getattr(loop, "_combined_loader", None)
-        if combined is None or all(isinstance(dl, TrackedLoader) for dl in combined.flattened):
-            return
-        assert self.session is not None
-        session = self.session
-        combined.flattened = [
-            dl
-            if isinstance(dl, TrackedLoader)
-            else session.track(
-                resumable(dl),
-                epoch=lambda: trainer.current_epoch,
-                # Lightning fetches one batch ahead of a loader without a length, to know the last one.
-                lookahead=0 if _has_len(dl) else 1,
-            )
-            for dl in combined.flattened
-        ]
-        fetcher = getattr(loop, "_data_fetcher", None)
-        if fetcher is not None and getattr(fetcher, "iterator", None) is not None:
-            iter(fetcher)
 
     @override
     def on_before_optimizer_step(
@@ -247,6 +217,8 @@ class AirCallback(Callback):
         for callback in trainer.checkpoint_callbacks:
             if isinstance(vars(callback).get("file_exists"), _WaitForSaves):
                 delattr(callback, "file_exists")  # the class's method again
+        if isinstance(vars(trainer.strategy).get("process_dataloader"), _TrackTrainLoaders):
+            delattr(trainer.strategy, "process_dataloader")
         if self.session is not None:
             self.session.close(trainer.global_step)
 
@@ -282,6 +254,32 @@ class _WaitForSaves:
         if trainer.is_global_zero:
             self.plugin.wait_for(str(filepath))
         return type(self.callback).file_exists(self.callback, filepath, trainer)
+
+
+class _TrackTrainLoaders:
+    """The strategy's ``process_dataloader`` during a fit with ``AirCallback``: each train loader leaves it
+    tracked by the session. Lightning hands no hook the loaders between building them (``setup_data``:
+    the sampler it injects) and iterating them first, and this is the last step of building them, so
+    the fit loop's first iterator is already the tracked one (workers start once, as stock). A
+    ``reload_dataloaders_every_n_epochs`` rebuild passes here again. Picklable, like ``_WaitForSaves``."""
+
+    def __init__(self, trainer: pl.Trainer, callback: AirCallback) -> None:
+        self.trainer, self.callback = trainer, callback
+
+    def __call__(self, dataloader: Any) -> Any:
+        trainer = self.trainer
+        dataloader = type(trainer.strategy).process_dataloader(trainer.strategy, dataloader)
+        session = self.callback.session
+        if trainer.state.stage != RunningStage.TRAINING or session is None or session.closed:
+            return dataloader
+        # Lightning adds its worker seeding right after this hook; the resumable copy must carry it.
+        _auto_add_worker_init_fn(dataloader, trainer.global_rank)
+        return session.track(
+            resumable(dataloader),
+            epoch=lambda: trainer.current_epoch,
+            # Lightning fetches one batch ahead of a loader without a length, to know the last one.
+            lookahead=0 if _has_len(dataloader) else 1,
+        )
 
 
 def _count_from_the_share(trainer: pl.Trainer) -> None:

@@ -123,7 +123,6 @@ class TrackedLoader:
         self._by_worker: dict[int, Entry] = {}
         self._next_worker = 0
         self._unconsumed: deque[Carried] = deque()
-        self._iterator: Any = None
         self._reused = False
         # How this epoch's order is dealt (a position's "stream"): what an elastic resume rebuilds.
         self._stream: dict[str, Any] | None = None
@@ -158,6 +157,16 @@ class TrackedLoader:
 
     def __len__(self) -> int:
         return len(self._loader)
+
+    @property
+    def _iterator(self) -> Any:
+        """The wrapped ``DataLoader``'s persistent-workers iterator: frameworks shut its workers down and
+        drop it through this name (Lightning's teardown), and must reach the loader's own."""
+        return self._loader._iterator
+
+    @_iterator.setter
+    def _iterator(self, value: Any) -> None:
+        self._loader._iterator = value
 
     @property
     def loader(self) -> Any:
@@ -353,11 +362,11 @@ class TrackedLoader:
         if self.mode == "reread" and has_state(self._loader):
             self._epoch_start["loader"] = self._loader.state_dict()
         source = self._layout.source() if self._layout is not None else None
+        before = getattr(self._loader, "_iterator", None)
         iterator = iter(self._loader)
         # Persistent workers: the same iterator again, which draws no new base seed.
-        self._reused = iterator is self._iterator and bool(getattr(self._loader, "persistent_workers", False))
+        self._reused = iterator is before and bool(getattr(self._loader, "persistent_workers", False))
         self._workers_start(iterator, fresh=not self._reused)
-        self._iterator = iterator
         self._stream = None if self._layout is None else self._stream_of(source, 0, _length(self._loader))
         return iterator
 
@@ -400,7 +409,6 @@ class TrackedLoader:
             object.__setattr__(loader, "batch_sampler", inner)
         self._reused = False
         self._workers_start(iterator, fresh=True)
-        self._iterator = iterator
         p: Plan = pending["plan"]
         self._stream = self._stream_of(p.source, p.offset, len(batches)) | {"split": True}
         return iterator
@@ -437,7 +445,6 @@ class TrackedLoader:
         finally:
             if self._apply is not None:
                 self._apply.table = None
-        self._iterator = iterator
         return iterator
 
     def _iter_skipping(self, count: int, *, fresh_seed: bool) -> Any:

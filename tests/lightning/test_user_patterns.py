@@ -249,3 +249,50 @@ def test_the_trainer_pickles_during_a_fit_with_air_callback_and_a_failed_fit_lea
     left = {t.name for t in threading.enumerate()} - before
     assert not {name for name in left if name.startswith("air-")}, left
     assert latest_checkpoint(str(tmp_path / "failed")).endswith("step=2.ckpt"), "its saves committed"
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_train_loader_workers_start_and_stop_as_often_as_stock_with_air_callback(tmp_path, persistent_workers):
+    """AirCallback tracks the train loader as Lightning builds it: the fit loop's first iterator is the
+    tracked one, so each epoch's workers start once, in the epoch stock starts them, and are shut down
+    where stock shuts them down (Lightning's teardown reaches a persistent iterator through the proxy)."""
+    from lightning.pytorch.demos.boring_classes import RandomDataset
+    from torch.utils.data import DataLoader
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    class CountingIter(_MultiProcessingDataLoaderIter):
+        def __init__(self, loader, trainer):
+            loader.events.append(("start", trainer.current_epoch))
+            super().__init__(loader)
+            self._trainer = trainer
+
+        def _shutdown_workers(self):
+            if not self._shutdown:
+                self._loader_events.append(("stop", self._trainer.current_epoch))
+            super()._shutdown_workers()
+
+    def fit(plugin, callbacks) -> list[tuple[str, int]]:
+        trainer = _trainer(tmp_path, plugin, callbacks, max_steps=-1, max_epochs=3, limit_train_batches=2)
+
+        class Loader(DataLoader):
+            events: list[tuple[str, int]] = []
+
+            def _get_iterator(self):
+                it = CountingIter(self, trainer)
+                it._loader_events = self.events
+                return it
+
+        loader = Loader(RandomDataset(32, 64), num_workers=1, persistent_workers=persistent_workers)
+        loader.events = []
+        trainer.fit(BoringModel(), train_dataloaders=loader)
+        del trainer
+        return loader.events
+
+    stock = fit(TorchCheckpointIO(), [])
+    ours = fit(AirCheckpointIO(), [AirCallback(mlflow=False), ModelCheckpoint(dirpath=str(tmp_path / "c"))])
+    assert stock.count(("start", 0)) == 1
+
+    def by_kind(events):  # ours starts an epoch's workers after, not before, the last ones stopped
+        return {kind: [epoch for k, epoch in events if k == kind] for kind in ("start", "stop")}
+
+    assert by_kind(ours) == by_kind(stock)
