@@ -4,6 +4,7 @@ Accelerate has no checkpoint-IO extension point (its save-state hooks run before
 they cannot replace), so the plugin is an ``Accelerator`` subclass that overrides documented methods
 and translates them into ``air_core.session.TrainingSession`` calls: ``prepare_data_loader`` (track each
 loader's position per rank), ``prepare_optimizer`` (count steps; gate the step on the last snapshot),
+``backward`` (the end of the step's straggler section),
 ``save_state`` (the files Accelerate would write, committed in the background), ``load_state`` (the
 newest committed, verified checkpoint through Accelerate's own loader, then every rank's RNG and data
 position) and ``end_training``.
@@ -110,6 +111,7 @@ class AirAccelerator(Accelerator):
             gather=self._air_gather,
             listeners=air_plugin.listeners,
         )
+        self.air_session.preflight(air_plugin.root)
         self._air = self.air_session.open(air_plugin.root)
         self._air_folders = Folders(self.air_session, self._air, air_plugin)
         self._air_tracked: set[int] = set()
@@ -187,6 +189,13 @@ class AirAccelerator(Accelerator):
             self._air_step_hook = prepared.optimizer.register_step_post_hook(self._air_count_step)
         return prepared
 
+    @override
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """As Accelerate's; first the session ends this step's straggler section (batch -> backward)."""
+        if self.air_session is not None:
+            self.air_session.before_backward()
+        super().backward(loss, **kwargs)
+
     def _air_count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._air_started:  # the first step of this launch
             self._air_started = True
@@ -212,6 +221,8 @@ class AirAccelerator(Accelerator):
     def _air_record_fetch(self, seconds: float) -> None:
         if any(m.training for m in self._models) or not self._models:  # training batches only
             self.air_session.record_fetch(seconds)
+        else:  # an evaluation batch: progress for the hang watchdog, not a step
+            self.air_session.record_progress()
 
     # -- save --------------------------------------------------------------------------------
     @override
@@ -288,6 +299,7 @@ class AirAccelerator(Accelerator):
         """
         self._air_check_live("load_state")
         with contextlib.ExitStack() as stack:
+            stack.enter_context(self.air_session.watchdog_paused())  # a load mid-training is no hang
             ckpt, info, folder = self._air_folders.load_source(input_dir, stack)
             if ckpt is None:  # no commit names it: as stock Accelerate loads it
                 self._air_load_folder(folder, None, None, "", load_kwargs, load_model_func_kwargs)
@@ -444,7 +456,8 @@ class AirAccelerator(Accelerator):
     # -- shutdown ----------------------------------------------------------------------------
     def wait_for_checkpoints(self, timeout: float | None = None) -> None:
         """Block until every save so far is committed (raises the first failure)."""
-        self._air.flush(self.air_plugin.session.flush_timeout_seconds if timeout is None else timeout)
+        with self.air_session.watchdog_paused():
+            self._air.flush(self.air_plugin.session.flush_timeout_seconds if timeout is None else timeout)
 
     @override
     def end_training(self) -> None:

@@ -31,6 +31,23 @@ class AirPlugin:
         elastic: resume a checkpoint written by another number of processes: the rest of the interrupted
             epoch is split over this run's processes, every sample once, but the run is no longer bitwise
             equal to an uninterrupted one (and the global batch changes). Off: such a resume is refused.
+        straggler_threshold: at each window, name the processes whose step section (batch fetched to
+            ``backward``) scores under this against the fastest process or their own best (log, goodput
+            log, MLflow ``straggler_*``). 0 or None: off.
+        stop_on_straggler: when a straggler is named, commit the saves in flight and raise
+            ``air_core.StragglerError`` on every process, out of ``optimizer.step()`` (the session is
+            closed first, as ``end_training`` would).
+        preflight: check every process's node when ``AirAccelerator`` is built, before any step
+            (storage canary, staging disk, host memory, GPUs, links and clocks between processes;
+            ``air preflight`` runs the same). True: every check; False: none; or a list of check names.
+            A bad node stops every process with ``HealthCheckError`` naming its host and check.
+        hang_watchdog: stop a process that makes no training progress for ``hang_timeout_seconds``:
+            every thread's stack goes to the log and beside the checkpoints, then it exits with
+            ``air_core.health.HANG_EXIT_CODE`` (87) for ``torchrun --max-restarts`` to restart the job
+            from its newest commit. None: on when started by torchrun (``accelerate launch`` included).
+        hang_timeout_seconds: seconds without an optimizer step (or an evaluation batch) that make a
+            hang; saves, loads and flushes never count. None: 10 times the 99th percentile step time,
+            at least ``hang_floor_seconds`` (300: also the limit before the first step is seen).
 
     Raises:
         ConfigError: a setting is invalid (named, with the fix), before any process group exists.
@@ -55,6 +72,12 @@ class AirPlugin:
         mlflow: bool | None = None,
         mlflow_experiment: str = "air-plugins",
         elastic: bool = False,
+        straggler_threshold: float | None = 0.75,
+        stop_on_straggler: bool = False,
+        preflight: bool | list[str] = True,
+        hang_watchdog: bool | None = None,
+        hang_timeout_seconds: float | None = None,
+        hang_floor_seconds: float = 300.0,
     ) -> None:
         self.checkpointer: dict[str, Any] = dict(
             staging_dir=staging_dir,
@@ -77,6 +100,12 @@ class AirPlugin:
             mlflow=mlflow,
             mlflow_experiment=mlflow_experiment,
             elastic=elastic,
+            straggler_threshold=straggler_threshold,
+            stop_on_straggler=stop_on_straggler,
+            preflight=preflight,
+            hang_watchdog=hang_watchdog,
+            hang_timeout_seconds=hang_timeout_seconds,
+            hang_floor_seconds=hang_floor_seconds,
             owner="AirPlugin",
         )
         """The training session's settings (validated now)."""

@@ -8,7 +8,15 @@ that use the core directly); ``air_core.data`` the resumable sampler and the rem
 
 from .checkpointer import AsyncCheckpointer, LocalCheckpoint, SaveHandle
 from .config import CheckpointerConfig
-from .errors import AirError, ConfigError, CorruptCheckpointError, SaveError, StorageError
+from .errors import (
+    AirError,
+    ConfigError,
+    CorruptCheckpointError,
+    HealthCheckError,
+    SaveError,
+    StorageError,
+    StragglerError,
+)
 from .events import Event, Listener, PhaseEvent, RestoreRecord, SaveRecord
 from .manifest import CheckpointInfo, FileEntry, Manifest
 
@@ -19,6 +27,7 @@ __all__ = [
     "CheckpointerConfig",
     "ConfigError",
     "CorruptCheckpointError",
+    "HealthCheckError",
     "Event",
     "FileEntry",
     "Listener",
@@ -30,4 +39,5 @@ __all__ = [
     "SaveHandle",
     "SaveRecord",
     "StorageError",
+    "StragglerError",
 ]

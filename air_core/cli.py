@@ -2,11 +2,16 @@
 
     air ls ROOT                      every checkpoint: step, time, size, status (committed/partial/corrupt)
     air verify ROOT [NAME ...]       re-read committed checkpoints and check sizes and CRC-32 checksums
-    air report ROOT [--plot F.png]   checkpoint latencies, fetch_seconds and goodput of every launch
+    air report ROOT [--plot F.png]   checkpoint latencies, fetch_seconds, stragglers and goodput of
+                                     every launch
+    air preflight [ROOT] [--json F]  check this node (storage, staging disk, memory, GPUs; under
+                                     torchrun also links and clocks between ranks) before a job
 
 ROOT is any fsspec URL or path; ``--storage-options '{"client_kwargs": {...}}'`` passes options to
 fsspec (credentials are better left to the environment). Exit status: 0 fine, 1 a checkpoint failed
-verification, 2 bad usage or an unreachable root.
+verification, 2 bad usage or an unreachable root. ``air preflight``: 0 ok, 1 warn, 2 bad node (do not
+reschedule the job here), 64 bad usage; ``torchrun --nproc-per-node N -m air_core.cli preflight ROOT``
+checks the links and clocks between ranks too.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from .catalog import scan
-from .errors import AirError, CorruptCheckpointError
+from .errors import AirError, ConfigError, CorruptCheckpointError
+from .layout import hang_stacks_path
 from .manifest import CheckpointInfo
 from .recovery import fetch
 from .session.goodput import analyze, read_events
@@ -114,12 +120,42 @@ def cmd_report(storage: Storage, args: argparse.Namespace) -> int:
           f"max {f['max']:.2f} ms; data-wait fraction {fetch['sum'] / step_sum:.3f}")  # fmt: skip
     for r in restores:
         print(f"restore: step {r['s']} from {r['source']} in {r['seconds']:.2f} s")
+    for i, events in enumerate(launches, 1):
+        for e in (e for e in events if e["e"] == "preflight"):
+            print(f"pre-flight (launch {i}): {e['status']} in {e['seconds']:.2f} s")
+            for problem in e["problems"]:
+                print(f"  {problem['status'].upper()} {problem['check']} on {problem['host']} rank "
+                      f"{problem['rank']}: {problem['message']}")  # fmt: skip
+    for line in _straggler_lines([e for events in launches for e in events if e["e"] == "straggler"]):
+        print(line)
+    for i, events in enumerate(launches, 1):
+        for e in (e for e in events if e["e"] == "hang"):
+            print(f"hang (launch {i}): rank {e['rank']} on {e['host']} after step {e['s']}, no progress for "
+                  f"{e['since']:.1f} s (limit {e['limit']:.1f} s); stacks in "
+                  f"{hang_stacks_path(e['launch'], e['rank'])}")  # fmt: skip
     result = analyze(launches)
     print(result.report())
     if args.plot:
         _plot(args.plot, launches, result)
         print(f"plot: {args.plot}")
     return 0
+
+
+def _straggler_lines(events: list[dict[str, Any]]) -> list[str]:
+    """One line per rank a metrics window named a straggler: windows, lowest scores, steps."""
+    by_rank: dict[tuple[int, str], list[tuple[int, float, float]]] = {}
+    for e in events:
+        for rank, host, rel, ind in zip(e["ranks"], e["hosts"], e["relative"], e["individual"], strict=True):
+            by_rank.setdefault((rank, host), []).append((e["s"], rel, ind))
+    lines = []
+    for (rank, host), seen in sorted(by_rank.items()):
+        steps = [s for s, _, _ in seen]
+        rel, ind = min(r for _, r, _ in seen), min(i for _, _, i in seen)
+        lines.append(
+            f"straggler: rank {rank} ({host}) in {len(seen)} window(s), steps {min(steps)}-{max(steps)}; "
+            f"lowest relative score {rel:.2f}, individual {ind:.2f}"
+        )
+    return lines
 
 
 def _plot(path: str, launches: list[list[dict[str, Any]]], result: Any) -> None:
@@ -148,12 +184,71 @@ def _plot(path: str, launches: list[list[dict[str, Any]]], result: Any) -> None:
         "data waits": result.data_waits,
         "start-up/restore": result.startup_and_restore,
         "recomputed": result.recomputed,
+        "lost to hangs": result.hangs,
         "other": result.other,
     }
     ax3.barh(list(parts), list(parts.values()))
     ax3.set(title=f"goodput {result.goodput:.1%} of {result.wall:.1f} s", xlabel="s")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+USAGE = 64
+"""``air preflight``'s exit status for bad usage (``EX_USAGE``): its 2 means a bad node."""
+
+
+def _usage_error(parser: argparse.ArgumentParser) -> Any:
+    def error(message: str) -> NoReturn:
+        parser.print_usage(sys.stderr)
+        parser.exit(USAGE, f"{parser.prog}: error: {message}\n")
+
+    return error
+
+
+def cmd_preflight(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
+    """Every check on this node; under ``torchrun`` (``WORLD_SIZE`` > 1) on every rank, with the checks
+    between them. Rank 0 prints one line per check and writes ``--json``."""
+    import os
+
+    from .health.preflight import parse_checks, run_preflight
+
+    try:
+        selected = args.checks.split(",") if args.checks else True
+        checks = parse_checks(selected, setting="air preflight --checks")
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return USAGE
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world_size > 1:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        report = run_preflight(
+            checks,
+            root=args.root,
+            storage_options=storage_options,
+            staging_dir=args.staging_dir,
+            host_budget_bytes=args.host_budget_bytes,
+            expected_bytes=args.expected_bytes,
+            rank=rank,
+            world_size=world_size,
+            storage_timeout_seconds=args.timeout,
+        )
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
+    if rank == 0:
+        print("\n".join(report.lines()))
+        print(f"preflight: {report.status} ({report.seconds:.2f} s, {world_size} rank(s))")
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(report.as_dict(), f, indent=1)
+    return report.exit_code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -170,9 +265,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = sub.add_parser("report", help="latency, fetch and goodput summary")
     report.add_argument("root")
     report.add_argument("--plot", default=None, help="also draw it to this PNG file")
+    pre = sub.add_parser("preflight", help="check this node before a job (exit 0 ok, 1 warn, 2 bad node)")
+    pre.add_argument("root", nargs="?", default=None, help="checkpoint root to put a canary object under")
+    pre.add_argument("--staging-dir", default=None, help="local staging folder (default: the temp folder)")
+    pre.add_argument("--expected-bytes", type=int, default=None, help="one rank's checkpoint size, bytes")
+    pre.add_argument("--host-budget-bytes", type=int, default=None, help="the job's host_budget_bytes")
+    pre.add_argument("--checks", default="", help="comma-separated subset (default: all)")
+    pre.add_argument("--timeout", type=float, default=30.0, help="storage check timeout, seconds")
+    pre.add_argument("--json", default=None, help="write the report as JSON to this file (rank 0)")
+    pre.error = _usage_error(pre)  # type: ignore[method-assign]  # 2 means "bad node" here
     args = p.parse_args(argv)
     try:
         options = json.loads(args.storage_options)
+        if args.command == "preflight":
+            return cmd_preflight(args, options)
         storage = Storage(args.root, storage_options=options, retries=3, retry_backoff_seconds=0.2)
         command = {"ls": cmd_ls, "verify": cmd_verify, "report": cmd_report}[args.command]
         return command(storage, args)

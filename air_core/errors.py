@@ -50,6 +50,28 @@ class CorruptCheckpointError(AirError):
         return (_rebuild, (type(self), str(self), self.__dict__))
 
 
+class HealthCheckError(AirError):
+    """A pre-flight check found a node that must not train (``air_core.health``); ``report`` holds every
+    rank's results, so each rank raises the same error before the first step."""
+
+    def __init__(self, message: str, *, report: object) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class StragglerError(AirError):
+    """A rank was named a straggler with ``stop_on_straggler=True`` (``air_core.health.stragglers``):
+    raised on every rank at the same window end, after the in-flight checkpoints were committed."""
+
+    def __init__(self, message: str, *, step: int, ranks: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.ranks = ranks
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), str(self), self.__dict__))
+
+
 def _rebuild(cls: type[AirError], message: str, attrs: dict[str, object]) -> AirError:
     error = cls.__new__(cls)
     AirError.__init__(error, message)

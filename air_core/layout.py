@@ -64,6 +64,22 @@ def probe_path(token: str) -> str:
     return f"{META_DIR}/{PROBE_PREFIX}{token}"
 
 
+def hang_stacks_path(launch_id: str, rank: int) -> str:
+    """Every thread's stack of rank ``rank`` when the hang watchdog stopped it (``air_core.health``)."""
+    return f"{EVENTS_DIR}/hang-{launch_id}-rank{rank:05d}.txt"
+
+
+def hang_record_path(launch_id: str, rank: int) -> str:
+    """The JSON record of that hang (rank, host, step, seconds without progress), read by ``air report``."""
+    return f"{EVENTS_DIR}/hang-{launch_id}-rank{rank:05d}.json"
+
+
+def is_hang_record(rel: str) -> bool:
+    """Whether ``rel`` is a ``hang_record_path``."""
+    head, _, tail = rel.rpartition("/")
+    return head == EVENTS_DIR and tail.startswith("hang-") and tail.endswith(".json")
+
+
 def checkpoint_of(rel: str) -> str | None:
     """The checkpoint whose record folder holds ``rel`` (None for anything else, the lease included)."""
     parts = rel.split("/")

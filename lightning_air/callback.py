@@ -3,8 +3,9 @@
 Lightning keeps only rank 0's callback state and restarts a plain ``DataLoader`` at the top of the
 epoch. The session instead tracks every train loader of every rank (however it reached the Trainer:
 ``train_dataloader()``, ``fit(model, loader)`` or a DataModule: the loaders are tracked as the last
-step of Lightning's building them, the strategy's ``process_dataloader``), puts each rank's RNG and loader positions into the
-same commit (rank 0's inside the ``.ckpt``, the others as their own parts) and resumes them exactly.
+step of Lightning's building them, the strategy's ``process_dataloader``), puts each rank's RNG and
+loader positions into the same commit (rank 0's inside the ``.ckpt``, the others as their own parts)
+and resumes them exactly.
 """
 
 from __future__ import annotations
@@ -47,6 +48,22 @@ class AirCallback(Callback):
         elastic: resume a checkpoint written by another number of processes: the rest of the interrupted
             epoch is split over this run's ranks, every sample once, but the run is no longer bitwise equal
             to an uninterrupted one (and the global batch changes with the world size). Off: refused.
+        straggler_threshold: at each window, name the ranks whose step section (batch fetched to backward)
+            scores under this against the fastest rank or their own best (log, goodput log, MLflow
+            ``straggler_*``). 0 or None: off.
+        stop_on_straggler: when a straggler is named, commit the saves in flight and raise
+            ``air_core.StragglerError`` on every rank (the fit ends as on any exception).
+        preflight: check every rank's node before the fit's first step (storage canary, staging disk,
+            host memory, GPUs, links and clocks between ranks; ``air preflight`` runs the same). True:
+            every check; False: none; or a list of check names. A bad node stops every rank with
+            ``HealthCheckError`` naming its host and check.
+        hang_watchdog: stop a rank that makes no training progress for ``hang_timeout_seconds``: every
+            thread's stack goes to the log and beside the checkpoints, then it exits with
+            ``air_core.health.HANG_EXIT_CODE`` (87) for ``torchrun --max-restarts`` to restart the job
+            from its newest commit. None: on when started by torchrun.
+        hang_timeout_seconds: seconds without a training batch ending (or a validation batch) that make
+            a hang; saves, loads and flushes never count. None: 10 times the 99th percentile step time,
+            at least ``hang_floor_seconds`` (300: also the limit before the first step is seen).
     """
 
     def __init__(
@@ -56,6 +73,12 @@ class AirCallback(Callback):
         mlflow: bool | None = None,
         mlflow_experiment: str = "air-plugins",
         elastic: bool = False,
+        straggler_threshold: float | None = 0.75,
+        stop_on_straggler: bool = False,
+        preflight: bool | list[str] = True,
+        hang_watchdog: bool | None = None,
+        hang_timeout_seconds: float | None = None,
+        hang_floor_seconds: float = 300.0,
     ) -> None:
         self.config = SessionConfig(
             log_every_n_steps=log_every_n_steps,
@@ -63,6 +86,12 @@ class AirCallback(Callback):
             mlflow=mlflow,
             mlflow_experiment=mlflow_experiment,
             elastic=elastic,
+            straggler_threshold=straggler_threshold,
+            stop_on_straggler=stop_on_straggler,
+            preflight=preflight,
+            hang_watchdog=hang_watchdog,
+            hang_timeout_seconds=hang_timeout_seconds,
+            hang_floor_seconds=hang_floor_seconds,
             owner="AirCallback",
         )
         self.session: TrainingSession | None = None
@@ -108,12 +137,16 @@ class AirCallback(Callback):
             broadcast=lambda value: strategy.broadcast(value, src=0),
             gather=gather,
         )
+        root = getattr(trainer.checkpoint_callback, "dirpath", None)
+        self.session.preflight(
+            str(root) if root else None,
+            parameter_bytes=sum(p.numel() * p.element_size() for p in pl_module.parameters()),
+        )
         plugin.attach(pl_module)
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
                 callback.file_exists = _WaitForSaves(callback, plugin)  # type: ignore[method-assign]
         strategy.process_dataloader = _TrackTrainLoaders(trainer, self)  # type: ignore[method-assign]
-        root = getattr(trainer.checkpoint_callback, "dirpath", None)
         if root:
             self.session.open(str(root))
 
@@ -131,6 +164,13 @@ class AirCallback(Callback):
         self.session.start(mlflow_run_id=run_id, run_is_ours=mlf is None)
 
     @override
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        if self.session is not None:
+            self.session.before_backward()  # the straggler section (batch -> backward) ends
+
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
@@ -143,6 +183,19 @@ class AirCallback(Callback):
     ) -> None:
         if self.session is not None:
             self.session.record_step(trainer.global_step)
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.session is not None:
+            self.session.record_progress()  # validation inside fit is progress for the hang watchdog
 
     @override
     def on_save_checkpoint(

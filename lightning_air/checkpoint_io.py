@@ -235,7 +235,8 @@ class AirCheckpointIO(CheckpointIO):
         if ckpt is None or ckpt.closed or not _same_root(ckpt.config.root, root):
             return
         if {n for n, _ in self._owners.get(ckpt.config.root, {}).get(filename, ())} & set(ckpt.in_flight()):
-            ckpt.wait_in_flight()
+            with self.session.watchdog_paused():  # waiting for a commit is no hang
+                ckpt.wait_in_flight()
 
     def is_sharded(self, path: str) -> bool:
         """Whether ``path`` is a sharded checkpoint folder this plugin committed."""

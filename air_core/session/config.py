@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from ..errors import ConfigError
+from ..health.preflight import parse_checks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,8 +28,32 @@ class SessionConfig:
     """Resume a checkpoint written by another number of ranks: the rest of the interrupted epoch is split
     over this run's ranks, each sample once, but not bitwise equal to an uninterrupted run. Off by
     default: the exact resume is the guarantee, and a changed world size also changes the global batch."""
+    straggler_threshold: float | None = 0.75
+    """Name a rank whose step section (batch fetched -> backward starts) scores under this at a window:
+    its median against the fastest rank's, or against its own best (``air_core.health.stragglers``).
+    0 or None: off."""
+    stop_on_straggler: bool = False
+    """When a straggler is named, commit the saves in flight and raise ``StragglerError`` on every rank."""
+    preflight: bool | Sequence[str] = True
+    """Check the node before the first step (``air_core.health.preflight``): True every check, False
+    none, or a list of check names. Held as the tuple of selected checks after validation."""
+    hang_watchdog: bool | None = None
+    """Stop a rank that makes no training progress for too long: dump every thread's stack to the log and
+    beside the checkpoints, then exit with ``HANG_EXIT_CODE`` (87) for the launcher to restart the job
+    (``air_core.health.watchdog``). None: on when started by torchrun (``TORCHELASTIC_RUN_ID`` is set),
+    which can restart it; off in a notebook or a debugger."""
+    hang_timeout_seconds: float | None = None
+    """Seconds without progress that make a hang; checkpoint saves, restores and flushes never count.
+    None: 10 times the 99th percentile step time, at least ``hang_floor_seconds``."""
+    hang_floor_seconds: float = 300.0
+    """The shortest derived hang timeout, and the one before the first step of a launch, in seconds."""
     owner: str = field(default="TrainingSession", compare=False)
     """The class the user configured (named in errors and log lines)."""
+
+    @property
+    def preflight_checks(self) -> tuple[str, ...]:
+        """The checks ``preflight`` selects, in the order they run."""
+        return cast(tuple[str, ...], self.preflight)
 
     def __post_init__(self) -> None:
         def bad(arg: str, value: object, why: str) -> ConfigError:
@@ -41,8 +69,41 @@ class SessionConfig:
             raise bad("mlflow", self.mlflow, "must be True, False or None (None: when MLflow is installed).")
         if not isinstance(self.elastic, bool):
             raise bad("elastic", self.elastic, "must be True or False.")
+        s = self.straggler_threshold
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < 1):
+            why = "must be a score in [0, 1) (0.75: a third slower), or 0 or None: off."
+            raise bad("straggler_threshold", s, why)
+        if not isinstance(self.stop_on_straggler, bool):
+            raise bad("stop_on_straggler", self.stop_on_straggler, "must be True or False.")
+        if self.stop_on_straggler and not s:
+            raise bad(
+                "stop_on_straggler",
+                True,
+                f"needs straggler detection, which straggler_threshold={s!r} turns off; pass a threshold "
+                "such as straggler_threshold=0.75.",
+            )
         if not isinstance(self.mlflow_experiment, str) or not self.mlflow_experiment:
             raise bad("mlflow_experiment", self.mlflow_experiment, "must be a non-empty experiment name.")
         object.__setattr__(self, "flush_timeout_seconds", float(t))
+        checks = parse_checks(self.preflight, setting=f"{self.owner}(preflight={self.preflight!r})")
+        object.__setattr__(self, "preflight", checks)
+        object.__setattr__(self, "straggler_threshold", float(s) if s else None)
         if self.mlflow is None:
             object.__setattr__(self, "mlflow", importlib.util.find_spec("mlflow") is not None)
+        self._check_hang_settings(bad)
+
+    def _check_hang_settings(self, bad: Callable[[str, object, str], ConfigError]) -> None:
+        if self.hang_watchdog is not None and not isinstance(self.hang_watchdog, bool):
+            why = "must be True, False or None (None: on when started by torchrun)."
+            raise bad("hang_watchdog", self.hang_watchdog, why)
+        h = self.hang_timeout_seconds
+        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float)) or not h > 0):
+            why = "must be a number of seconds > 0, or None: derived from the step times."
+            raise bad("hang_timeout_seconds", h, why)
+        f = self.hang_floor_seconds
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0:
+            raise bad("hang_floor_seconds", f, "must be a number of seconds > 0.")
+        object.__setattr__(self, "hang_timeout_seconds", None if h is None else float(h))
+        object.__setattr__(self, "hang_floor_seconds", float(f))
+        if self.hang_watchdog is None:
+            object.__setattr__(self, "hang_watchdog", "TORCHELASTIC_RUN_ID" in os.environ)

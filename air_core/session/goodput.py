@@ -6,16 +6,19 @@ per training step (end time, duration, data wait), one ``save`` event per checkp
 committed or not) and an ``end`` event. Object stores cannot append, so the log is written as numbered
 segments, each a new file with the events since the previous one: a background thread uploads one
 every ``flush_every_seconds``, after each commit and at ``close``. A crash loses the events since the
-last segment; the time they covered then counts as "other".
+last segment; the time they covered then counts as "other". A rank the hang watchdog stops (any rank)
+leaves a ``hang`` record beside the logs (``air_core.health.watchdog``), read into its launch's events.
 
 ``analyze`` reads every launch's events and splits the wall time from the first start to the last
 event into productive step time and what was lost: checkpoint stalls, data waits, start-up and restore,
-recomputed work (steps a launch ran after the checkpoint the next launch resumed from) and the rest
-(time between launches, evaluation, teardown). goodput = productive / wall.
+recomputed work (steps a launch ran after the checkpoint the next launch resumed from), hangs (from a
+stopped rank's last progress to its exit) and the rest (time between launches, evaluation, teardown).
+goodput = productive / wall.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -25,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..events import RestoreRecord, SaveRecord
-from ..layout import EVENTS_DIR
+from ..layout import EVENTS_DIR, is_hang_record
 from ..storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -87,6 +90,32 @@ class GoodputLog:
         event = {"e": "restore", "s": record.step, "t": time.time(), "seconds": record.seconds}
         self._append(event | {"source": record.source})
 
+    def preflight(self, seconds: float, status: str, problems: list[dict[str, Any]]) -> None:
+        """The pre-flight checks of every rank: their time (start-up), worst status and what was not ok."""
+        event = {"e": "preflight", "t": time.time(), "seconds": seconds, "status": status}
+        self._append(event | {"problems": problems})
+
+    def straggler(
+        self,
+        step: int,
+        *,
+        ranks: list[int],
+        hosts: list[str],
+        relative: list[float | None],
+        individual: list[float | None],
+    ) -> None:
+        """A metrics window ending at ``step`` named these ranks stragglers, with their scores."""
+        event = {"e": "straggler", "s": step, "t": time.time(), "ranks": ranks, "hosts": hosts}
+        self._append(event | {"relative": relative, "individual": individual})
+
+    def hang(self, event: dict[str, Any], timeout_seconds: float = 30.0) -> None:
+        """This rank hung (``air_core.health.watchdog``, which then ends the process): write the log up to
+        the ``hang`` event now (bounded); the log takes nothing after it."""
+        self._append(event)
+        self._closing.set()
+        self._wake.set()
+        self._thread.join(timeout_seconds)
+
     def close(self, timeout_seconds: float = 30.0) -> None:
         """Write the ``end`` event and the last segment (bounded)."""
         self._append({"e": "end", "t": time.time()})
@@ -124,14 +153,34 @@ class GoodputLog:
 
 def read_events(storage: Storage) -> list[list[dict[str, Any]]]:
     """Every launch's events, launches in start order, each launch's events in order."""
-    files = sorted(p for p in storage.sizes(EVENTS_DIR) if p.endswith(".jsonl"))
+    sizes = storage.sizes(EVENTS_DIR)
+    files = sorted(p for p in sizes if p.endswith(".jsonl"))
     launches: dict[str, list[dict[str, Any]]] = {}
     for path in files:
         folder = path.rsplit("/", 1)[0]
         for line in storage.read_bytes(path).decode().splitlines():
             if line.strip():
                 launches.setdefault(folder, []).append(json.loads(line))
-    return [launches[k] for k in sorted(launches)]
+    ordered = [launches[k] for k in sorted(launches)]
+    _add_hangs(ordered, [json.loads(storage.read_bytes(p)) for p in sorted(sizes) if is_hang_record(p)])
+    return ordered
+
+
+def _add_hangs(launches: list[list[dict[str, Any]]], hangs: list[dict[str, Any]]) -> None:
+    """Put each rank's hang record (``air_core.health.watchdog``) into its launch's events: any rank
+    writes one, and rank 0's log may not have been written up to the hang. A launch whose log has no
+    segment at all still counts, from its hang record."""
+    by_launch = {e.get("launch"): events for events in launches for e in events if e["e"] == "start"}
+    for hang in hangs:
+        events = by_launch.get(hang["launch"])
+        if events is None:  # started before the hang (since is at most the time since the start)
+            events = by_launch[hang["launch"]] = [
+                {"e": "start", "t": hang["t"] - hang["since"], "launch": hang["launch"]}
+            ]
+            starts = [next(e["t"] for e in other if e["e"] == "start") for other in launches]
+            launches.insert(bisect.bisect(starts, events[0]["t"]), events)
+        if not any(e["e"] == "hang" and e.get("rank") == hang["rank"] for e in events):
+            events.append(hang)
 
 
 @dataclass(frozen=True)
@@ -148,6 +197,10 @@ class Goodput:
     launches: int
     steps: int
     recomputed_steps: int
+    hangs: float = 0.0
+    """Lost to hangs: from the last progress of a rank the watchdog stopped to its exit."""
+    hang_count: int = 0
+    """Launches that ended in a hang."""
 
     @property
     def goodput(self) -> float:
@@ -158,6 +211,7 @@ class Goodput:
         counts = {
             "goodput_launches": float(self.launches),
             "goodput_recomputed_steps": float(self.recomputed_steps),
+            "goodput_hang_count": float(self.hang_count),
         }
         return {"goodput": self.goodput, **body, **counts}
 
@@ -168,6 +222,7 @@ class Goodput:
             ("data waits", self.data_waits),
             ("start-up and restore", self.startup_and_restore),
             (f"recomputed work ({self.recomputed_steps} steps)", self.recomputed),
+            (f"lost to hangs ({self.hang_count})", self.hangs),
             ("other (between launches, eval, teardown)", self.other),
         ]
         head = f"goodput {self.goodput:.1%} over {self.wall:.1f} s wall"
@@ -183,8 +238,8 @@ def analyze(launches: list[list[dict[str, Any]]]) -> Goodput:
     """Split the wall time of these launches (from ``read_events``) into productive and lost time."""
     if not launches:
         return Goodput(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
-    productive = stalls = waits = startup = recomputed = 0.0
-    steps_total = recomputed_steps = 0
+    productive = stalls = waits = startup = recomputed = hangs = 0.0
+    steps_total = recomputed_steps = hang_count = 0
     first_start = min(e["t"] for e in launches[0] if e["e"] == "start")
     last_seen = max(e["t"] for events in launches for e in events)
     for i, events in enumerate(launches):
@@ -200,6 +255,11 @@ def analyze(launches: list[list[dict[str, Any]]]) -> Goodput:
         blocking = {e["s"]: e["blocking"] for e in events if e["e"] == "save"}
         if steps:
             startup += max(steps[0]["t"] - steps[0]["d"] - start, 0.0)
+        # A hang: from the stopped rank's last progress to its exit (ranks that fired together, once).
+        stopped = [e["since"] for e in events if e["e"] == "hang"]
+        if stopped:
+            hangs += max(stopped)
+            hang_count += 1
         for e in steps:
             steps_total += 1
             if e["s"] in redone:
@@ -212,7 +272,7 @@ def analyze(launches: list[list[dict[str, Any]]]) -> Goodput:
             waits += e["f"]
             stalls += stall
     wall = last_seen - first_start
-    other = max(wall - productive - stalls - waits - startup - recomputed, 0.0)
+    other = max(wall - productive - stalls - waits - startup - recomputed - hangs, 0.0)
     return Goodput(
         wall,
         productive,
@@ -224,6 +284,8 @@ def analyze(launches: list[list[dict[str, Any]]]) -> Goodput:
         len(launches),
         steps_total,
         recomputed_steps,
+        hangs,
+        hang_count,
     )
 
 

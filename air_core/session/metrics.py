@@ -6,7 +6,8 @@ Every ``log_every_n_steps`` steps it closes a window: the adapter's ``gather`` (
 training thread, the same step on every rank) brings every rank's per-step fetch times to rank 0,
 which publishes per-step ``fetch_seconds`` (the slowest rank's), the window's p50/p95/max/sum, the
 data-wait fraction of the slowest rank and which rank that is, cumulative totals, and the sums over
-ranks of any ``counters`` (a data cache's hits, misses, wait and bytes, and its hit rate). Checkpoint and
+ranks of any ``counters`` (a data cache's hits, misses, wait and bytes, and its hit rate); window ``parts``
+(the straggler scores, ``air_core.health.stragglers``) add their figures to the same gather. Checkpoint and
 restore records are published as they arrive. ``publish`` is an ``MlflowSink.log``-like callable;
 ``goodput`` (rank 0) receives every step, save and restore for the goodput event log.
 """
@@ -17,13 +18,27 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..events import RestoreRecord, SaveRecord
 
 logger = logging.getLogger(__name__)
 Publish = Callable[[dict[str, float], int], None]
 Gather = Callable[[list[float]], list[list[float]]]
+Tag = Callable[[str, str], None]
+
+
+class WindowPart(Protocol):
+    """Per-rank figures that ride along with each window's gather (the straggler detector's).
+
+    At a window end every rank, on its training thread, calls ``values`` (the same length on every
+    rank), gathers, then ``reduce`` with every rank's values (``ranks[r]``); not at the last window of
+    a launch, which is not gathered.
+    """
+
+    def values(self) -> list[float]: ...
+
+    def reduce(self, ranks: list[list[float]], step: int, recorder: Recorder) -> None: ...
 
 
 def summarize(values: list[float]) -> dict[str, float]:
@@ -60,6 +75,10 @@ class Recorder:
         self.counters: list[Callable[[], dict[str, float]]] = []
         """Sources of cumulative counts (a ``FileCache.stats``), summed over ranks at each window; every
         rank must add the same ones."""
+        self.parts: list[WindowPart] = []
+        """Figures gathered with each window and reduced on every rank; every rank adds the same ones."""
+        self.tag: Tag | None = None
+        """Sets an MLflow tag (rank 0, once attached)."""
         self._pending_fetch = 0.0
         self._last_end: float | None = None
         self._window_fetch: list[float] = []
@@ -67,9 +86,9 @@ class Recorder:
         self._totals = {"fetch_seconds_total": 0.0, "step_seconds_total": 0.0}
         self._ckpt_totals = {"checkpoint_blocking_seconds_total": 0.0, "checkpoints_committed_total": 0.0}
 
-    def attach(self, publish: Publish) -> None:
+    def attach(self, publish: Publish, tag: Tag | None = None) -> None:
         """Start publishing (rank 0); a restore recorded before (at resume) is published now."""
-        self.publish = publish
+        self.publish, self.tag = publish, tag
         for r in self.restores:
             self._publish_restore(r)
 
@@ -105,7 +124,14 @@ class Recorder:
         counts = {k: v for source in self.counters for k, v in source().items()}
         keys = sorted(counts)
         mine = [*fetch, sum(fetch) / max(sum(steps), 1e-12), *(counts[k] for k in keys)]
-        ranks = self.gather(mine) if self.gather is not None and reduce else [mine]
+        parts = self.parts if reduce else []  # the last window is not gathered: no part's figures
+        extra = [part.values() for part in parts]
+        everyone = [*mine, *(v for values in extra for v in values)]
+        ranks = self.gather(everyone) if self.gather is not None and reduce else [everyone]
+        at = len(mine)
+        for part, values in zip(parts, extra, strict=True):
+            part.reduce([r[at : at + len(values)] for r in ranks], step, self)
+            at += len(values)
         if self.rank != 0:
             return
         n = len(fetch)

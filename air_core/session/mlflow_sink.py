@@ -4,7 +4,8 @@
 run (the one given, the caller's active run, or a new one), then sends what accumulated every
 ``flush_every_seconds`` as ``log_batch`` calls of at most 1000 metrics. If the tracking server is
 down or slow, the thread retries a batch a few times, then drops it with one warning; when the queue
-is full the newest metrics are dropped, also with one warning. Nothing raises into the loop.
+is full the newest metrics are dropped, also with one warning. ``tag()`` keeps the latest value of
+each tag (a few: one per straggling host) for the next send. Nothing raises into the loop.
 ``close()`` sends what is left within a bound and abandons the thread after it.
 
 MLflow is imported lazily, on the sender thread. Without ``MLFLOW_TRACKING_URI`` the default is a
@@ -78,6 +79,9 @@ class MlflowSink:
         self._end_run = end_run
         self._status = "FINISHED"
         self._queue: queue.Queue[tuple[str, float, int, int]] = queue.Queue(maxsize=max_queued)
+        self._tags: dict[str, str] = {}
+        """Tags not sent yet (the latest value of each key; a few, e.g. one per straggling host)."""
+        self._tags_lock = threading.Lock()
         self._closing = threading.Event()
         self._ready = threading.Event()
         self._warned: set[str] = set()
@@ -101,6 +105,14 @@ class MlflowSink:
                 self.dropped += 1
                 self._warn_once("full", "MLflow is not keeping up: dropping new metrics until it does")
 
+    def tag(self, key: str, value: str) -> None:
+        """Set the run's tag ``key`` to ``value`` with the next batch; never blocks, never raises."""
+        with self._tags_lock:
+            if key in self._tags or len(self._tags) < _BATCH:
+                self._tags[key] = value
+            else:
+                self._warn_once("tags", "MLflow is not keeping up: dropping new tags until it does")
+
     def close(self, timeout_seconds: float = 10.0, *, status: str = "FINISHED") -> None:
         """Send what is queued and, with ``end_run``, end the run with ``status`` (``FINISHED``,
         ``FAILED``, ``KILLED``), within ``timeout_seconds``; then give up on the thread (a daemon)."""
@@ -120,6 +132,10 @@ class MlflowSink:
         while True:
             closing = self._closing.wait(self._every)
             batch = self._drain()
+            with self._tags_lock:
+                tags, self._tags = self._tags, {}
+            if tags and client is not None:
+                self._send_tags(client, tags)
             while batch:
                 chunk, batch = batch[:_BATCH], batch[_BATCH:]
                 if client is None or not self._send(client, chunk):
@@ -185,6 +201,15 @@ class MlflowSink:
             return True
 
         return bool(self._retrying(send, "MLflow did not accept metrics"))
+
+    def _send_tags(self, client: Any, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        run_tags = [RunTag(key, value) for key, value in tags.items()]
+        self._retrying(
+            lambda: client.log_batch(self._run_id, tags=run_tags, synchronous=True),
+            "MLflow did not accept tags",
+        )
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -2,26 +2,33 @@
 
 Framework-free. An adapter creates one per rank when training starts and translates the framework's
 events into its calls: ``open`` (the checkpoint root), ``track`` (each train loader), ``start`` (the
-first step is next), ``record_fetch``/``record_step``, ``before_optimizer_step`` (the snapshot gate),
+first step is next), ``record_fetch``/``before_backward``/``record_step`` (timings, straggler
+sections), ``before_optimizer_step`` (the snapshot gate),
 ``save``/``rank_state``/``restore_rank_state`` and ``close``. The session owns the checkpointer, the
 ``Recorder``, rank 0's goodput log and MLflow sink (it ends the run it started), the SIGTERM flush, the
-launch id, and the world-size and model checks. It never starts a collective itself: ``broadcast`` and
-``gather`` come from the adapter and run on the training thread.
+launch id, the hang watchdog (armed at ``start``, fed by ``record_step``, paused in saves, flushes and
+``watchdog_paused``), the pre-flight (``preflight``, before the root is opened) and the world-size and
+model checks. Its collectives are the adapter's (``broadcast``, ``gather``, run on the training
+thread), except the pre-flight's, which run on the default process group before training starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .. import dcp
 from ..checkpointer import AsyncCheckpointer, SaveHandle
 from ..compat import check_fits
-from ..errors import AirError, ConfigError
+from ..errors import AirError, ConfigError, StragglerError
 from ..events import Listener
+from ..health.preflight import PreflightReport, run_preflight, stop_if_bad
+from ..health.stragglers import Stragglers
+from ..health.watchdog import ExitOnHang, Watchdog, restart_hazard
 from ..layout import rank_state_path
 from .config import SessionConfig
 from .elastic import Layout, layout_of
@@ -73,6 +80,13 @@ class TrainingSession:
         self.records = Recorder(config.log_every_n_steps, rank=rank)
         """``fetch_seconds`` per step and the save/restore records of this rank."""
         self.records.gather = gather if world_size > 1 else None
+        self.stragglers: Stragglers | None = None
+        """This rank's straggler detection (None: ``straggler_threshold`` off, or ``measure`` False)."""
+        if config.straggler_threshold and measure:
+            self.stragglers = Stragglers(
+                threshold=config.straggler_threshold, stop=config.stop_on_straggler, owner=config.owner
+            )
+            self.records.parts.append(self.stragglers)
         self.goodput: Goodput | None = None
         """Rank 0, after ``close``: the goodput of every launch of this job so far."""
         self.last_handle: SaveHandle | None = None
@@ -87,12 +101,57 @@ class TrainingSession:
         self._sink: MlflowSink | None = None
         self._resumed_run: str | None = None
         self._loaders: list[TrackedLoader] = []
+        self._preflight: PreflightReport | None = None
         self._pending: dict[str, Any] | None = None
         self._failed: BaseException | None = None
         self._closed = False
+        self._watchdog: Watchdog | None = None
+        """The hang watchdog, from ``start`` to ``close`` (with ``hang_watchdog``)."""
         self._preemption = FlushOnSigterm(
             self._flushable, timeout_seconds=config.flush_timeout_seconds, who=config.owner, log=logger
         )
+
+    # -- node health ---------------------------------------------------------------------------------
+    def preflight(self, root: str | None, *, parameter_bytes: int | None = None) -> PreflightReport | None:
+        """Check this node, and the links and clocks between ranks, before the first step and before
+        ``open(root)`` (a root that cannot be reached is then named with its host on every rank). Every
+        rank calls it: with several ranks it runs collectives on the default process group, the one
+        exception to the adapter providing them. ``parameter_bytes``: this rank's model parameters; a
+        checkpoint is expected at three times that (weights and Adam's two moments).
+
+        Raises:
+            HealthCheckError: on every rank, when any rank's node is bad (one line per failed check).
+        """
+        checks = self.config.preflight_checks
+        if not checks:
+            return None
+        settings = self._settings
+        report = run_preflight(
+            checks,
+            root=root,
+            storage_options=settings.get("storage_options") or {},
+            staging_dir=settings.get("staging_dir"),
+            host_budget_bytes=settings.get("host_budget_bytes"),
+            expected_bytes=3 * parameter_bytes if parameter_bytes else None,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        self._preflight = report
+        if self.rank == 0:
+            for result in report.results:
+                level = logging.WARNING if result.status in ("warn", "bad") else logging.INFO
+                logger.log(level, "%s pre-flight: %s", self.config.owner, result.line())
+            logger.info("%s pre-flight: %s in %.2f s", self.config.owner, report.status, report.seconds)
+        stop_if_bad(report, owner=self.config.owner)
+        return report
+
+    @staticmethod
+    def _log_preflight(sink: MlflowSink, report: PreflightReport) -> None:
+        """The pre-flight's time and worst status (0 ok, 1 warn, 2 bad) at step 0, and a tag per
+        problem, ``preflight.<check>.<host>``."""
+        sink.log({"preflight_seconds": report.seconds, "preflight_status": report.exit_code}, 0)
+        for problem in report.problems():
+            sink.tag(f"preflight.{problem.check}.{problem.host}", f"{problem.status}: {problem.message}")
 
     # -- the checkpoint root -------------------------------------------------------------------------
     def open(self, root: str) -> AsyncCheckpointer:
@@ -115,6 +174,9 @@ class TrainingSession:
             if self.rank == 0 and self._measure and self._goodput_log is None:
                 self._goodput_log = GoodputLog(self._ckpt.storage, self.launch_id)
                 self.records.goodput = self._goodput_log
+                if self._preflight is not None:  # it ran before the root was opened: log it now
+                    problems = [r.as_dict() for r in self._preflight.problems()]
+                    self._goodput_log.preflight(self._preflight.seconds, self._preflight.status, problems)
         elif self._ckpt.config.root.rstrip("/") != str(root).rstrip("/"):
             raise ConfigError(
                 f"{self.config.owner} writes under one root: got {root!r} after {self._ckpt.config.root!r}. "
@@ -163,7 +225,7 @@ class TrainingSession:
 
     def _flushable(self) -> Any:  # FlushOnSigterm only calls flush(timeout) on it
         open_ = [c for c in (self._ckpt, *self._others) if c is not None and not c.closed]
-        return _Flush(open_) if open_ else None
+        return _Flush(open_, self.watchdog_paused) if open_ else None
 
     @property
     def checkpointer(self) -> AsyncCheckpointer | None:
@@ -183,7 +245,8 @@ class TrainingSession:
         ckpt = checkpointer or self._ckpt
         if ckpt is None:
             raise AirError(f"{self.config.owner}: save() before the checkpoint root was opened.")
-        self.last_handle = ckpt.save_files(files, step=step, name=name)
+        with self._saving():
+            self.last_handle = ckpt.save_files(files, step=step, name=name)
         self.returned_at = time.monotonic()
         return self.last_handle
 
@@ -202,7 +265,8 @@ class TrainingSession:
         ckpt = checkpointer or self._ckpt
         if ckpt is None:
             raise AirError(f"{self.config.owner}: save_sharded() before the checkpoint root was opened.")
-        self.last_handle = dcp.save(ckpt, folders, step=step, name=name, files=files)
+        with self._saving():
+            self.last_handle = dcp.save(ckpt, folders, step=step, name=name, files=files)
         self.returned_at = time.monotonic()
         return self.last_handle
 
@@ -214,7 +278,20 @@ class TrainingSession:
     def before_optimizer_step(self) -> None:
         """Block until the last save's device-to-host copy landed (the optimizer mutates the weights)."""
         if self.last_handle is not None:
-            self.last_handle.wait_snapshot()
+            with self.watchdog_paused():
+                self.last_handle.wait_snapshot()
+
+    def watchdog_paused(self) -> contextlib.AbstractContextManager[None]:
+        """Time inside is not a hang: checkpoint I/O the training thread waits on (an adapter's load, a wait
+        for commits). The session pauses its own saves, flushes and ``close``. Nestable, any thread."""
+        return self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _saving(self) -> Iterator[None]:
+        with self.watchdog_paused():
+            yield
+        if self._watchdog is not None:  # another rank's blocking save may hold this one in a collective
+            self._watchdog.grant(self.config.flush_timeout_seconds)
 
     # -- loaders and per-rank state ------------------------------------------------------------------
     def track(
@@ -364,8 +441,9 @@ class TrainingSession:
     # -- measurement ---------------------------------------------------------------------------------
     def start(self, *, mlflow_run_id: str | None = None, run_is_ours: bool = True) -> None:
         """The first training step of this launch is next: restore a pending RNG no loader took, and
-        start the MLflow sink (rank 0). ``mlflow_run_id``: the framework logger's run (None: the
-        checkpoint's run, else a new one); ``run_is_ours``: the session ends the run at ``close``."""
+        start the MLflow sink (rank 0) and the hang watchdog (``hang_watchdog``). ``mlflow_run_id``: the
+        framework logger's run (None: the checkpoint's run, else a new one); ``run_is_ours``: the session
+        ends the run at ``close``."""
         if self._pending is not None and not self._loaders and self._pending["rng"] is not None:
             restore_rng(self._pending["rng"])
         self._pending = None
@@ -374,7 +452,34 @@ class TrainingSession:
             self._sink = MlflowSink(
                 run_id=run_id, experiment=self.config.mlflow_experiment, end_run=run_is_ours
             )
-            self.records.attach(self._sink.log)
+            self.records.attach(self._sink.log, self._sink.tag)
+            if self._preflight is not None:
+                self._log_preflight(self._sink, self._preflight)
+        if self.config.hang_watchdog and self._watchdog is None and not self._closed:
+            self._watchdog = Watchdog(
+                self.config.hang_timeout_seconds,
+                floor_seconds=self.config.hang_floor_seconds,
+                on_hang=ExitOnHang(
+                    who=self.config.owner,
+                    rank=self.rank,
+                    launch_id=self.launch_id,
+                    write=self._write_hang,
+                    record=self._record_hang,
+                ),
+            )
+            self._watchdog.arm()
+            hazard = restart_hazard()
+            if hazard and self.rank == 0:
+                logger.warning("%s: %s", self.config.owner, hazard)
+
+    def _write_hang(self, path: str, data: bytes) -> None:  # the watchdog's thread: no flush, no lock
+        if self._ckpt is None:
+            raise AirError("no checkpoint root is open")
+        self._ckpt.storage.write_bytes(path, data)
+
+    def _record_hang(self, event: dict[str, Any]) -> None:  # the watchdog's thread: rank 0 logs it
+        if self._goodput_log is not None:
+            self._goodput_log.hang(event)
 
     @property
     def resumed_mlflow_run(self) -> str | None:
@@ -386,16 +491,55 @@ class TrainingSession:
         return (self._sink.run_id if self._sink is not None else None) or self._resumed_run
 
     def record_fetch(self, seconds: float) -> None:
+        """A training batch was fetched (after ``seconds``) and is handed to the step now."""
         self.records.record_fetch(seconds)
+        if self.stragglers is not None:
+            self.stragglers.timer.start()
+
+    def before_backward(self) -> None:
+        """Backward (and with it DDP's gradient communication) starts: the straggler section ends."""
+        if self.stragglers is not None:
+            self.stragglers.timer.stop()
+
+    def record_progress(self) -> None:
+        """Progress that is no training step (an evaluation batch): the hang watchdog's limit restarts."""
+        if self._watchdog is not None:
+            self._watchdog.beat()
 
     def record_step(self, step: int) -> None:
+        """Training step ``step`` ended (every rank; a window end gathers over ranks). The hang watchdog
+        (armed at ``start``) gets its beat.
+
+        Raises:
+            StragglerError: with ``stop_on_straggler``, this window named a straggler; the session
+                committed the saves in flight and closed first (every rank raises at the same step).
+        """
+        if self._watchdog is not None:
+            self._watchdog.beat(step)
+        if self.stragglers is not None:
+            self.stragglers.timer.end_step()
         self.records.record_step(step)
+        if self.stragglers is not None and self.stragglers.stop_requested is not None:
+            scores = self.stragglers.stop_requested
+            error = StragglerError(
+                f"{self.config.owner}(stop_on_straggler=True): straggler(s) at step {step} under "
+                f"straggler_threshold={self.config.straggler_threshold}: {self.stragglers.describe(scores)}. "
+                "The checkpoints in flight were committed and training stops: replace or drain the slow "
+                "node(s) and resume from the last checkpoint, or pass stop_on_straggler=False to only log.",
+                step=step,
+                ranks=scores.stragglers,
+            )
+            self.fail(error)
+            self.close(step)
+            raise error
 
     # -- the end -------------------------------------------------------------------------------------
     def fail(self, exception: BaseException) -> None:
         """Training is failing with ``exception``: commit what is in flight (bounded); ``close`` then
         logs a save error instead of raising it over ``exception``."""
         self._failed = exception
+        if self._watchdog is not None:  # the launch ends; its flush is bounded
+            self._watchdog.close()
         self._preemption.flush(type(exception).__name__)
 
     def close_checkpointer(self) -> None:
@@ -405,11 +549,12 @@ class TrainingSession:
             SaveError: a save failed, unless training is already failing (then it is logged).
         """
         others, self._others = self._others, []
-        for other in others:  # saves outside the root first: the main root's events come last
-            self._close_one(other)
-        ckpt, self._ckpt = self._ckpt, None
-        if ckpt is not None:
-            self._close_one(ckpt)
+        with self.watchdog_paused():
+            for other in others:  # saves outside the root first: the main root's events come last
+                self._close_one(other)
+            ckpt, self._ckpt = self._ckpt, None
+            if ckpt is not None:
+                self._close_one(ckpt)
 
     def _close_one(self, ckpt: AsyncCheckpointer) -> None:
         if self._failed is not None:
@@ -423,6 +568,8 @@ class TrainingSession:
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.close()
         try:
             self.close_checkpointer()
         finally:
@@ -443,9 +590,15 @@ class TrainingSession:
 class _Flush:
     """Every open checkpointer of a session, flushed as one (the SIGTERM handler's target)."""
 
-    def __init__(self, checkpointers: list[AsyncCheckpointer]) -> None:
+    def __init__(
+        self,
+        checkpointers: list[AsyncCheckpointer],
+        paused: Callable[[], contextlib.AbstractContextManager[None]],
+    ) -> None:
         self._checkpointers = checkpointers
+        self._paused = paused
 
     def flush(self, timeout: float | None = None) -> None:
-        for ckpt in self._checkpointers:
-            ckpt.flush(timeout)
+        with self._paused():  # a flush is not a hang
+            for ckpt in self._checkpointers:
+                ckpt.flush(timeout)

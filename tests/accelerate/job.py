@@ -3,6 +3,7 @@
     python tests/accelerate/job.py WORKDIR [--workers N] [--loader plain|seedable|stateful]
         [--every K] [--epochs E] [--kill STEP:PHASE[:RANK]] [--sigterm STEP:PHASE] [--root URL --endpoint URL]
         [--stock] [--no-augment] [--mlflow URI [--tracker] [--experiment NAME]] [--width W] [--secret S]
+        [--hang STEP:RANK --hang-timeout S]
 
 Trains a dropout MLP with a scheduler on numbered samples whose features get random noise from the
 global RNG (so data augmentation, dropout and shuffling all depend on restored RNG state), saving
@@ -11,7 +12,9 @@ Each process appends the sample ids and the augmented features' sums (float64) o
 WORKDIR/ids-rank<R>.jsonl; at the end rank 0 writes the final weights to WORKDIR/final.pt. --kill
 SIGKILLs the process (of RANK, default every rank) when the save of STEP reaches PHASE. With loader
 workers the noise comes from each worker's RNG (--no-augment: none). --stock runs a plain
-Accelerator (stock save_state into WORKDIR/stock, no resume), for comparisons.
+Accelerator (stock save_state into WORKDIR/stock, no resume), for comparisons. --hang makes RANK sleep
+forever inside step STEP on the first launch only (a marker file), with a hang watchdog timeout of S
+seconds on that rank.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
@@ -71,6 +75,7 @@ def build(args):
         mlflow=bool(args.mlflow),
         mlflow_experiment=args.experiment,
         elastic=args.elastic,
+        **_hang_settings(args),
     )
     plugin.add_listener(Journal(args.workdir))
     if args.kill:
@@ -78,6 +83,27 @@ def build(args):
     if args.sigterm:
         plugin.add_listener(KillAt.parse(args.sigterm, signal.SIGTERM))
     return AirAccelerator(air_plugin=plugin, cpu=True, dataloader_config=config, **tracking)
+
+
+def _hang_settings(args) -> dict:
+    if not args.hang:
+        return {}
+    rank = int(args.hang.split(":")[1])  # the others keep the derived limit: they wait in a collective
+    return {"hang_timeout_seconds": args.hang_timeout if int(os.environ.get("RANK", "0")) == rank else None}
+
+
+def sleep_forever_in_a_step() -> None:
+    while True:
+        time.sleep(1)
+
+
+def _hang_once(args, rank: int, step: int) -> None:
+    """--hang STEP:RANK: that rank hangs inside that step (1-based), on the first launch only."""
+    at, who = (int(x) for x in args.hang.split(":"))
+    marker = os.path.join(args.workdir, "hung-once")
+    if (step, rank) == (at, who) and not os.path.exists(marker):
+        open(marker, "w").close()
+        sleep_forever_in_a_step()
 
 
 def main() -> None:
@@ -101,6 +127,8 @@ def main() -> None:
     p.add_argument("--experiment", default="air-test", help="MLflow experiment of a new run")
     p.add_argument("--elastic", action="store_true", help="AirPlugin(elastic=True)")
     p.add_argument("--dump-loaded", action="store_true", help="each rank saves its weights after resume()")
+    p.add_argument("--hang", default="", help="STEP:RANK: that rank sleeps forever in that step, once")
+    p.add_argument("--hang-timeout", type=float, default=3.0, help="with --hang: that rank's hang timeout")
     args = p.parse_args()
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     for name in ("accelerate_air", "air_core"):
@@ -137,6 +165,8 @@ def main() -> None:
                 record["epoch"] = epoch
                 f.write(json.dumps(record) + "\n")
             loss = (model(x) - x).pow(2).mean()
+            if args.hang:
+                _hang_once(args, accelerator.process_index, step + 1)
             if args.tracker:
                 accelerator.log({"loss": loss.item()}, step=step)
             accelerator.backward(loss)

@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_air import AirAccelerator, AirPlugin
-from air_core import ConfigError, StorageError
+from air_core import ConfigError, HealthCheckError, StorageError
 from tests.accelerate.runs import run_job
 
 
@@ -156,8 +156,11 @@ def test_bad_configuration_fails_at_construction_naming_the_argument(tmp_path):
         AirAccelerator(air_plugin=str(tmp_path), cpu=True)
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    with pytest.raises((StorageError, ConfigError), match="a-file"):
+    with pytest.raises(HealthCheckError, match="a-file") as unusable:  # the pre-flight's storage check
         air(str(blocker / "ckpts"))
+    assert "BAD     storage" in str(unusable.value)
+    with pytest.raises((StorageError, ConfigError), match="a-file"):  # without it, the checkpointer
+        air(str(blocker / "ckpts"), preflight=False)
     assert "storage_options" not in repr(AirPlugin("s3://b/p", storage_options={"secret": "s3cr3t"}))
 
 

@@ -81,3 +81,16 @@ def test_a_run_the_sink_owns_ends_with_the_status_given_and_one_it_does_not_stay
     borrowed.log({"x": 1.0}, 1)
     borrowed.close(timeout_seconds=60)
     assert client.get_run(borrowed.run_id).info.status == "RUNNING", "the logger that made it ends it"
+
+
+def test_tags_land_with_the_latest_value_of_each_key(mlflow_server):
+    from mlflow import MlflowClient
+
+    sink = MlflowSink(tracking_uri=mlflow_server.uri, experiment="sink-test", flush_every_seconds=0.1)
+    sink.tag("straggler.node-a", "step 8: rank 1")
+    sink.tag("straggler.node-a", "step 16: rank 1")  # the latest value of a key wins
+    sink.tag("straggler.node-b", "step 16: rank 3")
+    sink.log({"x": 1.0}, 1)
+    sink.close(timeout_seconds=60)
+    tags = MlflowClient(tracking_uri=mlflow_server.uri).get_run(sink.run_id).data.tags
+    assert tags["straggler.node-a"] == "step 16: rank 1" and tags["straggler.node-b"] == "step 16: rank 3"

@@ -52,6 +52,7 @@ def test_sharded_yaml_overlay_saves_sharded_folders_from_two_processes(tmp_path)
     [
         ("staging_dir: nvme", "staging_dirr: nvme"),
         ("host_budget_bytes: 268435456", "host_budget_bytes: lots"),
+        ("preflight: [storage, staging,", "preflight: [storage, disk,"),
     ],
 )
 def test_mistyped_key_or_value_fails_with_the_cli_error_before_training(tmp_path, good, bad):
@@ -70,4 +71,6 @@ def test_mistyped_key_or_value_fails_with_the_cli_error_before_training(tmp_path
     )
     assert out.returncode != 0
     assert bad.split(":")[0] in out.stderr, out.stderr[-2000:]
+    if "disk" in bad:  # a value jsonargparse accepts, refused by the callback: naming it and the choices
+        assert "unknown check(s) ['disk']" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "ids.jsonl").exists(), "no training step may run"

@@ -252,7 +252,9 @@ def test_the_trainer_pickles_during_a_fit_with_air_callback_and_a_failed_fit_lea
 
 
 @pytest.mark.parametrize("persistent_workers", [False, True])
-def test_train_loader_workers_start_and_stop_as_often_as_stock_with_air_callback(tmp_path, persistent_workers):
+def test_train_loader_workers_start_and_stop_as_often_as_stock_with_air_callback(
+    tmp_path, persistent_workers
+):
     """AirCallback tracks the train loader as Lightning builds it: the fit loop's first iterator is the
     tracked one, so each epoch's workers start once, in the epoch stock starts them, and are shut down
     where stock shuts them down (Lightning's teardown reaches a persistent iterator through the proxy)."""
@@ -262,13 +264,13 @@ def test_train_loader_workers_start_and_stop_as_often_as_stock_with_air_callback
 
     class CountingIter(_MultiProcessingDataLoaderIter):
         def __init__(self, loader, trainer):
-            loader.events.append(("start", trainer.current_epoch))
+            self._events, self._trainer = loader.events, trainer
+            self._events.append(("start", trainer.current_epoch))
             super().__init__(loader)
-            self._trainer = trainer
 
         def _shutdown_workers(self):
             if not self._shutdown:
-                self._loader_events.append(("stop", self._trainer.current_epoch))
+                self._events.append(("stop", self._trainer.current_epoch))
             super()._shutdown_workers()
 
     def fit(plugin, callbacks) -> list[tuple[str, int]]:
@@ -278,14 +280,11 @@ def test_train_loader_workers_start_and_stop_as_often_as_stock_with_air_callback
             events: list[tuple[str, int]] = []
 
             def _get_iterator(self):
-                it = CountingIter(self, trainer)
-                it._loader_events = self.events
-                return it
+                return CountingIter(self, trainer)
 
         loader = Loader(RandomDataset(32, 64), num_workers=1, persistent_workers=persistent_workers)
         loader.events = []
         trainer.fit(BoringModel(), train_dataloaders=loader)
-        del trainer
         return loader.events
 
     stock = fit(TorchCheckpointIO(), [])

@@ -1,0 +1,222 @@
+"""The node's own pre-flight checks: storage, staging disk, host memory, GPUs.
+
+Each check returns a ``CheckResult`` instead of raising: a pre-flight reports every problem at once,
+with the fix, and the caller (``preflight.py``) decides for every rank together. Checks between ranks
+(collectives, clocks) are in ``collective.py``; the GPU query is in ``gpu.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from ..layout import probe_path
+from ..storage import Storage, fix_for
+
+Status = Literal["ok", "warn", "bad", "skipped"]
+SEVERITY: dict[str, int] = {"skipped": 0, "ok": 0, "warn": 1, "bad": 2}
+"""A status's weight; the worst one is the exit code of ``air preflight``."""
+
+
+@dataclass
+class CheckResult:
+    """One check on one rank: ``message`` is the human line, ``fix`` what to do when not ok."""
+
+    check: str
+    status: Status
+    message: str
+    fix: str = ""
+    seconds: float = 0.0
+    host: str = field(default_factory=socket.gethostname)
+    rank: int = 0
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        where = f"{self.host} rank {self.rank}"
+        text = f"{self.status.upper():7} {self.check:10} {where}: {self.message}"
+        return f"{text} Fix: {self.fix}" if self.fix and self.status in ("warn", "bad") else text
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _timed(check: str, rank: int, fn: Any, timeout: float) -> CheckResult:
+    """Run ``fn() -> CheckResult`` on a daemon thread: a check that hangs (an unreachable endpoint that
+    never answers) is reported ``bad`` after ``timeout`` seconds instead of holding every rank."""
+    box: list[CheckResult | BaseException] = []
+    started = time.perf_counter()
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # reported as the check's failure
+            box.append(exc)
+
+    worker = threading.Thread(target=run, name=f"air-preflight-{check}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    seconds = time.perf_counter() - started
+    if not box:
+        return CheckResult(
+            check,
+            "bad",
+            f"no answer within {timeout:.0f} s.",
+            "Check the network path and the endpoint.",
+            seconds=seconds,
+            rank=rank,
+        )
+    result = box[0]
+    if isinstance(result, BaseException):
+        fix = fix_for(result)
+        fix = "" if fix in str(result) else fix  # a StorageError's message ends with its fix already
+        message = f"{type(result).__name__}: {result}"
+        return CheckResult(check, "bad", message, fix, seconds=seconds, rank=rank)
+    result.seconds, result.rank = seconds, rank
+    return result
+
+
+def check_storage(
+    root: str | None, *, storage_options: dict[str, Any], rank: int = 0, timeout: float = 30.0
+) -> CheckResult:
+    """Put a canary object under the root's ``.air/``, read it back, delete it."""
+    if root is None:
+        return CheckResult("storage", "skipped", "no checkpoint root given.", rank=rank)
+
+    def canary() -> CheckResult:
+        storage = Storage(root, storage_options=storage_options, retries=1, retry_backoff_seconds=0.2)
+        rel = probe_path(f"preflight-{socket.gethostname()}-{rank}-{uuid.uuid4().hex[:8]}")
+        data = os.urandom(4096)
+        storage.write_bytes(rel, data)
+        try:
+            if storage.read_bytes(rel) != data:
+                return CheckResult(
+                    "storage",
+                    "bad",
+                    f"{storage.display(rel)} read back different bytes.",
+                    "The storage returns other data than was written: check the endpoint or the mount.",
+                )
+        finally:
+            storage.remove(rel)
+        return CheckResult("storage", "ok", f"{storage.display()} writable (canary put, read, deleted).")
+
+    return _timed("storage", rank, canary, timeout)
+
+
+def check_staging(
+    staging_dir: str | None, *, expected_bytes: int | None, rank: int = 0, probe_bytes: int = 16 << 20
+) -> CheckResult:
+    """Free space of the staging folder against one checkpoint of this rank, and a timed write+fsync."""
+    folder = staging_dir or tempfile.gettempdir()
+    started = time.perf_counter()
+    try:
+        os.makedirs(folder, exist_ok=True)
+        free = shutil.disk_usage(folder).free
+        path = os.path.join(folder, f".air-preflight-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        block = os.urandom(1 << 20)
+        t0 = time.perf_counter()
+        try:
+            with open(path, "wb") as f:
+                for _ in range(max(1, probe_bytes >> 20)):
+                    f.write(block)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            if os.path.exists(path):
+                os.remove(path)
+        write_seconds = time.perf_counter() - t0
+    except OSError as exc:
+        return CheckResult(
+            "staging",
+            "bad",
+            f"cannot write {probe_bytes >> 20} MiB to {folder}: {exc}.",
+            "Free space on the staging disk, or set staging_dir to a writable local (NVMe) folder.",
+            seconds=time.perf_counter() - started,
+            rank=rank,
+        )
+    rate = probe_bytes / max(write_seconds, 1e-9) / (1 << 20)
+    data = {"free_bytes": free, "expected_bytes": expected_bytes, "write_mib_per_s": round(rate, 1)}
+    seconds = time.perf_counter() - started
+    described = f"{folder}: {_gib(free)} free, write+fsync {rate:.0f} MiB/s"
+    if expected_bytes and free < expected_bytes:
+        return CheckResult(
+            "staging",
+            "bad",
+            f"{described}; a checkpoint of this rank needs about {_gib(expected_bytes)}.",
+            "Free space on the staging disk or point staging_dir at a larger local disk.",
+            seconds=seconds,
+            rank=rank,
+            data=data,
+        )
+    if expected_bytes and free < 2 * expected_bytes:
+        return CheckResult(
+            "staging",
+            "warn",
+            f"{described}; room for less than two checkpoints of {_gib(expected_bytes)}.",
+            "Free space: a save in flight and the cached newest commit need two.",
+            seconds=seconds,
+            rank=rank,
+            data=data,
+        )
+    return CheckResult("staging", "ok", described + ".", seconds=seconds, rank=rank, data=data)
+
+
+def check_memory(
+    host_budget_bytes: int | None, *, expected_bytes: int | None, rank: int = 0, ranks_on_host: int = 1
+) -> CheckResult:
+    """Available host memory against the staging buffers this host's ranks will hold."""
+    available = available_memory()
+    if available is None:
+        return CheckResult("memory", "skipped", "available memory unknown on this system.", rank=rank)
+    per_rank = host_budget_bytes if host_budget_bytes is not None else expected_bytes
+    data = {"available_bytes": available, "per_rank_bytes": per_rank, "ranks_on_host": ranks_on_host}
+    described = f"{_gib(available)} available"
+    if not per_rank:
+        return CheckResult("memory", "ok", described + ".", rank=rank, data=data)
+    need = per_rank * ranks_on_host
+    what = "host_budget_bytes" if host_budget_bytes is not None else "the expected checkpoint size"
+    described += f" for {ranks_on_host} rank(s) x {_gib(per_rank)} ({what})"
+    if need > available and host_budget_bytes is not None:
+        return CheckResult(
+            "memory",
+            "bad",
+            described + ".",
+            "Lower host_budget_bytes (the rest spills to staging_dir) or run fewer ranks per node.",
+            rank=rank,
+            data=data,
+        )
+    if need > available:
+        return CheckResult(
+            "memory",
+            "warn",
+            described + ": the staging buffers will not fit.",
+            "Set host_budget_bytes below the available memory; what does not fit spills to staging_dir.",
+            rank=rank,
+            data=data,
+        )
+    return CheckResult("memory", "ok", described + ".", rank=rank, data=data)
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` (what can be allocated without swapping), else free pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"

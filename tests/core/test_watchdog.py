@@ -1,0 +1,273 @@
+"""The hang watchdog: what counts as a hang (never a pause, never outside start..close), the derived limit,
+the report it leaves beside the checkpoints, and the exit that nothing can stop. No timing asserts."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from air_core import ConfigError
+from air_core.health.watchdog import HANG_EXIT_CODE, ExitOnHang, Hang, Watchdog, restart_hazard
+from air_core.session import SessionConfig
+from air_core.session.goodput import analyze, read_events
+from air_core.storage import Storage
+from tests.conftest import run_python
+from tests.zygote import python
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _watchdog(timeout: float | None = 10.0, floor: float = 300.0) -> tuple[Watchdog, Clock, list[Hang]]:
+    clock, hangs = Clock(), []
+    dog = Watchdog(timeout, floor_seconds=floor, on_hang=hangs.append, clock=clock)
+    return dog, clock, hangs
+
+
+def test_no_progress_past_the_timeout_is_a_hang_naming_the_last_step():
+    dog, clock, _ = _watchdog(timeout=10.0)
+    dog.arm()
+    try:
+        for step in range(1, 4):
+            clock.now += 9.0
+            dog.beat(step)
+            assert dog.check() is None, "a beat within the limit restarts it"
+        clock.now += 10.5
+        hang = dog.check()
+        assert hang is not None and hang.step == 3, f"expected a hang after step 3, got {hang}"
+        assert hang.seconds == pytest.approx(10.5) and hang.limit_seconds == 10.0
+    finally:
+        dog.close()
+
+
+def test_time_paused_in_a_save_never_counts_and_the_limit_restarts_after_it():
+    dog, clock, _ = _watchdog(timeout=10.0)
+    dog.arm()
+    try:
+        clock.now += 9.0
+        with dog.paused():
+            with dog.paused():  # nested: a flush inside a save
+                clock.now += 3600.0
+                assert dog.check() is None, "an hour inside a save is not a hang"
+            assert dog.check() is None, "still inside the outer pause"
+        clock.now += 9.0
+        assert dog.check() is None, "the limit restarts when the pause ends, not at the last beat"
+        clock.now += 2.0
+        assert dog.check() is not None, "past the limit after the pause: a hang"
+    finally:
+        dog.close()
+
+
+def test_never_fires_before_arm_or_after_close():
+    dog, clock, _ = _watchdog(timeout=1.0)
+    clock.now += 100.0
+    assert dog.check() is None, "not armed: start() was not called yet"
+    dog.arm()
+    dog.close()
+    clock.now += 100.0
+    assert dog.check() is None, "closed: the launch ended"
+    dog.arm()
+    assert dog.check() is None, "a closed watchdog stays closed"
+
+
+def test_derived_limit_is_ten_times_the_p99_step_time_with_a_floor():
+    dog, clock, _ = _watchdog(timeout=None, floor=300.0)
+    dog.arm()
+    try:
+        assert dog.limit_seconds() == 300.0, "before any step: the floor"
+        for step in range(1, 101):
+            clock.now += 1.0
+            dog.beat(step)
+        assert dog.limit_seconds() == 300.0, "10 x 1 s steps is under the floor"
+        for step in range(101, 301):
+            clock.now += 60.0
+            dog.beat(step)
+        assert dog.limit_seconds() == pytest.approx(600.0), "10 x the p99 of 60 s steps"
+        with dog.paused():
+            clock.now += 10_000.0
+        clock.now += 1.0
+        dog.beat(301)
+        assert dog.limit_seconds() == pytest.approx(600.0), "a step with a pause in it is no step time"
+        clock.now += 60.0 * 9
+        dog.beat()  # an evaluation batch: progress, not a step
+        clock.now += 60.0 * 9
+        assert dog.check() is None, "progress other than a step restarts the limit too"
+    finally:
+        dog.close()
+
+
+def test_a_save_grants_the_next_step_extra_time_until_that_step_ends():
+    dog, clock, _ = _watchdog(timeout=10.0)
+    dog.arm()
+    try:
+        dog.grant(100.0)  # another rank's save may hold this one in the next collective
+        clock.now += 50.0
+        assert dog.check() is None, "within the grant"
+        dog.beat(1)
+        clock.now += 11.0
+        assert dog.check() is not None, "the grant ended with the step"
+    finally:
+        dog.close()
+
+
+def test_the_watch_thread_calls_on_hang_once_and_not_while_paused():
+    fired = threading.Event()
+    calls: list[Hang] = []
+
+    def on_hang(hang: Hang) -> None:
+        calls.append(hang)
+        fired.set()
+
+    dog = Watchdog(0.2, on_hang=on_hang)
+    dog.arm()
+    try:
+        with dog.paused():
+            assert not fired.wait(0.6), "a paused watchdog never fires"
+        dog.beat(7)
+        assert fired.wait(30), "no beat for longer than the limit: the thread must fire"
+        time.sleep(0.3)
+        assert len(calls) == 1 and calls[0].step == 7, f"fired once, after step 7: {calls}"
+    finally:
+        dog.close()
+
+
+def _sleeping_in_a_training_step(stop: threading.Event) -> None:
+    stop.wait(60)
+
+
+def test_exit_on_hang_leaves_the_stacks_and_a_record_beside_the_checkpoints_then_exits(tmp_path):
+    storage = Storage(str(tmp_path), storage_options={}, retries=0, retry_backoff_seconds=0.0)
+    stop = threading.Event()
+    sleeper = threading.Thread(target=_sleeping_in_a_training_step, args=(stop,))
+    sleeper.start()
+    exits, records = [], []
+    try:
+        handler = ExitOnHang(
+            who="Test",
+            rank=1,
+            launch_id="L" * 32,
+            write=storage.write_bytes,
+            record=records.append,
+            exit=exits.append,
+        )
+        handler(Hang(12.5, 10.0, 41, time.time(), sleeper.ident))
+    finally:
+        stop.set()
+        sleeper.join()
+    assert exits == [HANG_EXIT_CODE], "the handler ends the process with the hang exit code"
+    stacks = storage.read_bytes(f".air-events/hang-{'L' * 32}-rank00001.txt").decode()
+    assert "_sleeping_in_a_training_step" in stacks, "every thread's stack, the hung one included"
+    assert f"0x{sleeper.ident:016x}" in stacks, "the header names the training thread as faulthandler does"
+    record = json.loads(storage.read_bytes(f".air-events/hang-{'L' * 32}-rank00001.json"))
+    assert (record["rank"], record["s"], record["since"]) == (1, 41, 12.5), record
+    assert records == [record], "rank 0's goodput log gets the same record"
+
+
+def test_exit_on_hang_exits_even_when_the_storage_hangs():
+    stuck = threading.Event()
+    exits: list[int] = []
+
+    def write(path: str, data: bytes) -> None:
+        stuck.wait(30)
+
+    handler = ExitOnHang(
+        who="Test", rank=0, launch_id="x" * 32, write=write, report_timeout_seconds=0.3, exit=exits.append
+    )
+    handler(Hang(5.0, 1.0, None, time.time(), None))
+    stuck.set()
+    assert exits == [HANG_EXIT_CODE], "a stuck report must not stop the exit"
+
+
+def test_a_restart_through_a_shared_rendezvous_store_is_warned_about():
+    shared = {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in (restart_hazard(shared) or ""), "the fix is named"
+    own = {**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert restart_hazard(own) is None, "each attempt has its own store"
+    assert restart_hazard({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None, "no restart, no hazard"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"hang_timeout_seconds": 0}, "hang_timeout_seconds=0): must be a number of seconds > 0"),
+        ({"hang_floor_seconds": -1.0}, "hang_floor_seconds=-1.0): must be a number of seconds > 0"),
+        ({"hang_watchdog": "yes"}, "hang_watchdog='yes'): must be True, False or None"),
+    ],
+)
+def test_hang_settings_are_checked_naming_the_argument(kwargs, expected):
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        SessionConfig(owner="AirPlugin", **kwargs)
+
+
+def test_a_hang_is_its_own_badput_line_and_a_logless_launch_still_counts(tmp_path):
+    storage = Storage(str(tmp_path), storage_options={}, retries=0, retry_backoff_seconds=0.0)
+    first = [{"e": "start", "t": 0.0, "launch": "a" * 32}]
+    first += [{"e": "step", "s": s, "t": float(s), "d": 1.0, "f": 0.0} for s in (1, 2, 3)]
+    storage.write_bytes(".air-events/19700101T000000-aaaaaaaa/rank-00000-000000.jsonl", _jsonl(first))
+    second = [
+        {"e": "start", "t": 40.0, "launch": "c" * 32},
+        {"e": "restore", "s": 2, "t": 41.0, "seconds": 1.0},
+    ]
+    second += [{"e": "step", "s": 3, "t": 43.0, "d": 1.0, "f": 0.0}, {"e": "end", "t": 44.0}]
+    storage.write_bytes(".air-events/19700101T000040-cccccccc/rank-00000-000000.jsonl", _jsonl(second))
+    # Launch a: rank 1 hung after step 3 (10 s); launch b hung before its log's first segment.
+    hang_a = {"e": "hang", "launch": "a" * 32, "rank": 1, "host": "h", "s": 3, "t": 13.0, "since": 10.0}
+    hang_b = {"e": "hang", "launch": "b" * 32, "rank": 0, "host": "h", "s": None, "t": 30.0, "since": 8.0}
+    for hang in (hang_a, hang_b):
+        path = f".air-events/hang-{hang['launch']}-rank{hang['rank']:05d}.json"
+        storage.write_bytes(path, json.dumps(hang).encode())
+    launches = read_events(storage)
+    assert [ls[0]["launch"][0] for ls in launches] == ["a", "b", "c"], "launches in start order"
+    g = analyze(launches)
+    assert (g.hang_count, g.hangs) == (2, 18.0), f"both hangs, 10 s + 8 s: {g}"
+    assert "lost to hangs (2)" in g.report() and g.as_metrics()["goodput_hangs_seconds"] == 18.0
+    parts = g.productive + g.checkpoint_stalls + g.data_waits + g.startup_and_restore + g.recomputed
+    assert parts + g.hangs + g.other == pytest.approx(g.wall), "the hang is carved out of the wall time"
+
+
+def _jsonl(events: list[dict]) -> bytes:
+    return "".join(json.dumps(e) + "\n" for e in events).encode()
+
+
+_SESSION_HANG = """
+import sys, time
+from air_core.session import SessionConfig, TrainingSession
+
+def sleep_forever_inside_a_step():
+    while True:
+        time.sleep(1)
+
+config = SessionConfig(hang_watchdog=True, hang_timeout_seconds=1.0, mlflow=False)
+session = TrainingSession(config, checkpointer={}, rank=0, world_size=1)
+session.open(sys.argv[1])
+session.start()
+for step in range(1, 4):
+    session.record_step(step)
+with session.watchdog_paused():
+    time.sleep(2.5)  # a restore, say: never a hang
+session.save({"w.pt": {"step": 3}}, step=3, name="step-3").result()
+session.record_step(4)
+print("sleeping", flush=True)
+sleep_forever_inside_a_step()
+"""
+
+
+def test_a_session_that_stops_making_progress_dumps_its_stacks_and_exits_87(tmp_path):
+    out = run_python(_SESSION_HANG, str(tmp_path), timeout=120, interpreter=python())
+    assert out.returncode == HANG_EXIT_CODE, (
+        f"expected exit {HANG_EXIT_CODE}: {out.returncode}\n{out.stderr[-3000:]}"
+    )
+    assert "sleeping" in out.stdout, "the paused time and the save did not count as a hang"
+    assert "sleep_forever_inside_a_step" in out.stderr, "the stacks go to the log (stderr)"
+    stacks = list((tmp_path / ".air-events").glob("hang-*-rank00000.txt"))
+    assert stacks and "sleep_forever_inside_a_step" in stacks[0].read_text(), "and beside the checkpoints"
+    g = analyze(read_events(Storage(str(tmp_path), storage_options={}, retries=0, retry_backoff_seconds=0.0)))
+    assert (g.hang_count, g.steps) == (1, 4), f"rank 0's log was written up to the hang: {g}"
