@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check, run on a CUDA machine from the repository root: bash benchmarks/gpu_check.sh [SIZE_MIB]
-# Section "stall" (GPU_CHECK_SECTIONS, default "stall sharded fsdp2"):
+# Section "stall" (GPU_CHECK_SECTIONS, default "health stall sharded fsdp2"):
 # 1. measures pinned device-to-host bandwidth (cudaHostRegister'd host memory, as air_core pins it);
 # 2. runs benchmarks/checkpoint_stall.py on the GPU with a multi-GB state (default 8192 MiB);
 # 3. prints the blocking time next to the bound state size / pinned bandwidth.
@@ -11,15 +11,53 @@
 # Section "fsdp2":
 # 5. runs benchmarks/gpu_fsdp2.py: AirModelParallelStrategy on every visible GPU (sharded saves, a resume
 #    checked tensor by tensor) and, with 2+ GPUs, AirAccelerator with FSDP2 (save_state, load_state).
-# Output also lands in $OUT (if set) as gpu_check.json, gpu_check.txt and sharded_save.txt.
+# Section "health":
+# 6. `air preflight` on this node (the real nvidia-smi path: ECC, row remapping, throttling, GPU count)
+#    and, with 2+ GPUs, under torchrun on every GPU (links and all-reduce over NCCL, clocks);
+# 7. the straggler section timer with CUDA events around a GPU matmul (against a synchronized wall
+#    clock of the same work).
+# Output also lands in $OUT (if set) as gpu_check.json, gpu_check.txt, sharded_save.txt and health.txt.
 #   GPU_CHECK_SECTIONS=sharded bash benchmarks/gpu_check.sh     # the sharded benchmark only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE_MIB="${1:-8192}"
 PY="${PYTHON:-python3}"
 OUT_DIR="${OUT:-/tmp}"
-SECTIONS=" ${GPU_CHECK_SECTIONS:-stall sharded fsdp2} "
+SECTIONS=" ${GPU_CHECK_SECTIONS:-health stall sharded fsdp2} "
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [[ "$SECTIONS" == *" health "* ]]; then
+{
+  set +e  # a warn (1) or bad node (2) is a result to print, not a reason to stop
+  "$PY" -m air_core.cli preflight "${BENCH_DIR:-/tmp}/air-preflight" --json "$OUT_DIR/preflight.json"
+  echo "air preflight exit: $?"
+  NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+  if [[ "$NGPU" -ge 2 ]]; then
+    "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m air_core.cli preflight \
+        "${BENCH_DIR:-/tmp}/air-preflight"
+    echo "air preflight (torchrun, $NGPU ranks) exit: $?"
+  fi
+  set -e
+  "$PY" - <<'PYEOF'
+import time, torch
+from air_core.health.stragglers import SectionTimer
+a = torch.randn(4096, 4096, device="cuda")
+a @ a
+torch.cuda.synchronize()
+timer, wall = SectionTimer(), []
+for _ in range(5):
+    t = time.perf_counter()
+    timer.start()
+    for _ in range(10):
+        a @ a
+    timer.stop()
+    timer.end_step()
+    torch.cuda.synchronize()
+    wall.append(time.perf_counter() - t)
+print(f"straggler section, CUDA events: {[round(x * 1e3, 2) for x in timer.take_window()]} ms")
+print(f"same work, synchronized wall:   {[round(x * 1e3, 2) for x in wall]} ms")
+PYEOF
+} 2>&1 | tee "$OUT_DIR/health.txt"
+fi
 if [[ "$SECTIONS" == *" stall "* ]]; then
 "$PY" - <<'PYEOF' | tee "$OUT_DIR/gpu_check.txt"
 import torch, time
