@@ -266,32 +266,9 @@ def test_run_preflight_with_no_checks_is_empty_and_ok():
     assert report.results == [] and report.status == "ok" and report.exit_code == 0
 
 
-def test_the_preflight_is_in_the_goodput_log_and_air_report(tmp_path, capsys):
-    """A job's pre-flight (with a warning: staging room for less than two checkpoints) is reported."""
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.demos.boring_classes import BoringModel
-
-    from lightning_air import AirCallback, AirCheckpointIO
-
-    root = str(tmp_path / "ckpt")
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        plugins=[AirCheckpointIO(host_budget_bytes=None)],
-        callbacks=[AirCallback(mlflow=False, preflight=["storage", "memory"]), ModelCheckpoint(dirpath=root)],
-    )
-    trainer.fit(BoringModel())
-    capsys.readouterr()
-    assert air(["report", root]) == 0
-    out = capsys.readouterr().out
-    assert "pre-flight (launch 1): ok in" in out
-
-
-def test_the_preflight_lands_in_mlflow(tmp_path, mlflow_server, monkeypatch):
+def test_the_preflight_lands_in_the_goodput_log_air_report_and_mlflow(
+    tmp_path, mlflow_server, monkeypatch, capsys
+):
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.demos.boring_classes import BoringModel
@@ -300,6 +277,7 @@ def test_the_preflight_lands_in_mlflow(tmp_path, mlflow_server, monkeypatch):
     from lightning_air import AirCallback, AirCheckpointIO
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    root = str(tmp_path / "ckpt")
     callback = AirCallback(mlflow=True, mlflow_experiment="preflight", preflight=["storage", "staging"])
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -308,9 +286,12 @@ def test_the_preflight_lands_in_mlflow(tmp_path, mlflow_server, monkeypatch):
         enable_progress_bar=False,
         enable_model_summary=False,
         plugins=[AirCheckpointIO()],
-        callbacks=[callback, ModelCheckpoint(dirpath=str(tmp_path / "ckpt"))],
+        callbacks=[callback, ModelCheckpoint(dirpath=root)],
     )
     trainer.fit(BoringModel())
+    capsys.readouterr()
+    assert air(["report", root]) == 0
+    assert "pre-flight (launch 1): ok in" in capsys.readouterr().out
     client = MlflowClient(tracking_uri=mlflow_server.uri)
     run = client.search_runs([client.get_experiment_by_name("preflight").experiment_id])[0]
     assert run.data.metrics["preflight_status"] == 0
