@@ -10,6 +10,7 @@ The training thread calls ``save`` (blocks only for the snapshot), ``latest``/``
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import logging
 import time
 import uuid
@@ -21,7 +22,7 @@ from . import layout, open_roots
 from .catalog import scan
 from .config import BusyPolicy, CheckpointerConfig, WriterKind, check_filename, check_name, check_step
 from .errors import AirError, ConfigError
-from .events import Emitter, Listener, PhaseEvent
+from .events import Emitter, Listener, PhaseEvent, RestoreRecord
 from .handle import SaveHandle
 from .lease import RootLease
 from .manifest import CheckpointInfo
@@ -282,6 +283,13 @@ class AsyncCheckpointer:
             FileNotFoundError: there is no committed checkpoint under the root.
             CorruptCheckpointError: ``info`` (or every committed checkpoint) fails verification.
         """
+        local, record = self._restore(info, ranks=ranks, paths=paths)
+        self._emit(record)
+        return local
+
+    def _restore(
+        self, info: CheckpointInfo | None, *, ranks: Iterable[int] | None, paths: Iterable[str] | None
+    ) -> tuple[LocalCheckpoint, RestoreRecord]:
         self._check_open("fetch")
         open_roots.settle(self._root_key, self._storage.url, "a restore")
         return restore(
@@ -306,8 +314,10 @@ class AsyncCheckpointer:
         """Return this rank's state from ``info`` (default: the newest committed checkpoint that verifies).
 
         Fetches as ``fetch`` does (cache first, checksums verified before unpickling), then reads the
-        rank's single file. ``rank`` reads another rank's file (default: this rank's);
-        ``weights_only=None`` leaves the choice to ``torch.load``'s default.
+        rank's single file, memory-mapped: its tensors are backed by the verified local file (privately:
+        writing to them never changes it), so ``load_state_dict`` from them makes no second full copy.
+        ``rank`` reads another rank's file (default: this rank's); ``weights_only=None`` leaves the
+        choice to ``torch.load``'s default.
 
         Raises:
             FileNotFoundError: there is no committed checkpoint under the root.
@@ -315,8 +325,12 @@ class AsyncCheckpointer:
             ConfigError: the checkpoint holds no single file of this rank, or needs ``weights_only=False``.
         """
         rank = self.config.rank if rank is None else rank
-        local = self.fetch(info, ranks=[rank])
-        return load_file(local, rank=rank, map_location=map_location, weights_only=weights_only)
+        local, record = self._restore(info, ranks=[rank], paths=None)
+        loading = time.monotonic()
+        state = load_file(local, rank=rank, map_location=map_location, weights_only=weights_only)
+        took = time.monotonic() - loading
+        self._emit(dataclasses.replace(record, seconds=record.seconds + took, load_seconds=took))
+        return state
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property

@@ -43,8 +43,9 @@ class CheckpointerConfig:
     on_busy: BusyPolicy = "wait"
     """When ``max_in_flight`` saves are pending: ``wait`` for the oldest, or ``skip`` this save."""
     writer: WriterKind = "thread"
-    """Where serialization runs: a lower-priority ``thread`` or a writer ``process`` fed through
-    shared memory. ``benchmarks/checkpoint_stall.py`` measures both."""
+    """Where serialization runs: a ``thread`` or a writer ``process`` fed through shared memory; either
+    yields to training until the save's deadline (``priority.py``). ``benchmarks/checkpoint_stall.py``
+    measures both."""
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
     """Passed to fsspec untouched (credentials, endpoint). Never logged or written to a manifest."""
     rank: int = 0

@@ -71,14 +71,22 @@ class SaveRecord:
 
 @dataclass(frozen=True)
 class RestoreRecord:
-    """One load: how long it took and where the bytes came from."""
+    """One restore: how long it took, where the time went and where the bytes came from."""
 
     name: str
     step: int
     rank: int
     seconds: float
+    """From the call (``fetch``/``load``) to the files verified, or to the state unpickled (``load``)."""
     source: Literal["local", "cache", "remote"]
     bytes: int
+    find_seconds: float = 0.0
+    """Listing the root and judging its manifests to pick the newest committed (0: the caller named it)."""
+    fetch_seconds: float = 0.0
+    """Getting verified local copies of the files: the CRC-32 check of a cached or local copy, or the
+    download (with its check)."""
+    load_seconds: float = 0.0
+    """``torch.load`` of the file (``AsyncCheckpointer.load`` only: a ``fetch`` leaves it to the caller)."""
 
 
 Event = PhaseEvent | SaveRecord | RestoreRecord

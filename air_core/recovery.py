@@ -5,6 +5,8 @@ whose files verify, skipping a corrupt one with a warning that says why; "no che
 (``FileNotFoundError``) and "none usable" (``CorruptCheckpointError`` naming each) stay distinct.
 Where the bytes come from (the root in place, the local cache, a download) is the destination's job
 (``staging.py``), what is under the root is ``catalog.py``'s; this module never writes the root.
+``load_file`` memory-maps the verified file (``torch.load(mmap=True)``): the tensors read straight from
+the page cache into ``load_state_dict``, so a restore never holds a second full copy of the state.
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ def restore(
     rank: int,
     emit: Emitter,
     files: set[str] | None = None,
-) -> LocalCheckpoint:
+) -> tuple[LocalCheckpoint, RestoreRecord]:
     """Local verified copies of ``ranks``' files of ``info`` (None: the newest committed that verifies),
     or of ``files`` (paths under the root) when given (every one must be in the manifest).
 
-    Emits ``restore_start`` before each candidate is fetched and a ``RestoreRecord`` for the one used.
+    Emits ``restore_start`` before each candidate is fetched; returns the ``RestoreRecord`` of the one
+    used for the caller to emit (``load`` adds its unpickling time first).
 
     Raises:
         FileNotFoundError: there is no committed checkpoint under the root.
@@ -61,6 +64,7 @@ def restore(
     started = time.monotonic()
     problems: list[str] = []
     candidates = [info] if info is not None else _candidates(storage, rank, problems)
+    found = time.monotonic() - started
     for cand in candidates:
         if cand.manifest is None:
             raise CorruptCheckpointError(
@@ -80,6 +84,7 @@ def restore(
                     reason="file not in the manifest",
                 )
         emit(PhaseEvent("restore_start", cand.name, cand.step, rank))
+        fetching = time.monotonic()
         try:
             paths, source = dest.fetch(cand.manifest, entries, max_transfers=max_transfers)
         except CorruptCheckpointError as exc:
@@ -88,12 +93,20 @@ def restore(
             logger.warning("rank %d: skipping checkpoint %s: %s", rank, cand.name, exc)
             problems.append(f"{cand.name}: {exc.reason}")
             continue
-        seconds = time.monotonic() - started
-        emit(RestoreRecord(cand.name, cand.step, rank, seconds, source, sum(e.size for e in entries)))
-        logger.info(
-            "rank %d fetched %s (step %d) from %s in %.2fs", rank, cand.name, cand.step, source, seconds
+        done = time.monotonic()
+        size = sum(e.size for e in entries)
+        record = RestoreRecord(
+            cand.name, cand.step, rank, done - started, source, size, found, fetch_seconds=done - fetching
         )
-        return LocalCheckpoint(cand, paths, source)
+        logger.info(
+            "rank %d fetched %s (step %d) from %s in %.2fs",
+            rank,
+            cand.name,
+            cand.step,
+            source,
+            record.seconds,
+        )
+        return LocalCheckpoint(cand, paths, source), record
     raise CorruptCheckpointError(
         f"no committed checkpoint under {storage.display()} verifies: {'; '.join(problems)}",
         path=storage.display(),
@@ -148,7 +161,11 @@ def verify_with(dest: Destination, info: CheckpointInfo, *, max_transfers: int) 
 
 
 def load_file(local: LocalCheckpoint, *, rank: int, map_location: Any, weights_only: bool | None) -> Any:
-    """``torch.load`` the one verified file of ``rank`` in ``local``.
+    """``torch.load`` the one verified file of ``rank`` in ``local``, memory-mapped.
+
+    The tensors map the file privately (copy on write: changing them never changes the file), so
+    ``load_state_dict`` copies from the page cache and no anonymous copy of the whole state is made.
+    The files are written once and replaced by rename, never in place, so the mapping stays valid.
 
     Raises:
         ConfigError: ``local`` holds no single file of ``rank``, or ``weights_only=True`` refuses
@@ -165,7 +182,7 @@ def load_file(local: LocalCheckpoint, *, rank: int, map_location: Any, weights_o
         )
     (path,) = local.paths.values()
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
     except pickle.UnpicklingError as exc:
         if weights_only is False:
             raise

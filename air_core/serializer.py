@@ -6,45 +6,28 @@ layout of a ``torch.distributed.checkpoint`` data file, and the extent of each i
 
 Two strategies of the ``Serializer`` protocol, chosen once by the checkpointer (``writer=``):
 ``ThreadSerializer`` runs on the writer thread itself; ``ProcessSerializer`` hands the snapshot's
-shared-memory parts to a long-lived, lower-priority process. Either writes only local files: where
-they go next is ``staging.py``'s job. CRC-32 is computed as the bytes pass (zlib releases the GIL on
-big chunks), so no file is read twice.
+shared-memory parts to a long-lived process. Either writes only local files (``directio.DirectFile``:
+around the page cache, CRC-32 as the bytes pass, so no file is read twice): where they go next is
+``staging.py``'s job. Either calls ``tick`` often while serializing, on the writer thread, so the
+writer's priority can follow its deadline (``priority.py``) in whichever thread or process serializes.
 """
 
 from __future__ import annotations
 
-import io
-import os
 import queue
+import threading
 import traceback
-import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any, NamedTuple, Protocol, cast
 
 import torch
 
+from .directio import DirectFile
 from .snapshot import Snapshot, materialize, materialize_parts
 
-
-class _CrcWriter(io.RawIOBase):
-    """A write-only file that checksums what passes through (zlib releases the GIL on big chunks)."""
-
-    def __init__(self, f: io.RawIOBase) -> None:
-        self._f = f
-        self.crc = 0
-        self.size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        self.crc = zlib.crc32(view, self.crc)
-        self.size += len(view)
-        written = 0
-        while written < len(view):
-            written += self._f.write(view[written:])
-        return written
+_POLL_SECONDS = 0.05
+"""How often the writer thread checks on the writer process (and on the deadline of its priority)."""
 
 
 @dataclass
@@ -69,11 +52,10 @@ class Written(NamedTuple):
     """A ``Bundle``'s (offset, length) per item, in order; empty for a plain file."""
 
 
-def serialize_file(state: Any, path: str, *, fsync: bool) -> Written:
+def serialize_file(state: Any, path: str, *, fsync: bool, tick: Callable[[], None] | None = None) -> Written:
     """Write ``state`` (one ``torch.save``, or a ``Bundle``'s items in turn) to ``path``."""
     extents: list[tuple[int, int]] = []
-    with open(path, "wb", buffering=0) as f:
-        w = _CrcWriter(f)
+    with DirectFile(path, tick=tick) as w:
         if isinstance(state, Bundle):
             for item in state.items:
                 start = w.size
@@ -86,29 +68,43 @@ def serialize_file(state: Any, path: str, *, fsync: bool) -> Written:
                 extents.append((start, w.size - start))
         else:
             torch.save(state, cast(IO[bytes], w))
-        if fsync:
-            os.fsync(f.fileno())
+        w.finish(fsync=fsync)
     return Written(w.size, w.crc, tuple(extents))
 
 
-def serialize_files(state: dict[str, Any], paths: dict[str, str], *, fsync: bool) -> dict[str, Written]:
+def serialize_files(
+    state: dict[str, Any], paths: dict[str, str], *, fsync: bool, tick: Callable[[], None] | None = None
+) -> dict[str, Written]:
     """Write each ``state[rel]`` to ``paths[rel]``."""
-    return {rel: serialize_file(state[rel], path, fsync=fsync) for rel, path in paths.items()}
+    return {rel: serialize_file(state[rel], path, fsync=fsync, tick=tick) for rel, path in paths.items()}
 
 
 class Serializer(Protocol):
     """Writes a snapshot (a mapping file -> state) to local files; writer thread only, one call at a time."""
 
-    def write(self, snap: Snapshot, paths: dict[str, str], *, fsync: bool) -> dict[str, Written]: ...
+    @property
+    def native_id(self) -> int:
+        """The OS thread that serializes (its priority is the one that matters): call on the writer thread."""
+        ...
+
+    def write(
+        self, snap: Snapshot, paths: dict[str, str], *, fsync: bool, tick: Callable[[], None]
+    ) -> dict[str, Written]: ...
 
     def close(self) -> None: ...
 
 
 class ThreadSerializer:
-    """Serialize on the writer thread itself (its OS priority is lowered when the thread starts)."""
+    """Serialize on the writer thread itself."""
 
-    def write(self, snap: Snapshot, paths: dict[str, str], *, fsync: bool) -> dict[str, Written]:
-        return serialize_files(materialize(snap), paths, fsync=fsync)
+    @property
+    def native_id(self) -> int:
+        return threading.get_native_id()
+
+    def write(
+        self, snap: Snapshot, paths: dict[str, str], *, fsync: bool, tick: Callable[[], None]
+    ) -> dict[str, Written]:
+        return serialize_files(materialize(snap), paths, fsync=fsync, tick=tick)
 
     def close(self) -> None:
         pass
@@ -116,10 +112,6 @@ class ThreadSerializer:
 
 def _child_main(jobs: Any, results: Any) -> None:
     """The writer process: rebuild each snapshot from shared memory and serialize it."""
-    try:
-        os.nice(10)
-    except OSError:
-        pass
     torch.set_num_threads(1)
     while (job := jobs.get()) is not None:
         try:
@@ -131,7 +123,7 @@ def _child_main(jobs: Any, results: Any) -> None:
 
 
 class ProcessSerializer:
-    """Serialize in a long-lived, lower-priority process fed through shared memory."""
+    """Serialize in a long-lived process fed through shared memory (its priority set by the writer thread)."""
 
     def __init__(self) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
@@ -140,7 +132,13 @@ class ProcessSerializer:
         self._proc = ctx.Process(target=_child_main, args=(self._jobs, self._results), name="air-writer-proc")
         self._proc.start()
 
-    def write(self, snap: Snapshot, paths: dict[str, str], *, fsync: bool) -> dict[str, Written]:
+    @property
+    def native_id(self) -> int:
+        return self._proc.pid or 0  # the process serializes on its main thread, whose id is its pid
+
+    def write(
+        self, snap: Snapshot, paths: dict[str, str], *, fsync: bool, tick: Callable[[], None]
+    ) -> dict[str, Written]:
         self._jobs.put(
             {
                 "skeleton": snap.skeleton,
@@ -154,9 +152,10 @@ class ProcessSerializer:
         )
         while True:
             try:
-                status, value = self._results.get(timeout=1.0)
+                status, value = self._results.get(timeout=_POLL_SECONDS)
                 break
             except queue.Empty:
+                tick()
                 if not self._proc.is_alive():
                     raise RuntimeError(f"the writer process died (exit code {self._proc.exitcode})") from None
         if status != "ok":

@@ -26,6 +26,7 @@ from .config import CheckpointerConfig
 from .errors import SaveError
 from .events import Emitter, Phase, PhaseEvent, SaveRecord
 from .manifest import CheckpointInfo, FileEntry, Manifest, PartRecord, library_versions
+from .priority import WriterPriority, own_nice
 from .serializer import Serializer, Written
 from .snapshot import BufferPool, Snapshot
 from .staging import Destination
@@ -121,6 +122,9 @@ class Writer:
         # The thread runs only while there is work: non-daemon, so the interpreter never exits with a
         # save half done, yet an idle checkpointer that was never closed does not keep a process alive.
         self._thread: threading.Thread | None = None
+        self._priority = WriterPriority()
+        self._training_nice: int | None = None
+        """The nice value of the thread that last submitted: what the writer never stays below."""
 
     @property
     def busy(self) -> frozenset[str]:
@@ -133,6 +137,7 @@ class Writer:
         with self._lock:
             if isinstance(job, SaveJob):
                 self._busy.add(job.name)
+                self._training_nice = own_nice()
             self._queue.put(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"air-writer-r{self._config.rank}")
@@ -148,10 +153,6 @@ class Writer:
         return thread is None or not thread.is_alive()
 
     def _run(self) -> None:
-        try:  # Linux: a thread has its own nice value; a lower priority keeps it off the training's cores.
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        except (OSError, AttributeError):
-            logger.debug("could not lower the writer thread's priority", exc_info=True)
         while True:
             try:
                 job = self._queue.get(timeout=_IDLE_EXIT_SECONDS)
@@ -210,13 +211,24 @@ class Writer:
         )
 
     def _serialize(self, job: SaveJob, run: _Progress) -> dict[str, Written]:
-        """Write the snapshot's files where the destination wants them."""
+        """Write the snapshot's files where the destination wants them.
+
+        The serializing thread yields to training (a background priority) until the save's deadline,
+        and runs at the training thread's priority after it and for the rest of the save.
+        """
         self._phase(job, "serialize_start")
         t0 = time.monotonic()
         job.snapshot.wait_copied()
         temps = self._dest.temp_paths(job.files)
         run.leftovers = [*temps.values(), *self._dest.kept_locally(job.files)]
-        written = self._serializer.write(job.snapshot, temps, fsync=self._dest.fsync)
+        priority = self._priority
+        priority.begin(
+            self._serializer.native_id, training_nice=self._training_nice, nbytes=job.snapshot.nbytes
+        )
+        try:
+            written = self._serializer.write(job.snapshot, temps, fsync=self._dest.fsync, tick=priority.check)
+        finally:
+            priority.finish()
         job.snapshot.remove_spill()
         self._dest.place(temps)
         run.leftovers = self._dest.kept_locally(job.files)

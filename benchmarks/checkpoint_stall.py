@@ -1,20 +1,33 @@
 """How long does a checkpoint stall training? air_core against the usual ways, side by side, in one run.
 
 Saves the same state (a model plus its Adam state, ``--size-mib`` in all) with each method, each in a
-fresh process, and prints per method:
+fresh process, under each ``--load`` scenario, and prints one table per scenario with, per method:
 
 - blocking s:   how long the save call held the training thread;
-- durable s:    from the call until the bytes are on disk (fsynced where the method fsyncs);
+- durable s:    from the call until the checkpoint is durable: committed (manifest written) for
+                air_core, the files fsynced for the others (Lightning's plugin does not fsync: its
+                time is until its write returned);
 - step slowdown: median training-step time while the save runs in the background / idle median;
 - extra MiB:    peak anonymous + shared-memory resident bytes (writer processes included) above
                 the level before the first save; page cache is left out.
 
+The scenarios (``--load``, comma-separated, or ``all``; default ``all``):
+
+- ``idle``:  a small separate step (about 20 ms on one core, torch on all cores but one) runs while
+             the save persists: the machine is half idle;
+- ``train``: the saved model itself trains flat out (forward, backward, Adam step; torch's default
+             intra-op threads, every core) from the moment ``save`` returns, as a real job does;
+- ``train+loader``: ``train`` fed by a DataLoader whose workers (one per core) do CPU-heavy
+             augmentation, sized to keep them busy: a node whose every core is taken.
+
 Each method saves once to warm up (allocations, process start), then ``--repeats`` timed saves, and
 the medians are printed; the memory column covers all saves. Ratios are against ``torch.save``.
 
-    python benchmarks/checkpoint_stall.py                 # 768 MiB state on CPU, all methods
-    python benchmarks/checkpoint_stall.py --size-mib 256 --json
-    python benchmarks/checkpoint_stall.py --device cuda --size-mib 4096
+    python benchmarks/checkpoint_stall.py                 # 768 MiB state on CPU, all methods and loads
+    python benchmarks/checkpoint_stall.py --load train --size-mib 256 --json
+    python benchmarks/checkpoint_stall.py --device cuda --size-mib 4096 --load idle
+
+``--json`` prints one object keyed by scenario, then by method.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ LABELS = {
     "air_process": "air_core (process writer)",
     "air_budget": "air_core (thread, budget 1/4)",
 }
+LOADS = ["idle", "train", "train+loader"]
 
 
 def _rss(pid: int) -> tuple[int, int]:
@@ -131,6 +145,82 @@ def make_step(device: str) -> Callable[[], None]:
     return step
 
 
+WIDTH = 4096
+TRAIN_BATCH = 32
+
+
+class Augmented:
+    """A map-style dataset whose every sample costs ``rounds`` blur + rotate passes over a 3x128x128
+    image (CPU-heavy augmentation, one thread per loader worker), cut to one ``WIDTH`` input row."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
+
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def __getitem__(self, index: int):
+        import math
+
+        import torch
+        import torch.nn.functional as F
+
+        g = torch.Generator().manual_seed(index)
+        img = torch.rand(1, 3, 128, 128, generator=g)
+        kernel = torch.rand(3, 1, 5, 5, generator=g)
+        kernel = kernel / kernel.sum((2, 3), keepdim=True)
+        for _ in range(self.rounds):
+            img = F.conv2d(F.pad(img, (2, 2, 2, 2), mode="reflect"), kernel, groups=3)
+            a = (float(torch.rand(1, generator=g)) - 0.5) * 0.5
+            theta = torch.tensor([[[math.cos(a), -math.sin(a), 0.0], [math.sin(a), math.cos(a), 0.0]]])
+            grid = F.affine_grid(theta, [1, 3, 128, 128], align_corners=False)
+            img = F.grid_sample(img, grid, align_corners=False)
+        return img.flatten()[:WIDTH]
+
+
+def busy_loader(step_seconds: float):
+    """An endless iterator of ``TRAIN_BATCH`` x ``WIDTH`` batches from one loader worker per core.
+
+    The augmentation is sized so a batch costs each worker 1.5x (workers x the idle training step)
+    of CPU time: the workers never wait on a full prefetch queue and every core stays busy.
+    """
+    import torch
+
+    workers = os.cpu_count() or 2
+    probe = Augmented(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a loader worker
+    t = time.perf_counter()
+    for i in range(8):
+        probe[i]
+    per_round = (time.perf_counter() - t) / 8 * TRAIN_BATCH
+    torch.set_num_threads(threads)
+    rounds = max(1, round(1.5 * workers * step_seconds / per_round))
+    loader = torch.utils.data.DataLoader(
+        Augmented(rounds),
+        batch_size=TRAIN_BATCH,
+        num_workers=workers,
+        persistent_workers=True,
+        prefetch_factor=2,
+    )
+    it = iter(loader)
+    for _ in range(2 * workers):  # workers started and the prefetch queue full before any timing
+        next(it)
+    return it, rounds
+
+
+def make_train_step(model, opt, batches) -> Callable[[], None]:
+    """One step of the saved model itself: forward, backward and an Adam step on the next batch."""
+
+    def step() -> None:
+        x = next(batches)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    return step
+
+
 def timed_steps(step: Callable[[], None], n: int) -> list[float]:
     out = []
     for _ in range(n):
@@ -140,43 +230,84 @@ def timed_steps(step: Callable[[], None], n: int) -> list[float]:
     return out
 
 
-def worker(method: str, size_mib: int, device: str, workdir: str, repeats: int) -> dict:
+def idle_steps(step: Callable[[], None], load: str) -> list[float]:
+    """Steps with no save running, right before a timed save: 20 small ones, or about 3 s of training."""
+    if load == "idle":
+        return timed_steps(step, 20)
+    out: list[float] = []
+    while len(out) < 4 or (sum(out) < 3.0 and len(out) < 20):
+        out += timed_steps(step, 1)
+    return out
+
+
+class Durable:
+    """When a save became durable, stamped by a thread that blocks on the method's own future."""
+
+    def __init__(self, wait: Callable[[], object] | None = None) -> None:
+        self.at: float | None = None if wait is not None else time.perf_counter()
+        if wait is not None:
+            threading.Thread(target=self._wait, args=(wait,), daemon=True).start()
+
+    def _wait(self, wait: Callable[[], object]) -> None:
+        wait()
+        self.at = time.perf_counter()
+
+
+def worker(method: str, size_mib: int, device: str, workdir: str, repeats: int, load: str) -> dict:
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    if load == "idle":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     model, opt = build_state(size_mib, device)
-    step = make_step(device)
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     state_bytes += sum(
         v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
     )
+    rounds = None
+    if load == "idle":
+        step = make_step(device)
+    else:
+        x = torch.randn(TRAIN_BATCH, WIDTH, device=device)
+
+        def repeat():
+            while True:
+                yield x
+
+        step = make_train_step(model, opt, repeat())
+        if load == "train+loader":
+            step_seconds = statistics.median(timed_steps(step, 4))
+            batches, rounds = busy_loader(step_seconds)
+            step = make_train_step(model, opt, (b.to(device) for b in batches))
 
     def state() -> dict:
         return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
     save, cleanup = _method(method, workdir, state_bytes)
-    timed_steps(step, 10)  # the step's own allocations happen before the memory baseline
+    timed_steps(step, 3 if load != "idle" else 10)  # the step's own allocations precede the baseline
     mem = PeakMemory()
     results, idle = [], []
     for i in range(1 + repeats):  # the first save warms up (allocations, process start) and is not timed
         path = os.path.join(workdir, f"ckpt-{i}")
         os.sync()  # every save starts with no dirty pages queued: earlier writes must not bill this one
         if i:
-            idle += timed_steps(step, 20)  # idle steps right before each timed save, same conditions
+            idle += idle_steps(step, load)  # right before each timed save, same conditions
         t0 = time.perf_counter()
-        durable_check = save(state(), path, i)
+        durable = save(state(), path, i)
         blocking = time.perf_counter() - t0
         during = []
-        while not durable_check():
-            during += timed_steps(step, 1)
-        durable = time.perf_counter() - t0
+        while durable.at is None:  # train right after save returns, until the save is durable
+            t = time.perf_counter()
+            step()
+            if durable.at is None or durable.at > t:  # started while the save was in flight
+                during.append(time.perf_counter() - t)
         if i:
-            results.append((blocking, durable, during))
+            results.append((blocking, durable.at - t0, during))
     extra = mem.stop()
     cleanup()
     during = [t for r in results for t in r[2]]
     return {
         "method": method,
+        "load": load,
         "state_mib": state_bytes / (1 << 20),
         "repeats": repeats,
         "blocking_seconds": statistics.median(r[0] for r in results),
@@ -186,11 +317,12 @@ def worker(method: str, size_mib: int, device: str, workdir: str, repeats: int) 
         "step_slowdown": (statistics.median(during) / statistics.median(idle)) if during else None,
         "peak_extra_mib": extra / (1 << 20),
         "budget_mib": state_bytes / 4 / (1 << 20) if method == "air_budget" else None,
+        "augment_rounds": rounds,
     }
 
 
 def _method(method: str, workdir: str, state_bytes: int):
-    """Return (save(state, path, i) -> is_durable callable, cleanup)."""
+    """Return (save(state, path, i) -> Durable, cleanup)."""
     import torch
 
     if method == "torch.save":
@@ -200,7 +332,7 @@ def _method(method: str, workdir: str, state_bytes: int):
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
-            return lambda: True
+            return Durable()
 
         return save, lambda: None
 
@@ -212,7 +344,7 @@ def _method(method: str, workdir: str, state_bytes: int):
         def save(state, path, i):
             plugin.save_checkpoint(state, path + ".ckpt")
             marker = plugin._executor.submit(lambda: None)  # FIFO, one worker: done after the save
-            return marker.done
+            return Durable(marker.result)
 
         return save, plugin.teardown
 
@@ -223,8 +355,8 @@ def _method(method: str, workdir: str, state_bytes: int):
         dist.init_process_group("gloo", init_method=f"file://{workdir}/pg", rank=0, world_size=1)
 
         def save(state, path, i):
-            future = dcp.async_save(state, checkpoint_id=path)
-            return future.done
+            future = dcp.async_save(state, checkpoint_id=path)  # FileSystemWriter fsyncs its files
+            return Durable(future.result)
 
         return save, dist.destroy_process_group
 
@@ -243,7 +375,7 @@ def _method(method: str, workdir: str, state_bytes: int):
     def save(state, path, i):
         handle = ckpt.save(state, step=i)
         handle.wait_snapshot()
-        return handle.done
+        return Durable(lambda: handle.wait(None))  # committed: the manifest is written
 
     return save, ckpt.close
 
@@ -252,11 +384,21 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_table(rows: dict[str, dict]) -> None:
+LOAD_TITLES = {
+    "idle": "a small separate step runs during the save",
+    "train": "the saved model trains flat out during the save",
+    "train+loader": "the saved model trains, fed by CPU-heavy loader workers",
+}
+
+
+def print_table(rows: dict[str, dict], load: str = "idle") -> None:
     base = rows.get("torch.save")
-    size = next(iter(rows.values()))["state_mib"]
+    first = next(iter(rows.values()))
+    size = first["state_mib"]
     idle_ms = statistics.median(r["idle_step_seconds"] for r in rows.values()) * 1e3
-    print(f"\nstate: {size:.0f} MiB (model + Adam), {os.cpu_count()} CPUs, idle step {idle_ms:.1f} ms\n")
+    extra = f", {first['augment_rounds']} augmentation rounds" if first.get("augment_rounds") else ""
+    print(f"\nload: {load} ({LOAD_TITLES[load]})")
+    print(f"state: {size:.0f} MiB (model + Adam), {os.cpu_count()} CPUs, idle step {idle_ms:.1f} ms{extra}\n")
     head = f"{'method':32} {'blocking s':>10} {'durable s':>10} {'step slowdown':>14} {'extra MiB':>10}"
     if base:
         head += f" {'blocking/torch.save':>20} {'durable/torch.save':>19}"
@@ -274,7 +416,17 @@ def print_table(rows: dict[str, dict]) -> None:
         if r.get("budget_mib"):
             line += f"   (budget {r['budget_mib']:.0f} MiB)"
         print(line)
-    print("\nstep slowdown: '-' means no step could run: the save blocked until durable.")
+
+
+def parse_loads(text: str) -> list[str]:
+    """``all`` or a comma-separated list of ``LOADS``, in the order given."""
+    loads = LOADS if text == "all" else [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in loads if x not in LOADS]
+    if bad or not loads:
+        raise argparse.ArgumentTypeError(
+            f"--load {text!r}: expected 'all' or a comma-separated list of {', '.join(LOADS)}"
+        )
+    return loads
 
 
 def main() -> int:
@@ -285,46 +437,61 @@ def main() -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
     parser.add_argument(
+        "--load",
+        type=parse_loads,
+        default=LOADS,
+        help="scenarios: 'all' (default) or a comma-separated list of " + ", ".join(LOADS),
+    )
+    parser.add_argument(
         "--repeats", type=int, default=3, help="timed saves per method after a warm-up (default 3)"
     )
     parser.add_argument("--dir", default=None, help="folder for the checkpoints (default: a temp folder)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object keyed by method")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object keyed by load, then by method"
+    )
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.size_mib, args.device, args.dir, args.repeats)))
+        row = worker(args.worker, args.size_mib, args.device, args.dir, args.repeats, args.load[0])
+        print(json.dumps(row))
         return 0
-    rows = {}
-    for method in args.methods:
-        workdir = tempfile.mkdtemp(prefix="air-bench-", dir=args.dir)
-        try:
-            cmd = [
-                sys.executable,
-                __file__,
-                "--worker",
-                method,
-                "--size-mib",
-                str(args.size_mib),
-                "--device",
-                args.device,
-                "--dir",
-                workdir,
-                "--repeats",
-                str(args.repeats),
-            ]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if out.returncode != 0:
-                print(f"{method} failed:\n{out.stderr}", file=sys.stderr)
-                return 1
-            rows[method] = json.loads(out.stdout.strip().splitlines()[-1])
-            if not args.json:
-                print(f"measured {LABELS[method]}", file=sys.stderr, flush=True)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+    tables: dict[str, dict[str, dict]] = {}
+    for load in args.load:
+        rows = tables.setdefault(load, {})
+        for method in args.methods:
+            workdir = tempfile.mkdtemp(prefix="air-bench-", dir=args.dir)
+            try:
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    method,
+                    "--load",
+                    load,
+                    "--size-mib",
+                    str(args.size_mib),
+                    "--device",
+                    args.device,
+                    "--dir",
+                    workdir,
+                    "--repeats",
+                    str(args.repeats),
+                ]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if out.returncode != 0:
+                    print(f"{method} ({load}) failed:\n{out.stderr}", file=sys.stderr)
+                    return 1
+                rows[method] = json.loads(out.stdout.strip().splitlines()[-1])
+                if not args.json:
+                    print(f"measured {LABELS[method]} ({load})", file=sys.stderr, flush=True)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+        if not args.json:
+            print_table(rows, load)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps(tables, indent=1))
     else:
-        print_table(rows)
+        print("\nstep slowdown: '-' means no step could run: the save blocked until durable.")
     return 0
 
 

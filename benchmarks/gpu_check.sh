@@ -79,10 +79,11 @@ print(f"pinned D2H bandwidth: {bw / 1e9:.1f} GB/s")
 open("/tmp/air_d2h_bw", "w").write(str(bw))
 PYEOF
 "$PY" benchmarks/checkpoint_stall.py --device cuda --size-mib "$SIZE_MIB" --dir "${BENCH_DIR:-/tmp}" \
-    --methods torch.save lightning_async dcp_async_save air_thread air_process --json > "$OUT_DIR/gpu_check.json"
+    --load idle --methods torch.save lightning_async dcp_async_save air_thread air_process --json \
+    > "$OUT_DIR/gpu_check.json"
 "$PY" - "$OUT_DIR/gpu_check.json" <<'PYEOF' | tee -a "$OUT_DIR/gpu_check.txt"
 import json, sys
-rows = json.load(open(sys.argv[1]))
+rows = json.load(open(sys.argv[1]))["idle"]
 bw = float(open("/tmp/air_d2h_bw").read())
 sys.path.insert(0, "benchmarks")
 from checkpoint_stall import print_table

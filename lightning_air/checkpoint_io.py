@@ -183,8 +183,13 @@ class AirCheckpointIO(CheckpointIO):
             self.session.close_checkpointer()
 
     def latest_checkpoint(self, dirpath: str) -> str | None:
-        """``latest_checkpoint(dirpath)`` with this plugin's storage_options."""
-        return latest_checkpoint(dirpath, storage_options=self._settings["storage_options"])
+        """``latest_checkpoint(dirpath)`` with this plugin's ``storage_options`` and ``staging_dir`` (the
+        files it verifies land in the cache the resume then reads: no second download)."""
+        return latest_checkpoint(
+            dirpath,
+            storage_options=self._settings["storage_options"],
+            staging_dir=self._settings["staging_dir"],
+        )
 
     @override
     def save_checkpoint(
@@ -416,12 +421,19 @@ def _top(path: str) -> str:
     return path.split("/", 1)[0]
 
 
-def latest_checkpoint(dirpath: str, storage_options: dict[str, Any] | None = None) -> str | None:
+def latest_checkpoint(
+    dirpath: str, storage_options: dict[str, Any] | None = None, staging_dir: str | None = None
+) -> str | None:
     """The path of the newest committed, verified checkpoint under ``dirpath``, or None to start fresh.
 
-    Pass it as ``Trainer.fit(ckpt_path=...)`` so that relaunching the same command resumes.
+    Pass it as ``Trainer.fit(ckpt_path=...)`` so that relaunching the same command resumes. Verifying a
+    remote checkpoint downloads it into the local cache under ``staging_dir``: pass the
+    ``AirCheckpointIO``'s (or call ``plugin.latest_checkpoint``) so the resume reads that verified copy
+    instead of downloading it again.
     """
-    with AsyncCheckpointer(dirpath, storage_options=storage_options, read_only=True) as ckpt:
+    with AsyncCheckpointer(
+        dirpath, storage_options=storage_options, staging_dir=staging_dir, read_only=True
+    ) as ckpt:
         for info in reversed(ckpt.list()):
             if info.status == "corrupt":
                 logger.warning("skipping checkpoint %s: %s", info.name, info.reason)

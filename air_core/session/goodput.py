@@ -10,10 +10,11 @@ last segment; the time they covered then counts as "other". A rank the hang watc
 leaves a ``hang`` record beside the logs (``air_core.health.watchdog``), read into its launch's events.
 
 ``analyze`` reads every launch's events and splits the wall time from the first start to the last
-event into productive step time and what was lost: checkpoint stalls, data waits, start-up and restore,
-recomputed work (steps a launch ran after the checkpoint the next launch resumed from), hangs (from a
-stopped rank's last progress to its exit) and the rest (time between launches, evaluation, teardown).
-goodput = productive / wall.
+event into productive step time and what was lost: checkpoint stalls, data waits, start-up (process
+start to the first step, less the restore: imports, process group, model build), restore (the restore
+records' seconds: finding, fetching and unpickling the checkpoint), recomputed work (steps a launch ran
+after the checkpoint the next launch resumed from), hangs (from a stopped rank's last progress to its
+exit) and the rest (time between launches, evaluation, teardown). goodput = productive / wall.
 """
 
 from __future__ import annotations
@@ -191,7 +192,11 @@ class Goodput:
     productive: float
     checkpoint_stalls: float
     data_waits: float
-    startup_and_restore: float
+    startup: float
+    """From each launch's process start to its first step, less its restore: imports, process group,
+    model and loader construction."""
+    restore: float
+    """The restore records' seconds of each launch before its first step (find, fetch, unpickle)."""
     recomputed: float
     other: float
     launches: int
@@ -220,7 +225,8 @@ class Goodput:
             ("productive step time", self.productive),
             ("checkpoint stalls", self.checkpoint_stalls),
             ("data waits", self.data_waits),
-            ("start-up and restore", self.startup_and_restore),
+            ("start-up (imports, process group)", self.startup),
+            ("restore", self.restore),
             (f"recomputed work ({self.recomputed_steps} steps)", self.recomputed),
             (f"lost to hangs ({self.hang_count})", self.hangs),
             ("other (between launches, eval, teardown)", self.other),
@@ -237,8 +243,8 @@ class Goodput:
 def analyze(launches: list[list[dict[str, Any]]]) -> Goodput:
     """Split the wall time of these launches (from ``read_events``) into productive and lost time."""
     if not launches:
-        return Goodput(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
-    productive = stalls = waits = startup = recomputed = hangs = 0.0
+        return Goodput(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
+    productive = stalls = waits = startup = restore = recomputed = hangs = 0.0
     steps_total = recomputed_steps = hang_count = 0
     first_start = min(e["t"] for e in launches[0] if e["e"] == "start")
     last_seen = max(e["t"] for events in launches for e in events)
@@ -254,7 +260,12 @@ def analyze(launches: list[list[dict[str, Any]]]) -> Goodput:
         redone = {e["s"] for e in steps if resumed is not None and e["s"] > resumed}
         blocking = {e["s"]: e["blocking"] for e in events if e["e"] == "save"}
         if steps:
-            startup += max(steps[0]["t"] - steps[0]["d"] - start, 0.0)
+            first = steps[0]["t"] - steps[0]["d"]
+            before = max(first - start, 0.0)
+            # The restores this launch made before its first step (a load mid-run is in step or other time).
+            restored = sum(e["seconds"] for e in events if e["e"] == "restore" and e["t"] <= first)
+            restore += min(restored, before)
+            startup += before - min(restored, before)
         # A hang: from the stopped rank's last progress to its exit (ranks that fired together, once).
         stopped = [e["since"] for e in events if e["e"] == "hang"]
         if stopped:
@@ -272,13 +283,14 @@ def analyze(launches: list[list[dict[str, Any]]]) -> Goodput:
             waits += e["f"]
             stalls += stall
     wall = last_seen - first_start
-    other = max(wall - productive - stalls - waits - startup - recomputed - hangs, 0.0)
+    other = max(wall - productive - stalls - waits - startup - restore - recomputed - hangs, 0.0)
     return Goodput(
         wall,
         productive,
         stalls,
         waits,
         startup,
+        restore,
         recomputed,
         other,
         len(launches),

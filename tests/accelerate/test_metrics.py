@@ -89,7 +89,7 @@ def test_a_resumed_job_continues_its_run_and_its_goodput_accounts_for_the_crash(
     assert g.other >= 2.0 - 0.2, "the gap between the launches is lost time, not productive"
     assert g.steps >= 32 - 5, "every step of the relaunch is in the log"
     assert g.goodput < (ended - killed_at) / (ended - first_started), "the crash cost goodput"
-    parts = g.productive + g.checkpoint_stalls + g.data_waits + g.startup_and_restore + g.recomputed + g.other
+    parts = g.productive + g.checkpoint_stalls + g.data_waits + g.startup + g.restore + g.recomputed + g.other
     assert parts == pytest.approx(g.wall)
 
 

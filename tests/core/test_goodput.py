@@ -34,13 +34,29 @@ def test_the_wall_time_of_a_killed_and_resumed_job_splits_exactly():
     g = analyze([first, second])
     assert g.wall == 27.0 and g.launches == 2 and g.steps == 6 and g.recomputed_steps == 2
     assert g.recomputed == 2.0, "launch 1's steps 3 and 4"
-    assert g.startup_and_restore == pytest.approx(8.0 + 4.0), "start to first step start, per launch"
+    assert g.restore == 0.5, "launch 2's restore record, before its first step"
+    assert g.startup == pytest.approx(8.0 + 3.5), "start to first step start, per launch, less the restore"
     assert g.data_waits == pytest.approx(0.1 + 0.1 + 0.2 + 0.2)
     assert g.checkpoint_stalls == 0.0, "the save's stall fell in step 3 of launch 1, which was recomputed"
     assert g.productive == pytest.approx((2.0 - 0.1) + (1.0 - 0.1) + (1.0 - 0.2) * 2)
-    parts = g.productive + g.checkpoint_stalls + g.data_waits + g.startup_and_restore + g.recomputed + g.other
+    parts = g.productive + g.checkpoint_stalls + g.data_waits + g.startup + g.restore + g.recomputed + g.other
     assert parts == pytest.approx(g.wall)
     assert g.goodput == pytest.approx(g.productive / 27.0)
+    report = g.report()
+    assert "start-up (imports, process group)" in report and "  restore " in report, report
+    assert g.as_metrics()["goodput_restore_seconds"] == 0.5
+
+
+def test_only_a_restore_before_the_first_step_counts_as_restore():
+    events = _launch(0.0, [(1, 10.0, 1.0, 0.0), (2, 14.0, 1.0, 0.0)])
+    # A load after step 1 (a notebook's ``load`` mid-run) is not the launch's restore.
+    events.append({"e": "restore", "s": 1, "t": 12.0, "seconds": 2.0, "source": "cache"})
+    g = analyze([events])
+    assert (g.startup, g.restore) == (9.0, 0.0), f"start-up is start to first step start: {g}"
+    events = _launch(0.0, [(1, 3.0, 1.0, 0.0)])
+    events.insert(1, {"e": "restore", "s": 5, "t": 1.5, "seconds": 5.0, "source": "remote"})
+    g = analyze([events])
+    assert (g.startup, g.restore) == (0.0, 2.0), f"the restore is capped at the time before the step: {g}"
 
 
 def test_the_log_survives_as_segments_and_reads_back_in_order(tmp_path):

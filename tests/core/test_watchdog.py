@@ -229,7 +229,7 @@ def test_a_hang_is_its_own_badput_line_and_a_logless_launch_still_counts(tmp_pat
     g = analyze(launches)
     assert (g.hang_count, g.hangs) == (2, 18.0), f"both hangs, 10 s + 8 s: {g}"
     assert "lost to hangs (2)" in g.report() and g.as_metrics()["goodput_hangs_seconds"] == 18.0
-    parts = g.productive + g.checkpoint_stalls + g.data_waits + g.startup_and_restore + g.recomputed
+    parts = g.productive + g.checkpoint_stalls + g.data_waits + g.startup + g.restore + g.recomputed
     assert parts + g.hangs + g.other == pytest.approx(g.wall), "the hang is carved out of the wall time"
 
 
