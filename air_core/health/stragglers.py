@@ -19,7 +19,7 @@ import re
 import socket
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,9 @@ class Scores:
     """This rank's best median so far / its current one (1.0: as fast as it ever was)."""
     stragglers: tuple[int, ...]
     """Ranks under the threshold by either score, slowest first."""
+    below_best: tuple[int, ...] = ()
+    """Ranks under the threshold by their individual score in this window (named by it only when they
+    were in the window before too)."""
 
     def of(self, rank: int) -> float | None:
         """``rank``'s score: the lower of its two (None: no section timed)."""
@@ -70,6 +73,7 @@ def score(
     step: int,
     threshold: float,
     min_lost_seconds: float = 1e-3,
+    below_best_before: Collection[int] = (),
 ) -> Scores:
     """Score one window of every rank.
 
@@ -81,6 +85,10 @@ def score(
         min_lost_seconds: a rank is named only if it loses at least this much per step against the
             reference (the fastest rank's median, or its own best): sections of a fraction of a
             millisecond are all noise.
+        below_best_before: the previous window's ``below_best``. The individual score names a rank
+            only in the second window in a row under the threshold: one slow window of a rank compared
+            with itself is mostly the job's own work (a save's writer, a new epoch's workers), not the
+            node; the relative score compares ranks doing the same work, and names at once.
 
     Returns:
         The scores; ``stragglers`` in rising score order.
@@ -90,6 +98,7 @@ def score(
     relative: list[float | None] = []
     individual: list[float | None] = []
     named: list[tuple[float, int]] = []
+    below_best: list[int] = []
     for rank, median in enumerate(medians):
         if median is None or median <= 0 or fastest is None:
             relative.append(None)
@@ -101,15 +110,18 @@ def score(
         relative.append(rel)
         individual.append(ind)
         slow_vs_others = rel < threshold and median - fastest >= min_lost_seconds
-        slow_vs_itself = ind < threshold and median - own_best >= min_lost_seconds
+        if ind < threshold and median - own_best >= min_lost_seconds:
+            below_best.append(rank)
+        slow_vs_itself = rank in below_best and rank in below_best_before
         if slow_vs_others or slow_vs_itself:
-            named.append((min(rel, ind), rank))
+            named.append((min(rel, ind) if slow_vs_itself else rel, rank))
     return Scores(
         step=step,
         medians=tuple(medians),
         relative=tuple(relative),
         individual=tuple(individual),
         stragglers=tuple(rank for _, rank in sorted(named)),
+        below_best=tuple(below_best),
     )
 
 
@@ -125,14 +137,21 @@ class StragglerDetector:
         self.threshold = threshold
         self.min_lost_seconds = min_lost_seconds
         self.best: list[float | None] = []
+        self._below_best: tuple[int, ...] = ()
 
     def update(self, medians: Sequence[float | None], *, step: int) -> Scores:
         """Score this window against the earlier ones, then remember each rank's best."""
         if len(self.best) != len(medians):
             self.best = [None] * len(medians)
         scores = score(
-            medians, self.best, step=step, threshold=self.threshold, min_lost_seconds=self.min_lost_seconds
+            medians,
+            self.best,
+            step=step,
+            threshold=self.threshold,
+            min_lost_seconds=self.min_lost_seconds,
+            below_best_before=self._below_best,
         )
+        self._below_best = scores.below_best
         pairs = zip(self.best, medians, strict=True)
         self.best = [m if b is None else (b if m is None else min(b, m)) for b, m in pairs]
         return scores
