@@ -38,6 +38,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYER = 2048  # a Linear(2048, 2048) without bias: 16 MiB of float32
@@ -156,21 +157,6 @@ def worker(spec: dict) -> dict:
     elif method.startswith("lightning"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        class Module(pl.LightningModule):
-            def __init__(self) -> None:
-                super().__init__()
-                self.net = model
-
-            def training_step(self, batch, _):
-                x, y = batch
-                return torch.nn.functional.mse_loss(self.net(x), y)
-
-            def configure_optimizers(self):
-                return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-            def train_dataloader(self):
-                return torch.utils.data.DataLoader(batches(), batch_size=1)
-
         class FirstStep(pl.Callback):
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
                 first_step(pl_module.net)
@@ -190,7 +176,7 @@ def worker(spec: dict) -> dict:
             ckpt_path = root
         trainer = _trainer(pl, max_steps=2, plugins=plugins, callbacks=callbacks)
         try:
-            trainer.fit(Module(), ckpt_path=ckpt_path)
+            trainer.fit(_lightning_module(model), ckpt_path=ckpt_path)
         except _Done:
             pass
     else:
@@ -241,6 +227,30 @@ def _trainer(pl, **kw):
     )
 
 
+def _lightning_module(model: Any) -> Any:
+    """The LightningModule both the saving and the restoring process train (Lightning imported lazily:
+    the restoring process times its import)."""
+    import lightning.pytorch as pl
+    import torch
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(batches(), batch_size=1)
+
+    return Module()
+
+
 def _checkpoint_every_step(root: str):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -268,21 +278,6 @@ def prepare(spec: dict) -> dict:
     if method.startswith("lightning"):
         import lightning.pytorch as pl
 
-        class Module(pl.LightningModule):
-            def __init__(self) -> None:
-                super().__init__()
-                self.net = model
-
-            def training_step(self, batch, _):
-                x, y = batch
-                return torch.nn.functional.mse_loss(self.net(x), y)
-
-            def configure_optimizers(self):
-                return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-            def train_dataloader(self):
-                return torch.utils.data.DataLoader(batches(), batch_size=1)
-
         if method == "lightning_air":
             from lightning_air import AirCallback, AirCheckpointIO
 
@@ -294,7 +289,7 @@ def prepare(spec: dict) -> dict:
             plugins = []
             callbacks = [ModelCheckpoint(dirpath=os.path.dirname(root), filename="stock", save_top_k=-1)]
         trainer = _trainer(pl, max_steps=1, plugins=plugins, callbacks=callbacks)
-        trainer.fit(Module())
+        trainer.fit(_lightning_module(model))
         return {"marker": float(model[0].weight[0, 0])}
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(batches(), batch_size=1)
