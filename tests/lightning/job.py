@@ -2,7 +2,7 @@
 
     python tests/lightning/job.py WORKDIR [--workers N] [--loader plain|stateful|iterable]
         [--source module|fit|datamodule] [--every K] [--epochs E] [--kill STEP:PHASE]
-        [--devices D] [--top-k K] [--root URL --endpoint URL]
+        [--devices D] [--top-k K] [--root URL --endpoint URL] [--hang STEP:RANK --hang-timeout S]
 
 Trains a dropout MLP on a map-style dataset of numbered samples augmented from the global RNG (of the
 loader worker, or of the main process), checkpointing every K steps through AirCheckpointIO (staged),
@@ -11,7 +11,8 @@ resuming from lightning_air.latest_checkpoint(). The train loader comes from
 LightningDataModule (datamodule). Each process appends the sample ids and the augmented features' sums
 of every step to WORKDIR/ids-rank<R>.jsonl and, at the end, rank 0 writes the final weights to
 WORKDIR/final.pt. --kill SIGKILLs the process (of RANK, default every rank) when the save of STEP
-reaches PHASE.
+reaches PHASE. --hang makes RANK sleep forever inside step STEP on the first launch only (a marker
+file), with a hang watchdog timeout of S on that rank (run it under torchrun, which restarts it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -43,6 +45,25 @@ class SaveLoaded(pl.Callback):
         torch.save(pl_module.state_dict(), os.path.join(self.workdir, f"loaded-rank{trainer.global_rank}.pt"))
 
 
+def sleep_forever_in_a_step() -> None:
+    while True:
+        time.sleep(1)
+
+
+class HangOnce(pl.Callback):
+    """--hang STEP:RANK: that rank sleeps forever inside step STEP (1-based), on the first launch only."""
+
+    def __init__(self, workdir: str, spec: str) -> None:
+        self.marker = os.path.join(workdir, "hung-once")
+        self.step, self.rank = (int(x) for x in spec.split(":"))
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *_: object) -> None:
+        here = (trainer.global_step + 1, trainer.global_rank)
+        if here == (self.step, self.rank) and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            sleep_forever_in_a_step()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("workdir")
@@ -63,6 +84,8 @@ def main() -> None:
     p.add_argument("--experiment", default="air-test", help="MLflow experiment of a new run")
     p.add_argument("--elastic", action="store_true", help="AirCallback(elastic=True)")
     p.add_argument("--dump-loaded", action="store_true", help="each rank saves its weights at train start")
+    p.add_argument("--hang", default="", help="STEP:RANK: that rank sleeps forever in that step, once")
+    p.add_argument("--hang-timeout", type=float, default=3.0, help="with --hang: that rank's hang timeout")
     args = p.parse_args()
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     for name in ("lightning_air", "air_core"):
@@ -96,9 +119,11 @@ def main() -> None:
                 mlflow=bool(args.mlflow),
                 mlflow_experiment=args.experiment,
                 elastic=args.elastic,
+                hang_timeout_seconds=_hang_timeout(args),
             ),
             ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=args.top_k),
             *([SaveLoaded(args.workdir)] if args.dump_loaded else []),
+            *([HangOnce(args.workdir, args.hang)] if args.hang else []),
         ],
         logger=MLFlowLogger(args.experiment, tracking_uri=args.mlflow) if args.mlflow_logger else False,
         enable_progress_bar=False,
@@ -116,6 +141,13 @@ def main() -> None:
         trainer.fit(model, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         torch.save(model.state_dict(), os.path.join(args.workdir, "final.pt"))
+
+
+def _hang_timeout(args: argparse.Namespace) -> float | None:
+    """Only the hanging rank gets the short limit: the others wait for it in a collective."""
+    if not args.hang:
+        return None
+    return args.hang_timeout if int(os.environ.get("RANK", "0")) == int(args.hang.split(":")[1]) else None
 
 
 if __name__ == "__main__":
