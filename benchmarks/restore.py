@@ -183,12 +183,7 @@ def worker(spec: dict) -> dict:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         loader = torch.utils.data.DataLoader(batches(), batch_size=1)
         if method == "accelerate_air":
-            from accelerate_air import AirAccelerator, AirPlugin
-
-            plugin = AirPlugin(
-                root, staging_dir=spec["stage"], storage_options=opts, mlflow=False, preflight=False
-            )
-            acc = AirAccelerator(air_plugin=plugin, cpu=True)
+            acc = _air_accelerator(root, spec, opts)
             model, opt, loader = acc.prepare(model, opt, loader)
             acc.resume()
         else:
@@ -225,6 +220,15 @@ def _trainer(pl, **kw):
         num_sanity_val_steps=0,
         **kw,
     )
+
+
+def _air_accelerator(root: str, spec: dict[str, Any], opts: dict[str, Any] | None) -> Any:
+    """The ``AirAccelerator`` both the saving and the restoring process use (pre-flight off: start-up,
+    not restore)."""
+    from accelerate_air import AirAccelerator, AirPlugin
+
+    plugin = AirPlugin(root, staging_dir=spec["stage"], storage_options=opts, mlflow=False, preflight=False)
+    return AirAccelerator(air_plugin=plugin, cpu=True)
 
 
 def _lightning_module(model: Any) -> Any:
@@ -294,12 +298,7 @@ def prepare(spec: dict) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     loader = torch.utils.data.DataLoader(batches(), batch_size=1)
     if method == "accelerate_air":
-        from accelerate_air import AirAccelerator, AirPlugin
-
-        plugin = AirPlugin(
-            root, staging_dir=spec["stage"], storage_options=opts, mlflow=False, preflight=False
-        )
-        acc = AirAccelerator(air_plugin=plugin, cpu=True)
+        acc = _air_accelerator(root, spec, opts)
     else:
         from accelerate import Accelerator
 

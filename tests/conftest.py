@@ -146,6 +146,21 @@ def run_python(
     )
 
 
+def run_torchrun(job: str, workdir: Any, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
+    """Run ``job WORKDIR ARGS`` as two processes under ``torchrun --max-restarts restarts`` (the
+    pre-imported interpreter, ``tests/zygote.py``); assert it finished."""
+    from tests.zygote import python
+
+    command = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["--max-restarts", str(restarts), job, str(workdir), *args]
+    # torchrun's agent shares its rendezvous store with the workers, and a restarted worker may read the
+    # previous attempt's gloo addresses from it (pytorch#135712, #167288): each attempt gets its own.
+    env = {**os.environ, "PYTHONPATH": REPO, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, f"the job must finish ({args}):\n{done.stderr[-4000:]}"
+    return done
+
+
 @dataclass
 class MlflowServer:
     """A real ``mlflow server`` on 127.0.0.1 with a sqlite store."""

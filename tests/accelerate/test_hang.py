@@ -4,40 +4,25 @@ the job, and it resumes from its newest commit to end bitwise equal to an uninte
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-from pathlib import Path
 
 from air_core.cli import main as air_cli
 from air_core.health import HANG_EXIT_CODE
 from air_core.session import goodput_of
 from air_core.storage import Storage
 from tests.accelerate.runs import JOB, stats
-from tests.conftest import REPO
+from tests.conftest import run_torchrun
 from tests.sameness import assert_same_run
-from tests.zygote import python
 
 TRAINING = ("--epochs", "2", "--every", "5")  # 8 steps per epoch on 2 processes, saves at 5, 10, 15
-
-
-def _torchrun(workdir: Path, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
-    command = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command += ["--max-restarts", str(restarts), JOB, str(workdir), *TRAINING, *args]
-    # torchrun's agent shares its rendezvous store with the workers, and a restarted worker may read the
-    # previous attempt's gloo addresses from it (pytorch#135712, #167288): each attempt gets its own.
-    env = {**os.environ, "PYTHONPATH": REPO, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    assert done.returncode == 0, f"the job must finish ({args}):\n{done.stderr[-4000:]}"
-    return done
 
 
 def test_a_rank_hung_inside_a_step_is_restarted_and_the_job_resumes_exactly(tmp_path, capsys):
     reference, hung = tmp_path / "reference", tmp_path / "hung"
     reference.mkdir()
     hung.mkdir()
-    _torchrun(reference)
-    out = _torchrun(hung, "--hang", "13:1", "--hang-timeout", "3", restarts=1)
+    run_torchrun(JOB, reference, *TRAINING)
+    out = run_torchrun(JOB, hung, *TRAINING, "--hang", "13:1", "--hang-timeout", "3", restarts=1)
     assert (hung / "hung-once").exists(), "rank 1 hung in step 13 of the first launch"
     assert f"exitcode  : {HANG_EXIT_CODE}" in out.stderr or f"exitcode: {HANG_EXIT_CODE}" in out.stderr, (
         f"torchrun saw the watchdog's exit code {HANG_EXIT_CODE}:\n{out.stderr[-4000:]}"

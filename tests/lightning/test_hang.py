@@ -4,38 +4,23 @@ bitwise equal to an uninterrupted run, with the same samples per rank and step."
 
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 
 from air_core.health import HANG_EXIT_CODE
-from tests.conftest import REPO
+from tests.conftest import run_torchrun
 from tests.lightning.test_crash_resume import JOB
 from tests.sameness import assert_same_run
-from tests.zygote import python
 
 pytestmark = pytest.mark.slow
 TRAINING = ("--devices", "2", "--epochs", "2", "--every", "5")
-
-
-def _torchrun(workdir: Path, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
-    command = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command += ["--max-restarts", str(restarts), JOB, str(workdir), *TRAINING, *args]
-    # a restarted worker must not read the previous attempt's gloo addresses (pytorch#135712)
-    env = {**os.environ, "PYTHONPATH": REPO, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    assert done.returncode == 0, f"the job must finish ({args}):\n{done.stderr[-4000:]}"
-    return done
 
 
 def test_a_lightning_rank_hung_inside_a_step_is_restarted_and_resumes_exactly(tmp_path):
     reference, hung = tmp_path / "reference", tmp_path / "hung"
     reference.mkdir()
     hung.mkdir()
-    _torchrun(reference)
-    out = _torchrun(hung, "--hang", "13:1", "--hang-timeout", "3", restarts=1)
+    run_torchrun(JOB, reference, *TRAINING)
+    out = run_torchrun(JOB, hung, *TRAINING, "--hang", "13:1", "--hang-timeout", "3", restarts=1)
     assert (hung / "hung-once").exists(), "rank 1 hung in step 13 of the first launch"
     assert f"exitcode  : {HANG_EXIT_CODE}" in out.stderr or f"exitcode: {HANG_EXIT_CODE}" in out.stderr, (
         f"torchrun saw the watchdog's exit code {HANG_EXIT_CODE}:\n{out.stderr[-4000:]}"
