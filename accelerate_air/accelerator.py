@@ -25,6 +25,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import DistributedType, broadcast_object_list
+from torch.utils.serialization import config as serialization_config
 from typing_extensions import override
 
 from air_core import (
@@ -335,11 +336,13 @@ class AirAccelerator(Accelerator):
                     what=f"AirAccelerator.load_state: {label}/{model_file(i)}",
                     fix="Resume with the model it was saved from, or give this run its own AirPlugin root.",
                 )
-        if self._air_sharded and ckpt is not None and info is not None:  # FSDP2 shards: the core's reader
-            load_sharded(ckpt, info, self._models, self._optimizers, folder=prefix)
-            with hidden(self, "_models", "_optimizers"):  # Accelerate would read them from local folders
-                super().load_state(folder, load_kwargs, **load_model_func_kwargs)
-        else:
+        with contextlib.ExitStack() as stack:
+            if ckpt is not None:  # files we wrote: mapped, not read into memory (Accelerate's torch.load
+                # takes no mmap for the model); the setting is thread-local and torch's documented default
+                stack.enter_context(serialization_config.patch("load.mmap", True))  # type: ignore[attr-defined]
+            if self._air_sharded and ckpt is not None and info is not None:  # FSDP2 shards: the core's reader
+                load_sharded(ckpt, info, self._models, self._optimizers, folder=prefix)
+                stack.enter_context(hidden(self, "_models", "_optimizers"))  # not again from local folders
             super().load_state(folder, load_kwargs, **load_model_func_kwargs)
         needed = self.air_session.ranks_to_load(saved)
         if not needed or any(r not in states for r in needed):

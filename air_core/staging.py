@@ -198,13 +198,11 @@ class Staged:
         if cached == manifest.to_json() and all(_matches(paths[e.path], e) for e in entries):
             return paths, "cache"
 
-        def download(e: FileEntry) -> None:
-            self._storage.get_file(e.path, paths[e.path])
+        self._storage.get_files(paths, max_transfers=max_transfers)
+        for e in entries:
             if not _matches(paths[e.path], e):
                 os.unlink(paths[e.path])
                 raise _corrupt(self._storage, manifest, e)
-
-        transfer_all(download, entries, max_transfers=max_transfers, name="air-download")
         self.remember(manifest)
         return paths, "remote"
 

@@ -1,10 +1,11 @@
-"""The destination: the only module that imports fsspec.
+"""The destination: the only module that imports fsspec (with ``download.py``, its range reader).
 
 A root URL becomes a filesystem of our own (outside fsspec's instance cache) with a few verbs over
 root-relative paths. A file appears at its final name only when complete: on POSIX by temp file,
 fsync, rename and folder fsync; on an object store by one completed PUT, never by rename. Transient
 errors are retried with backoff and jitter; anything else is a ``StorageError`` naming the path and
-the fix. ``transfer_all`` bounds parallel transfers. It knows nothing of checkpoints or layouts.
+the fix. ``transfer_all`` bounds parallel transfers; downloads go by byte ranges (``download.py``).
+It knows nothing of checkpoints or layouts.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import IO, Any, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from . import download
 from .directio import copy_file
 from .errors import ConfigError, StorageError
 from .layout import RESERVED_DIRS, TEMP_MARK, probe_path
@@ -152,8 +154,7 @@ class Storage:
                 os.fsync(f.fileno())
             _rename_durably(tmp, final)
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            _discard(tmp)
 
     def local_temp(self, rel: str) -> str:
         """A temp path beside ``rel``'s final place (local roots), for ``place_local``."""
@@ -209,18 +210,47 @@ class Storage:
 
     def get_file(self, rel: str, local_path: str) -> None:
         """Download ``rel`` to ``local_path``, which appears only when complete."""
-        os.makedirs(os.path.dirname(local_path), exist_ok=True)
-        tmp = _temp_name(local_path)
+        self.get_files({rel: local_path}, max_transfers=1)
 
-        def get() -> None:
-            try:
-                self.fs.get_file(self.path(rel), tmp)
-                os.replace(tmp, local_path)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
+    def get_files(self, files: dict[str, str], *, max_transfers: int) -> None:
+        """Download each ``rel`` to its local path, which appears only when complete.
 
-        self.call("download", rel, get)
+        The files are split into byte ranges (``download.py``) streamed into preallocated temp files,
+        ``max_transfers`` ranges at a time over all the files; a failed range is retried alone.
+        """
+        started = time.perf_counter()
+        ranges: list[tuple[str, int, int, int]] = []  # (rel, temp file descriptor, start, end)
+        with contextlib.ExitStack() as cleanup:  # last in, first out: close each temp, then drop it
+            temps = {}
+            for rel, local in files.items():
+                size = self.size(rel)
+                os.makedirs(os.path.dirname(local), exist_ok=True)
+                temps[local] = tmp = _temp_name(local)
+                cleanup.callback(_discard, tmp)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                cleanup.callback(os.close, fd)
+                os.ftruncate(fd, size)
+                ranges += [(rel, fd, start, end) for start, end in download.parts(size)]
+
+            def get(item: tuple[str, int, int, int]) -> None:
+                rel, fd, start, end = item
+                path = self.path(rel)
+                self.call("download", rel, lambda: download.read_range(self.fs, path, start, end, fd))
+
+            transfer_all(get, ranges, max_transfers=max_transfers, name="air-download")
+            for local, tmp in temps.items():
+                os.replace(tmp, local)
+        total = sum(end - start for _, _, start, end in ranges)
+        seconds = time.perf_counter() - started
+        logger.info(
+            "downloaded %d file(s), %.1f MiB in %d range(s) from %s in %.2fs (%.0f MiB/s)",
+            len(files),
+            total / 2**20,
+            len(ranges),
+            self.display(),
+            seconds,
+            total / 2**20 / max(seconds, 1e-9),
+        )
 
     def sizes(self, rel_dir: str = "") -> dict[str, int]:
         """Every file below ``rel_dir`` with its size, keyed by path relative to the root (fresh listing)."""
@@ -241,6 +271,10 @@ class Storage:
             if path.startswith(prefix) and info.get("type", "file") == "file":
                 out[path[len(prefix) :]] = int(info["size"])
         return out
+
+    def size(self, rel: str) -> int:
+        """The size of the file at ``rel``; ``FileNotFoundError`` if absent."""
+        return self.call("check", rel, lambda: int(self.fs.info(self.path(rel))["size"]))
 
     def exists(self, rel: str) -> bool:
         return self.call("check", rel, lambda: self.fs.exists(self.path(rel)))
@@ -306,6 +340,11 @@ def transfer_all(
 def _temp_name(final: str) -> str:
     head, tail = os.path.split(final)
     return os.path.join(head, f".{tail}{TEMP_TAG}{uuid.uuid4().hex[:8]}")
+
+
+def _discard(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _rename_durably(tmp: str, final: str) -> None:

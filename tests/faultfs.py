@@ -42,6 +42,10 @@ class FlakyFileSystem(MemoryFileSystem):
         self._maybe_fail("put")
         return super().put_file(lpath, rpath, **kw)
 
+    def cat_file(self, path, start=None, end=None, **kw):
+        self._maybe_fail("get")
+        return super().cat_file(path, start=start, end=end, **kw)
+
     def pipe_file(self, path, value, **kw):
         self._maybe_fail("pipe")
         return super().pipe_file(path, value, **kw)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
 import pytest
 import torch
 
-from air_core import AsyncCheckpointer, RestoreRecord
+from air_core import AsyncCheckpointer, RestoreRecord, download
 from tests.conftest import REPO, run_python
 from tests.faults.s3proxy import FaultProxy
 
@@ -57,6 +58,39 @@ def test_a_restore_with_a_verified_cached_copy_reads_no_data_byte_from_remote(s3
         proxy.close()
 
 
+def test_a_cold_restore_streams_parallel_byte_ranges_that_cover_each_file_once(
+    s3_root, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(download, "PART_BYTES", 4 << 20)  # a 24 MiB file: 6 ranges
+    proxy = FaultProxy(s3_root.endpoint)
+    try:
+        opts = {"client_kwargs": {"endpoint_url": proxy.url}}
+        state = _state(24)
+        with AsyncCheckpointer(s3_root.url, staging_dir=str(tmp_path / "a"), storage_options=opts) as ckpt:
+            ckpt.save(state, step=1).result(timeout=120)
+        proxy.add("GET", "rank-", "throttle")  # the first range asked is answered 503 SlowDown, then retried
+        proxy.add("GET", "rank-", "delay", times=100, seconds=0.3)  # the others held open a while
+        proxy.ranges.clear()
+        with AsyncCheckpointer(s3_root.url, staging_dir=str(tmp_path / "b"), storage_options=opts) as ckpt:
+            loaded = ckpt.load()
+        assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+        data = sorted(
+            {r for path, r in proxy.ranges if "rank-" in path}, key=lambda r: int(r[6:].split("-")[0])
+        )
+        size = os.path.getsize(
+            next(iter(glob.glob(str(tmp_path / "a" / "**" / "rank-*.pt"), recursive=True)))
+        )
+        bounds = [tuple(int(x) for x in r.removeprefix("bytes=").split("-")) for r in data]
+        assert bounds[0][0] == 0 and bounds[-1][1] == size - 1, f"the ranges cover the file: {bounds}"
+        assert all(b[0] == a[1] + 1 for a, b in zip(bounds, bounds[1:])), f"no gap, no overlap: {bounds}"
+        assert all(end - start < 4 << 20 for start, end in bounds)
+        asked = [r for path, r in proxy.ranges if "rank-" in path]
+        assert len(asked) == len(bounds) + 1, f"only the throttled range was asked twice: {asked}"
+        assert proxy.most_ranges_at_once > 1, "the ranges were read in parallel"
+    finally:
+        proxy.close()
+
+
 PROBE = """
 import json, sys, time
 sys.path.insert(0, {benchmarks!r})
@@ -76,18 +110,7 @@ print(json.dumps({{"peak": peak, "w7": float(model["w7"][3])}}))
 """
 
 
-COLD_S3 = pytest.param(
-    "s3 cold",
-    marks=pytest.mark.xfail(
-        strict=True,
-        reason="s3fs get_file of the download holds ~1.4x the file in anonymous memory while it streams "
-        "(benchmarks/restore.py: 2.47x at 256 MiB against 1.06x from a local root or the cache); "
-        "bounded 8 MiB ranged reads held 1.19x but were 3x slower on moto",
-    ),
-)
-
-
-@pytest.mark.parametrize("where", ["local", COLD_S3, "s3 cached"])
+@pytest.mark.parametrize("where", ["local", "s3 cold", "s3 cached"])
 def test_a_restore_holds_no_second_copy_of_the_state(where, s3_root, tmp_path):
     mib = 160
     state = _state(mib)

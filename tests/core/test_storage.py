@@ -13,7 +13,7 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 import tests.faultfs  # noqa: F401  (registers flaky://)
-from air_core import AsyncCheckpointer, ConfigError, SaveError, StorageError
+from air_core import AsyncCheckpointer, ConfigError, SaveError, StorageError, download
 from air_core.storage import Storage, redact
 
 
@@ -73,6 +73,36 @@ def test_local_put_leaves_no_partial_file_at_the_final_name(tmp_path):
     assert storage.put_file(str(src), "a/b.bin") == 1 << 20
     assert (tmp_path / "dst/a/b.bin").read_bytes() == src.read_bytes()
     assert [p.name for p in (tmp_path / "dst/a").iterdir()] == ["b.bin"], "no temp file may remain"
+
+
+def test_downloads_go_by_byte_ranges_and_a_range_that_fails_is_asked_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(download, "PART_BYTES", 1 << 20)
+    monkeypatch.setattr(download, "READ_BYTES", 256 << 10)
+    storage = Storage(
+        _flaky_root(),
+        storage_options={"transient_failures": 2, "fail_on": "get"},
+        retries=3,
+        retry_backoff_seconds=0.01,
+    )
+    blobs = {"a/big.pt": os.urandom((3 << 20) + 17), "b/empty.pt": b"", "c/small.pt": b"xyz"}
+    for rel, data in blobs.items():
+        storage.fs.pipe_file(storage.path(rel), data)
+    local = {rel: str(tmp_path / "got" / rel) for rel in blobs}
+    storage.get_files(local, max_transfers=4)
+    for rel, data in blobs.items():
+        with open(local[rel], "rb") as f:
+            assert f.read() == data, rel
+    assert storage.fs.transient_left == 0, "both failures were met, and the reads asked again"
+    # 4 ranges of the big file, 3 of them in 4 reads; 1 read of the small file; 2 failed reads and
+    # what their range had read before them (at most 3 reads each) asked again.
+    assert 14 + 2 <= storage.fs.calls <= 14 + 2 * 4
+
+    with pytest.raises(FileNotFoundError):
+        storage.get_files(
+            {"a/big.pt": str(tmp_path / "x" / "big.pt"), "gone.pt": str(tmp_path / "x" / "gone.pt")},
+            max_transfers=4,
+        )
+    assert os.listdir(tmp_path / "x") == [], "no temp file is left behind"
 
 
 def test_redact_drops_credentials_and_tokens():

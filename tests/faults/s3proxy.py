@@ -39,6 +39,10 @@ class FaultProxy:
         self.upstream = urlsplit(upstream)
         self.rules: list[Rule] = []
         self.log: list[tuple[str, str, str]] = []
+        self.ranges: list[tuple[str, str]] = []
+        """``(path, Range header)`` of each ranged GET."""
+        self.most_ranges_at_once = 0
+        self._ranges_now = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         proxy = self
@@ -86,6 +90,20 @@ class FaultProxy:
         length = int(h.headers.get("Content-Length") or 0)
         rule = self._match(h.command, h.path)
         self.log.append((h.command, h.path, rule.action if rule else "pass"))
+        ranged = h.command == "GET" and "Range" in h.headers
+        if ranged:
+            with self._lock:
+                self.ranges.append((h.path, h.headers["Range"]))
+                self._ranges_now += 1
+                self.most_ranges_at_once = max(self.most_ranges_at_once, self._ranges_now)
+        try:
+            self._answer(h, rule, length)
+        finally:
+            if ranged:
+                with self._lock:
+                    self._ranges_now -= 1
+
+    def _answer(self, h: BaseHTTPRequestHandler, rule: Rule | None, length: int) -> None:
         if rule is not None and rule.action == "drop":  # half the body, then the connection is gone
             h.rfile.read(length // 2)
             h.close_connection = True
