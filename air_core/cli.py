@@ -275,9 +275,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     pre.add_argument("--timeout", type=float, default=30.0, help="storage check timeout, seconds")
     pre.add_argument("--json", default=None, help="write the report as JSON to this file (rank 0)")
     pre.error = _usage_error(pre)  # type: ignore[method-assign]  # 2 means "bad node" here
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    usage = pre if args.command == "preflight" else p  # the top parser would exit 2 for preflight's
+    if extra:
+        usage.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         options = json.loads(args.storage_options)
+    except ValueError as exc:
+        usage.error(f"--storage-options is not JSON ({exc}); pass an object, e.g. '{{\"anon\": true}}'")
+    try:
         if args.command == "preflight":
             return cmd_preflight(args, options)
         storage = Storage(args.root, storage_options=options, retries=3, retry_backoff_seconds=0.2)

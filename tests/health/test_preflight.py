@@ -57,6 +57,11 @@ def test_air_preflight_exit_codes_bad_node_2_usage_64(tmp_path, capsys):
     assert "BAD     staging" in capsys.readouterr().out
     assert air(["preflight", root, "--checks", "storage,disk"]) == 64
     assert "unknown check(s) ['disk']" in capsys.readouterr().err
+    for bad in (["preflight", root, "--bogus"], ["--storage-options", "{", "preflight", root]):
+        with pytest.raises(SystemExit) as exited:
+            air(bad)
+        assert exited.value.code == 64, f"{bad}: bad usage, not a bad node"
+        assert "error:" in capsys.readouterr().err
     assert (
         air(["preflight", root, "--checks", "storage", "--host-budget-bytes", str(1 << 60)]) == 0
     )  # not run
