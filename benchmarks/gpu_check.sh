@@ -9,8 +9,9 @@
 #    Lightning sharded save vs DCP async_save vs air_core.dcp, SHARDED_MIB of state (default 2048),
 #    bounded to 5 minutes.
 # Section "fsdp2":
-# 5. runs benchmarks/gpu_fsdp2.py: AirModelParallelStrategy on every visible GPU (sharded saves, a resume
-#    checked tensor by tensor) and, with 2+ GPUs, AirAccelerator with FSDP2 (save_state, load_state).
+# 5. runs benchmarks/gpu_fsdp2.py: AirModelParallelStrategy and AirFSDPStrategy (FSDP1) on every visible
+#    GPU (sharded saves, a resume checked tensor by tensor) and, with 2+ GPUs, AirAccelerator with FSDP2
+#    (save_state, load_state).
 # Section "health":
 # 6. `air preflight` on this node (the real nvidia-smi path: ECC, row remapping, throttling, GPU count)
 #    and, with 2+ GPUs, under torchrun on every GPU (links and all-reduce over NCCL, clocks);
@@ -103,6 +104,8 @@ fi
 if [[ "$SECTIONS" == *" fsdp2 "* ]]; then
 NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())")"
 timeout 240 "$PY" benchmarks/gpu_fsdp2.py lightning "${BENCH_DIR:-/tmp}/air-fsdp2-lightning" | tee "$OUT_DIR/fsdp2.txt"
+timeout 240 "$PY" benchmarks/gpu_fsdp2.py lightning-fsdp1 "${BENCH_DIR:-/tmp}/air-fsdp1-lightning" \
+    | tee -a "$OUT_DIR/fsdp2.txt"
 timeout 240 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" benchmarks/gpu_fsdp2.py \
     accelerate "${BENCH_DIR:-/tmp}/air-fsdp2-accelerate" | tee -a "$OUT_DIR/fsdp2.txt"
 fi

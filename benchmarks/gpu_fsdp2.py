@@ -2,11 +2,14 @@
 them back, checked tensor by tensor (run by benchmarks/gpu_check.sh; CPU runs are in tests/).
 
     python benchmarks/gpu_fsdp2.py lightning WORKDIR          # AirModelParallelStrategy, every visible GPU
+    python benchmarks/gpu_fsdp2.py lightning-fsdp1 WORKDIR    # AirFSDPStrategy (FSDP1), every visible GPU
     torchrun --nproc-per-node N benchmarks/gpu_fsdp2.py accelerate WORKDIR   # N >= 2 GPUs
 
 Lightning: a transformer-ish MLP (``--width``) sharded with ``fully_shard`` trains ``--steps`` steps,
 checkpointing every 10 through AirCheckpointIO; a second fit resumes from the newest commit and the
 weights it starts from are compared with the full weights gathered when that checkpoint was made.
+``lightning-fsdp1``: the same with ``AirFSDPStrategy(state_dict_type="sharded")`` wrapping each
+``Linear`` (FSDP1 needs a GPU, so this runs only here).
 Accelerate: ``AirAccelerator`` with ``FullyShardedDataParallelPlugin(fsdp_version=2,
 state_dict_type="SHARDED_STATE_DICT")`` saves with ``save_state``, trains on, and ``load_state`` must
 bring back the newest save's weights; Accelerate enables FSDP only for multi-GPU runs, so one GPU
@@ -49,12 +52,19 @@ def compare(got: dict, want: dict) -> str:
     return "OK"
 
 
-def lightning(workdir: str, width: int, layers: int, steps: int) -> None:
+def lightning(workdir: str, width: int, layers: int, steps: int, fsdp1: bool = False) -> None:
+    name = "lightning-fsdp1" if fsdp1 else "lightning"
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_air import AirCallback, AirCheckpointIO, AirModelParallelStrategy, latest_checkpoint
+    from lightning_air import (
+        AirCallback,
+        AirCheckpointIO,
+        AirFSDPStrategy,
+        AirModelParallelStrategy,
+        latest_checkpoint,
+    )
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:
@@ -62,7 +72,8 @@ def lightning(workdir: str, width: int, layers: int, steps: int) -> None:
             self.net = mlp(width, layers)
 
         def configure_model(self) -> None:
-            shard(self.net, self.device_mesh["data_parallel"])
+            if not fsdp1:  # FSDP1 wraps in the strategy (auto_wrap_policy)
+                shard(self.net, self.device_mesh["data_parallel"])
 
         def training_step(self, batch, batch_idx):
             (x,) = batch
@@ -73,28 +84,31 @@ def lightning(workdir: str, width: int, layers: int, steps: int) -> None:
 
     class Weights(Callback):
         def on_save_checkpoint(self, trainer, module, checkpoint) -> None:
-            full = get_model_state_dict(module, options=FULL)
+            full = get_model_state_dict(trainer.strategy.model, options=FULL)  # FSDP1: the wrapped root
             if trainer.is_global_zero:
                 torch.save(full, os.path.join(workdir, f"saved-{trainer.global_step}.pt"))
 
         def on_train_start(self, trainer, module) -> None:
             if trainer.global_step:
-                full = get_model_state_dict(module, options=FULL)
+                full = get_model_state_dict(trainer.strategy.model, options=FULL)
                 if trainer.is_global_zero:
                     saved = torch.load(os.path.join(workdir, f"saved-{trainer.global_step}.pt"))
-                    print(
-                        f"lightning resume at step {trainer.global_step}: {compare(full, saved)}", flush=True
-                    )
+                    print(f"{name} resume at step {trainer.global_step}: {compare(full, saved)}", flush=True)
 
     devices = torch.cuda.device_count()
     root = os.path.join(workdir, "ckpts")
     data = DataLoader(TensorDataset(torch.randn(64 * steps, width)), batch_size=32)
     for launch, max_steps in ((1, steps), (2, steps + 10)):
         air = AirCallback(mlflow=False)
+        strategy = (
+            AirFSDPStrategy(state_dict_type="sharded", auto_wrap_policy={torch.nn.Linear})
+            if fsdp1
+            else AirModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+        )
         trainer = pl.Trainer(
             accelerator="gpu",
             devices=devices,
-            strategy=AirModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1),
+            strategy=strategy,
             plugins=[AirCheckpointIO(staging_dir=os.path.join(workdir, "nvme"))],
             callbacks=[air, Weights(), ModelCheckpoint(dirpath=root, every_n_train_steps=10, save_top_k=-1)],
             max_steps=max_steps,
@@ -106,7 +120,7 @@ def lightning(workdir: str, width: int, layers: int, steps: int) -> None:
         saves = [s for s in air.records.saves if not s.error]
         if trainer.is_global_zero and saves:
             print(
-                f"lightning launch {launch}: {len(saves)} sharded saves, blocking median "
+                f"{name} launch {launch}: {len(saves)} sharded saves, blocking median "
                 f"{statistics.median(s.blocking_seconds for s in saves):.4f} s, durable median "
                 f"{statistics.median(s.total_seconds for s in saves):.3f} s "
                 f"({saves[-1].bytes / 2**20:.0f} MiB on rank 0)",
@@ -158,7 +172,7 @@ def accelerate(workdir: str, width: int, layers: int, steps: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("adapter", choices=["lightning", "accelerate"])
+    p.add_argument("adapter", choices=["lightning", "lightning-fsdp1", "accelerate"])
     p.add_argument("workdir")
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
@@ -167,8 +181,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA device")
     os.makedirs(args.workdir, exist_ok=True)
-    run = lightning if args.adapter == "lightning" else accelerate
-    run(args.workdir, args.width, args.layers, args.steps)
+    if args.adapter == "accelerate":
+        accelerate(args.workdir, args.width, args.layers, args.steps)
+    else:
+        lightning(args.workdir, args.width, args.layers, args.steps, fsdp1=args.adapter == "lightning-fsdp1")
 
 
 if __name__ == "__main__":

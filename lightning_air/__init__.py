@@ -7,6 +7,12 @@ trainer.fit(model, ckpt_path=latest_checkpoint("s3://bucket/run"))  # None on th
 
 from .callback import AirCallback
 from .checkpoint_io import AirCheckpointIO, latest_checkpoint
-from .strategy import AirModelParallelStrategy
+from .strategy import AirFSDPStrategy, AirModelParallelStrategy
 
-__all__ = ["AirCallback", "AirCheckpointIO", "AirModelParallelStrategy", "latest_checkpoint"]
+__all__ = [
+    "AirCallback",
+    "AirCheckpointIO",
+    "AirFSDPStrategy",
+    "AirModelParallelStrategy",
+    "latest_checkpoint",
+]

@@ -29,7 +29,7 @@ from air_core.session import SessionConfig, TrackedLoader, TrainingSession
 
 from .checkpoint_io import AIR_KEY, AirCheckpointIO
 from .loaders import resumable
-from .strategy import AirModelParallelStrategy
+from .strategy import AirFSDPStrategy, AirModelParallelStrategy, saves_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class AirCallback(Callback):
         name = f"ckpt-{step:09d}-{self.session.launch_id[:8]}-{seq}"
         part = self.session.rank_state()
         checkpoint[AIR_KEY] = {"name": name, "rank_state": part}
-        if trainer.is_global_zero or isinstance(trainer.strategy, AirModelParallelStrategy):
+        if trainer.is_global_zero or saves_sharded(trainer.strategy):
             return  # in rank 0's file, or every rank's sharded save carries its own part
         root = getattr(trainer.checkpoint_callback, "dirpath", None)
         if not root:
@@ -286,12 +286,13 @@ def _check_sharded_saves_reach_the_plugin(strategy: Any) -> None:
                 "AirCheckpointIO. Use Trainer(strategy=lightning_air.AirModelParallelStrategy(...)) with the "
                 "same arguments."
             )
-    if isinstance(strategy, FSDPStrategy) and getattr(strategy, "_state_dict_type", "full") == "sharded":
-        raise ConfigError(
-            "AirCallback: FSDPStrategy(state_dict_type='sharded') writes checkpoints itself, bypassing "
-            "AirCheckpointIO. Use state_dict_type='full', or FSDP2 through "
-            "lightning_air.AirModelParallelStrategy (asynchronous sharded saves)."
-        )
+    if isinstance(strategy, FSDPStrategy) and not isinstance(strategy, AirFSDPStrategy):
+        if strategy._state_dict_type == "sharded":
+            raise ConfigError(
+                "AirCallback: FSDPStrategy(state_dict_type='sharded') writes checkpoints itself, bypassing "
+                "AirCheckpointIO. Use Trainer(strategy=lightning_air.AirFSDPStrategy(...)) with the same "
+                "arguments."
+            )
 
 
 class _WaitForSaves:

@@ -216,9 +216,9 @@ class AirCheckpointIO(CheckpointIO):
     def save_sharded(
         self, sharded: dict[str, Any], checkpoint: dict[str, Any], path: str, *, meta_file: str
     ) -> None:
-        """Every rank (``AirModelParallelStrategy``): commit the DCP ``sharded`` state into the folder
-        ``path``, with rank 0's ``checkpoint`` (the rest) as ``<path>/<meta_file>`` and every other rank's
-        part (``AirCallback``'s) beside the commit records."""
+        """Every rank (``AirModelParallelStrategy``, ``AirFSDPStrategy``): commit the DCP ``sharded`` state
+        into the folder ``path``, with rank 0's ``checkpoint`` (the rest) as ``<path>/<meta_file>`` and
+        every other rank's part (``AirCallback``'s) beside the commit records."""
         root, folder = split_path(path)
         step = int(checkpoint.get("global_step", 0))
         air = checkpoint.get(AIR_KEY) or {}

@@ -1,27 +1,33 @@
-"""``AirModelParallelStrategy``: Lightning's FSDP2/DTensor strategy with its sharded saves through the core.
+"""``AirModelParallelStrategy`` and ``AirFSDPStrategy``: Lightning's sharded strategies with their sharded
+saves through the core.
 
 Lightning's sharded strategies call ``torch.distributed.checkpoint.save`` themselves, synchronously, to a
-local folder, after a full CPU copy (``cpu_offload=True``); their ``CheckpointIO`` is never called for a
-sharded save (only ``remove_checkpoint`` is). The smallest hook that changes that is the strategy: this
-subclass overrides only the state-dict methods (no CPU copy: the core's snapshot is the one copy, into
-reused host buffers) and ``save_checkpoint``/``load_checkpoint``, which hand the sharded state to
-``AirCheckpointIO`` (``air_core.dcp``): asynchronous, staged, committed across ranks, to any fsspec
-``dirpath``. The folder Lightning chose holds the stock layout (DCP files + ``meta.pt``), so stock
-Lightning and stock DCP read a downloaded copy. ``ModelCheckpoint`` top-k, ``save_last`` and removal
-work as for unsharded models: removal already goes through the ``CheckpointIO``.
+local folder, after a full CPU copy (``cpu_offload=True``/``offload_to_cpu=True``); their ``CheckpointIO``
+is never called for a sharded save (only ``remove_checkpoint`` is). The smallest hook that changes that
+is the strategy: these subclasses override only the state-dict methods (no CPU copy: the core's
+snapshot is the one copy, into reused host buffers) and ``save_checkpoint``/``load_checkpoint``, which
+hand the sharded state to ``AirCheckpointIO`` (``air_core.dcp``): asynchronous, staged, committed across
+ranks, to any fsspec ``dirpath``. The folder Lightning chose holds the stock layout (DCP files +
+``meta.pt``), so stock Lightning and stock DCP read a downloaded copy. ``ModelCheckpoint`` top-k,
+``save_last`` and removal work as for unsharded models: removal already goes through the
+``CheckpointIO``. Both use torch's ``get_*_state_dict``/``set_*_state_dict``, which handle FSDP2
+(DTensor) and FSDP1 (``FullyShardedDataParallel``) modules alike.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, ParallelStrategy
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.optim import Optimizer
@@ -33,21 +39,32 @@ from .checkpoint_io import AirCheckpointIO
 
 _SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
+if TYPE_CHECKING:
+    _Strategy = ParallelStrategy  # what the mixin is mixed into, for the type checker
+else:
+    _Strategy = object
 
-class AirModelParallelStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` whose sharded checkpoints are saved and loaded by ``AirCheckpointIO``.
 
-    Same arguments as ``ModelParallelStrategy``; use it with ``plugins=[AirCheckpointIO(...)]``.
-    ``save_distributed_checkpoint=False``
-    (one full file from rank 0) already goes through the ``CheckpointIO`` and is left as Lightning does it.
+class _AirShardedSaves(_Strategy):
+    """What both strategies override, over the Lightning strategy they are mixed into.
+
+    ``_air_model_key``: the key Lightning's stock layout gives the model in the DCP folder;
+    ``_air_sharded``: whether this strategy's saves are sharded (otherwise Lightning's own path, which
+    already goes through the ``CheckpointIO``).
     """
+
+    _air_model_key: str
+
+    @property
+    def _air_sharded(self) -> bool:
+        raise NotImplementedError
 
     @property
     def air_io(self) -> AirCheckpointIO:
         plugin = self.checkpoint_io
         if not isinstance(plugin, AirCheckpointIO):
             raise ConfigError(
-                f"AirModelParallelStrategy saves through AirCheckpointIO; found {type(plugin).__name__}. "
+                f"{type(self).__name__} saves through AirCheckpointIO; found {type(plugin).__name__}. "
                 "Pass Trainer(plugins=[lightning_air.AirCheckpointIO(...)])."
             )
         return plugin
@@ -59,14 +76,14 @@ class AirModelParallelStrategy(ModelParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if not self._save_distributed_checkpoint:
+        if not self._air_sharded:
             return super().lightning_module_state_dict()
         assert self.model is not None
         return get_model_state_dict(self.model, options=_SHARDED)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if not self._save_distributed_checkpoint:
+        if not self._air_sharded:
             return super().optimizer_state(optimizer)
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
@@ -78,14 +95,14 @@ class AirModelParallelStrategy(ModelParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         """Every rank: snapshot its shards into the commit of ``filepath`` (a folder) and return."""
-        if not self._save_distributed_checkpoint:
+        if not self._air_sharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
             raise TypeError(
-                "AirModelParallelStrategy.save_checkpoint(storage_options=...) is not supported: pass "
+                f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: pass "
                 "storage_options to AirCheckpointIO(storage_options=...) instead."
             )
-        sharded = {"state_dict": checkpoint.pop("state_dict")}
+        sharded = {self._air_model_key: checkpoint.pop("state_dict")}
         sharded.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         self.air_io.save_sharded(
             sharded, checkpoint, str(self.broadcast(str(filepath))), meta_file=_METADATA_FILENAME
@@ -99,16 +116,66 @@ class AirModelParallelStrategy(ModelParallelStrategy):
         if not self.air_io.is_sharded(path):
             return super().load_checkpoint(path, weights_only)
         assert self.model is not None and self.lightning_module is not None
-        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model, options=_SHARDED)}
+        key = self._air_model_key
+        state: dict[str, Any] = {key: get_model_state_dict(self.model, options=_SHARDED)}
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         for i, optimizer in enumerate(optimizers):
             state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer, options=_SHARDED)
         checkpoint = self.air_io.load_sharded(
             path, state, meta_file=_METADATA_FILENAME, weights_only=weights_only
         )
-        self.model.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        strict = replace(_SHARDED, strict=self.lightning_module.strict_loading)
+        set_model_state_dict(self.model, state[key], options=strict)
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(
                 self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=_SHARDED
             )
         return checkpoint
+
+
+def saves_sharded(strategy: object) -> bool:
+    """Whether ``strategy`` is ours and its saves are sharded: every rank then saves its own part."""
+    return isinstance(strategy, _AirShardedSaves) and strategy._air_sharded
+
+
+class AirModelParallelStrategy(_AirShardedSaves, ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2 / DTensor) whose sharded checkpoints are saved and loaded by
+    ``AirCheckpointIO``.
+
+    Same arguments as ``ModelParallelStrategy``; use it with ``plugins=[AirCheckpointIO(...)]``.
+    ``save_distributed_checkpoint=False`` (one full file from rank 0) already goes through the
+    ``CheckpointIO`` and is left as Lightning does it.
+    """
+
+    _air_model_key = "state_dict"
+
+    @property
+    def _air_sharded(self) -> bool:
+        return self._save_distributed_checkpoint
+
+
+class AirFSDPStrategy(_AirShardedSaves, FSDPStrategy):
+    """``FSDPStrategy`` (FSDP1, GPUs only) whose ``state_dict_type="sharded"`` checkpoints are saved and
+    loaded by ``AirCheckpointIO``.
+
+    Same arguments as ``FSDPStrategy``; use it with ``plugins=[AirCheckpointIO(...)]``.
+    ``state_dict_type="full"`` (one full file from rank 0) already goes through the ``CheckpointIO``.
+    """
+
+    _air_model_key = "model"
+
+    @property
+    def _air_sharded(self) -> bool:
+        return self._state_dict_type == "sharded"
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The Trainer refuses FSDPStrategy on CPU, but only the class itself, not a subclass: refuse here,
+        # when the Trainer is built, rather than fail inside torch when the model is wrapped.
+        if isinstance(self.accelerator, CPUAccelerator):
+            raise ConfigError(
+                "AirFSDPStrategy: FSDP (FullyShardedDataParallel) needs GPUs, and the Trainer's accelerator "
+                "is the CPU. Pass accelerator='gpu', or on CPU use lightning_air.AirModelParallelStrategy "
+                "(FSDP2, fully_shard), which runs with gloo."
+            )
+        super()._configure_launcher()

@@ -1,7 +1,7 @@
 """The Lightning test job with an FSDP2 (``fully_shard``) model under ``AirModelParallelStrategy``.
 
     python tests/lightning/sharded_job.py WORKDIR [--devices D] [--every K] [--epochs E]
-        [--kill STEP:PHASE[:RANK]] [--root URL --endpoint URL] [--elastic] [--top-k K] [--save-last]
+        [--kill STEP:PHASE[:RANK]] [--root URL --endpoint URL] [--elastic] [--top-k K] [--save-last] [--full]
 
 The model, data and records are tests/lightning/job.py's (``ids-rank<R>.jsonl`` per step, rank 0's
 ``final.pt``: the full, unsharded weights after fit), on D CPU processes (gloo). Also written by rank 0:
@@ -67,6 +67,7 @@ def main() -> None:
     p.add_argument("--elastic", action="store_true", help="AirCallback(elastic=True)")
     p.add_argument("--top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k), monitoring the step")
     p.add_argument("--save-last", action="store_true", help="ModelCheckpoint(save_last=True)")
+    p.add_argument("--full", action="store_true", help="save_distributed_checkpoint=False: full files")
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     args = p.parse_args()
@@ -85,7 +86,9 @@ def main() -> None:
         max_epochs=args.epochs,
         accelerator="cpu",
         devices=args.devices,
-        strategy=AirModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
+        strategy=AirModelParallelStrategy(
+            data_parallel_size=args.devices, tensor_parallel_size=1, save_distributed_checkpoint=not args.full
+        ),
         plugins=[plugin],
         callbacks=[
             AirCallback(log_every_n_steps=8, elastic=args.elastic),

@@ -47,6 +47,14 @@ def test_sharded_yaml_overlay_saves_sharded_folders_from_two_processes(tmp_path)
     assert len(list((tmp_path / "remote/ckpts/.air").glob("*/manifest.json"))) == 2
 
 
+def test_fsdp_yaml_overlay_builds_our_fsdp1_strategy_which_refuses_the_cpu_before_training(tmp_path):
+    fsdp = os.path.join(REPO, "examples/lightning/fsdp.yaml")
+    run = _cli(tmp_path, "--config", fsdp, "--trainer.accelerator", "cpu")
+    assert run.returncode != 0
+    assert "AirFSDPStrategy: FSDP (FullyShardedDataParallel) needs GPUs" in run.stderr, run.stderr[-2000:]
+    assert not (tmp_path / "ids.jsonl").exists(), "no training step may run"
+
+
 @pytest.mark.parametrize(
     ("good", "bad"),
     [

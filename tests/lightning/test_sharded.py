@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from air_core import AsyncCheckpointer, ConfigError
-from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
+from lightning_air import AirCallback, AirCheckpointIO, AirFSDPStrategy, latest_checkpoint
 from tests.concurrent_jobs import finish, start
 from tests.conftest import REPO
 from tests.lightning.model import N_SAMPLES
@@ -60,6 +60,22 @@ def test_sharded_saves_to_s3_killed_mid_upload_resume_exactly(reference, tmp_pat
     state = {"state_dict": {k: torch.zeros_like(v) for k, v in saved.items()}}
     dcp.load(state, storage_reader=FileSystemReader(str(local)), no_dist=True)
     assert all(torch.equal(state["state_dict"][k], v) for k, v in saved.items())
+
+
+@pytest.mark.slow
+def test_full_saves_of_the_sharded_strategy_carry_every_ranks_part_and_resume_exactly(reference, tmp_path):
+    """``save_distributed_checkpoint=False``: rank 0 writes one full file, and every other rank's data
+    position must still reach the commit (it did not: ranks > 0 skipped their part)."""
+    run_sharded(tmp_path, "--full", "--kill", "10:upload_start", expect_kill=True)
+    root = tmp_path / "ckpts"
+    with AsyncCheckpointer(str(root), read_only=True) as ckpt:
+        (newest,) = [i for i in ckpt.list() if i.status == "committed"]
+        assert newest.step == 5 and newest.manifest is not None
+        parts = [f.path for f in newest.manifest.files if "part-rank-" in f.path]
+    assert len(parts) == 1 and parts[0].endswith("part-rank-00001.pt"), parts
+    assert (root / "epoch=0-step=5.ckpt").is_file(), "one full file, as Lightning writes it"
+    run_sharded(tmp_path, "--full")
+    assert_same_run(tmp_path, reference, ranks=2)
 
 
 @pytest.mark.slow
@@ -143,3 +159,28 @@ def test_stock_sharded_strategies_are_refused_before_training(tmp_path):
     with pytest.raises(ConfigError, match="AirModelParallelStrategy"):
         trainer.fit(Model(str(tmp_path), 0))
     assert not (tmp_path / "ids-rank0.jsonl").exists(), "no training step may run"
+
+
+def test_the_stock_fsdp_strategy_with_sharded_saves_is_refused_naming_ours(tmp_path):
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_air.callback import _check_sharded_saves_reach_the_plugin
+
+    # FSDPStrategy needs a GPU to build a Trainer with; the check itself looks at the strategy only.
+    with pytest.raises(ConfigError, match=r"lightning_air\.AirFSDPStrategy"):
+        _check_sharded_saves_reach_the_plugin(FSDPStrategy(state_dict_type="sharded"))
+    _check_sharded_saves_reach_the_plugin(FSDPStrategy(state_dict_type="full"))  # through the plugin
+    _check_sharded_saves_reach_the_plugin(AirFSDPStrategy(state_dict_type="sharded"))
+
+
+def test_air_fsdp_strategy_on_cpu_fails_when_the_trainer_is_built_naming_the_fsdp2_strategy(tmp_path):
+    """Lightning refuses ``FSDPStrategy`` on CPU by its exact class; ours must refuse too, not fail deep
+    inside torch when the model is wrapped."""
+    with pytest.raises(ConfigError, match=r"needs GPUs.*AirModelParallelStrategy"):
+        pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=AirFSDPStrategy(state_dict_type="sharded"),
+            plugins=[AirCheckpointIO()],
+            default_root_dir=str(tmp_path),
+        )
