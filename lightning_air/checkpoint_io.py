@@ -285,22 +285,9 @@ class AirCheckpointIO(CheckpointIO):
             return self._load_unverified(path, map_location, weights_only, why="a URL")
         root, filename = split_path(path)
         with self.session.reader(root) as ckpt:
-            infos = ckpt.list()
-            commits = self._commits_of(infos, filename)
-            if not commits:
-                unfinished = [f"{i.name}: {i.status} {i.reason}" for i in infos if i.status != "committed"]
-                if not unfinished or not ckpt.storage.exists(filename):
-                    why = "in no folder of air-plugins" if not infos else "named by no commit"
-                    return self._load_unverified(path, map_location, weights_only, why=why)
-                raise CorruptCheckpointError(
-                    f"AirCheckpointIO.load_checkpoint({path!r}): no committed checkpoint holds this file, "
-                    f"and saves under {root!r} did not finish ({'; '.join(unfinished)}): it may be one of "
-                    "them. "
-                    "Resume from lightning_air.latest_checkpoint(dirpath): it returns committed ones only.",
-                    path=path,
-                    reason="not committed",
-                )
-            info = commits[-1]
+            info = self._commit_of(ckpt, path)
+            if info is None:
+                return self._load_unverified(path, map_location, weights_only, why="named by no commit")
             location = map_location if map_location is not None else "cpu"
             checkpoint = ckpt.load(info, map_location=location, weights_only=weights_only, rank=0)
             if self._module is not None and getattr(self._module, "strict_loading", True):
@@ -314,6 +301,42 @@ class AirCheckpointIO(CheckpointIO):
                 )
             self._load_rank_states(ckpt, info, weights_only)
         return checkpoint
+
+    def local_copy(self, path: str, weights_only: bool | None) -> str:
+        """Every rank, for a strategy that reads full checkpoint files itself (the sharded strategies'
+        full saves): a verified local copy of the committed file ``path``, with the saved ranks' states
+        read for the callback; ``path`` itself if no commit names it (a file from elsewhere)."""
+        root, filename = split_path(path)
+        with self.session.reader(root) as ckpt:
+            info = self._commit_of(ckpt, path)
+            if info is None:
+                self.loaded_rank_state, self.loaded_rank_states = None, {}
+                return path
+            local = ckpt.fetch(info, paths=[filename])
+            self._load_rank_states(ckpt, info, weights_only)
+            return local.paths[filename]
+
+    def _commit_of(self, ckpt: AsyncCheckpointer, path: str) -> CheckpointInfo | None:
+        """The newest commit whose rank-0 file is ``path``; None for a file from elsewhere.
+
+        Raises:
+            CorruptCheckpointError: no commit names it, but saves under its root did not finish.
+        """
+        infos = ckpt.list()
+        root, filename = split_path(path)
+        commits = self._commits_of(infos, filename)
+        if commits:
+            return commits[-1]
+        unfinished = [f"{i.name}: {i.status} {i.reason}" for i in infos if i.status != "committed"]
+        if not unfinished or not ckpt.storage.exists(filename):
+            return None
+        raise CorruptCheckpointError(
+            f"AirCheckpointIO.load_checkpoint({path!r}): no committed checkpoint holds this file, and saves "
+            f"under {root!r} did not finish ({'; '.join(unfinished)}): it may be one of them. Resume from "
+            "lightning_air.latest_checkpoint(dirpath): it returns committed ones only.",
+            path=path,
+            reason="not committed",
+        )
 
     def _load_unverified(
         self, path: str, map_location: Any, weights_only: bool | None, *, why: str

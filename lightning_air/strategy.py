@@ -110,11 +110,12 @@ class _AirShardedSaves(_Strategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """A sharded checkpoint this plugin committed loads through it (resharded at any world size);
-        anything else as Lightning loads it."""
+        """A sharded checkpoint this plugin committed loads through it (resharded at any world size); a
+        full file it committed, as Lightning loads it from a verified local copy; anything else as
+        Lightning loads it."""
         path = str(self.broadcast(str(checkpoint_path)))
-        if not self.air_io.is_sharded(path):
-            return super().load_checkpoint(path, weights_only)
+        if not self.air_io.is_sharded(path):  # Lightning reads a full file itself: from a verified copy
+            return super().load_checkpoint(self.air_io.local_copy(path, weights_only), weights_only)
         assert self.model is not None and self.lightning_module is not None
         key = self._air_model_key
         state: dict[str, Any] = {key: get_model_state_dict(self.model, options=_SHARDED)}

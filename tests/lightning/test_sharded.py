@@ -66,7 +66,7 @@ def test_sharded_saves_to_s3_killed_mid_upload_resume_exactly(reference, tmp_pat
 def test_full_saves_of_the_sharded_strategy_carry_every_ranks_part_and_resume_exactly(reference, tmp_path):
     """``save_distributed_checkpoint=False``: rank 0 writes one full file, and every other rank's data
     position must still reach the commit (it did not: ranks > 0 skipped their part)."""
-    run_sharded(tmp_path, "--full", "--kill", "10:upload_start", expect_kill=True)
+    run_sharded(tmp_path, "--full", "--kill", "10:upload_start:0", expect_kill=True)
     root = tmp_path / "ckpts"
     with AsyncCheckpointer(str(root), read_only=True) as ckpt:
         (newest,) = [i for i in ckpt.list() if i.status == "committed"]
