@@ -21,6 +21,7 @@ never does (one collective order per process group, owned by the training thread
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -161,10 +163,12 @@ class DcpWriter(StorageWriter):
             pending: _StorageInfo = result.storage_data
             offset, length = extents[f"{self.folder}/{pending.relative_path}"][pending.offset]
             storage_data[result.index] = _StorageInfo(pending.relative_path, offset, length)
-        metadata = self._metadata
-        metadata.storage_data = storage_data
-        metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_meta = StorageMeta(checkpoint_id=self.folder, save_id=uuid.uuid4().hex)
+        metadata = dataclasses.replace(  # a copy: with plan caching, DCP hands every save the same object
+            self._metadata,
+            storage_data=storage_data,
+            version=CURRENT_DCP_VERSION,
+            storage_meta=StorageMeta(checkpoint_id=self.folder, save_id=uuid.uuid4().hex),
+        )
         return pickle.dumps(metadata)
 
 
@@ -287,7 +291,10 @@ def save(
         raise ConfigError(f"air_core.dcp.save(name={name!r}): no folder given.")
     writers = [DcpWriter(checkpointer, folder=f, files_per_rank=files_per_rank) for f in folders]
     for writer, state in zip(writers, folders.values(), strict=True):
-        dcp.save(state, storage_writer=writer, process_group=process_group, planner=planner)
+        # Plan caching: a save whose plan is unchanged sends DCP's coordinator no plan and reuses the
+        # global plan and metadata (the storage data are ours, made at the commit).
+        plan = planner or DefaultSavePlanner(enable_plan_caching=True)
+        dcp.save(state, storage_writer=writer, process_group=process_group, planner=plan)
 
     def make(parts: list[PartRecord]) -> dict[str, bytes]:
         return {w.metadata_file: w.make_metadata(parts) for w in writers}

@@ -153,3 +153,25 @@ def test_one_process_save_splits_into_files_and_loads_back(tmp_path):
         air_dcp.load(ckpt, fresh, info)
         assert_same_state(state["model"], fresh["model"])
         assert fresh["meta"]["epoch"] == 3
+
+
+def test_saves_whose_plan_repeats_or_changes_each_load_their_own_values(tmp_path):
+    """DCP's plan caching (on by default in ``air_core.dcp.save``): an unchanged plan reuses the cached
+    global plan and metadata, a changed one (a key added, then gone) is planned again; every commit
+    must still hold its own values and its own ``.metadata``."""
+    torch.manual_seed(0)
+    shapes = [{"a": (4, 3), "b": (5,)}, {"a": (4, 3), "b": (5,)}, {"a": (4, 3), "b": (5,), "c": (2,)}]
+    shapes.append(shapes[0])
+    saved = []
+    with AsyncCheckpointer(str(tmp_path / "root"), keep_last=10) as ckpt:
+        for step, keys in enumerate(shapes, start=1):
+            state = {"w": {k: torch.randn(*s) for k, s in keys.items()}, "step": step}
+            saved.append(state)
+            air_dcp.save(ckpt, {f"step-{step}": state}, step=step).result()
+        infos = [i for i in ckpt.list() if i.status == "committed"]
+        assert [i.step for i in infos] == [1, 2, 3, 4]
+        for info, state in zip(infos, saved, strict=True):
+            fresh = {"w": {k: torch.zeros_like(v) for k, v in state["w"].items()}, "step": 0}
+            air_dcp.load(ckpt, fresh, info)
+            assert_same_state(state["w"], fresh["w"])
+            assert fresh["step"] == state["step"], f"step {info.step}: its own non-tensor value"
