@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -163,7 +162,7 @@ class DcpWriter(StorageWriter):
             pending: _StorageInfo = result.storage_data
             offset, length = extents[f"{self.folder}/{pending.relative_path}"][pending.offset]
             storage_data[result.index] = _StorageInfo(pending.relative_path, offset, length)
-        metadata = dataclasses.replace(  # a copy: with plan caching, DCP hands every save the same object
+        metadata = dataclasses.replace(  # a copy: a caching planner hands every save the same object
             self._metadata,
             storage_data=storage_data,
             version=CURRENT_DCP_VERSION,
@@ -291,10 +290,7 @@ def save(
         raise ConfigError(f"air_core.dcp.save(name={name!r}): no folder given.")
     writers = [DcpWriter(checkpointer, folder=f, files_per_rank=files_per_rank) for f in folders]
     for writer, state in zip(writers, folders.values(), strict=True):
-        # Plan caching: a save whose plan is unchanged sends DCP's coordinator no plan and reuses the
-        # global plan and metadata (the storage data are ours, made at the commit).
-        plan = planner or DefaultSavePlanner(enable_plan_caching=True)
-        dcp.save(state, storage_writer=writer, process_group=process_group, planner=plan)
+        dcp.save(state, storage_writer=writer, process_group=process_group, planner=planner)
 
     def make(parts: list[PartRecord]) -> dict[str, bytes]:
         return {w.metadata_file: w.make_metadata(parts) for w in writers}

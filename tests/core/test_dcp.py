@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from air_core import AsyncCheckpointer
 from air_core import dcp as air_dcp
@@ -155,10 +156,11 @@ def test_one_process_save_splits_into_files_and_loads_back(tmp_path):
         assert fresh["meta"]["epoch"] == 3
 
 
-def test_saves_whose_plan_repeats_or_changes_each_load_their_own_values(tmp_path):
-    """DCP's plan caching (on by default in ``air_core.dcp.save``): an unchanged plan reuses the cached
-    global plan and metadata, a changed one (a key added, then gone) is planned again; every commit
-    must still hold its own values and its own ``.metadata``."""
+@pytest.mark.parametrize("caching", [False, True])
+def test_saves_whose_plan_repeats_or_changes_each_load_their_own_values(tmp_path, caching):
+    """With DCP's plan caching an unchanged plan reuses the cached global plan and metadata object, and
+    a changed one (a key added, then gone) is planned again; every commit must still hold its own
+    values and its own ``.metadata``, with or without it."""
     torch.manual_seed(0)
     shapes = [{"a": (4, 3), "b": (5,)}, {"a": (4, 3), "b": (5,)}, {"a": (4, 3), "b": (5,), "c": (2,)}]
     shapes.append(shapes[0])
@@ -167,7 +169,8 @@ def test_saves_whose_plan_repeats_or_changes_each_load_their_own_values(tmp_path
         for step, keys in enumerate(shapes, start=1):
             state = {"w": {k: torch.randn(*s) for k, s in keys.items()}, "step": step}
             saved.append(state)
-            air_dcp.save(ckpt, {f"step-{step}": state}, step=step).result()
+            planner = DefaultSavePlanner(enable_plan_caching=caching)
+            air_dcp.save(ckpt, {f"step-{step}": state}, step=step, planner=planner).result()
         infos = [i for i in ckpt.list() if i.status == "committed"]
         assert [i.step for i in infos] == [1, 2, 3, 4]
         for info, state in zip(infos, saved, strict=True):
