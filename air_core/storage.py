@@ -208,22 +208,26 @@ class Storage:
         except FileNotFoundError:
             return None
 
-    def get_file(self, rel: str, local_path: str) -> None:
-        """Download ``rel`` to ``local_path``, which appears only when complete."""
-        self.get_files({rel: local_path}, max_transfers=1)
+    def get_file(self, rel: str, local_path: str, *, size: int | None = None) -> None:
+        """Download ``rel`` to ``local_path``, which appears only when complete (``size``: ``get_files``)."""
+        self.get_files({rel: local_path}, max_transfers=1, sizes=None if size is None else {rel: size})
 
-    def get_files(self, files: dict[str, str], *, max_transfers: int) -> None:
+    def get_files(
+        self, files: dict[str, str], *, max_transfers: int, sizes: dict[str, int] | None = None
+    ) -> None:
         """Download each ``rel`` to its local path, which appears only when complete.
 
         The files are split into byte ranges (``download.py``) streamed into preallocated temp files,
         ``max_transfers`` ranges at a time over all the files; a failed range is retried alone.
+        ``sizes``: the files' sizes if a listing gave them (no request to ask); otherwise each is asked,
+        so that a file changed since its commit downloads whole and fails its check, not the download.
         """
         started = time.perf_counter()
         ranges: list[tuple[str, int, int, int]] = []  # (rel, temp file descriptor, start, end)
         with contextlib.ExitStack() as cleanup:  # last in, first out: close each temp, then drop it
             temps = {}
             for rel, local in files.items():
-                size = self.size(rel)
+                size = sizes[rel] if sizes is not None else self.size(rel)
                 os.makedirs(os.path.dirname(local), exist_ok=True)
                 temps[local] = tmp = _temp_name(local)
                 cleanup.callback(_discard, tmp)

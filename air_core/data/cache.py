@@ -241,7 +241,7 @@ class FileCache:
         if os.getpid() != self._storage_pid:  # a forked loader worker: fsspec clients are not fork-safe
             self._storage = self._connect()
         try:
-            self._storage.get_file(rel, local)
+            self._storage.get_file(rel, local, size=self.sizes[rel])  # listed at the start: no request
         except FileNotFoundError as exc:
             raise StorageError(
                 f"FileCache: {self._storage.display(rel)} is not there ({exc}); was it removed after the run "
