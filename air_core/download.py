@@ -11,14 +11,21 @@ per part); any other fsspec filesystem is read with ranged ``cat_file`` calls of
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import threading
+import time
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 PART_BYTES = 64 << 20
 """At most this much per ranged request. Large, because a request costs a round trip (and some
 servers, moto among them, read the whole object for every range); a GiB still spreads over 16."""
 STREAM_BYTES = 1 << 20
 READ_BYTES = 8 << 20
+PROGRESS_SECONDS = 10.0
+"""A download running longer logs its progress this often, and its summary at INFO (else DEBUG)."""
 
 
 def parts(size: int) -> list[tuple[int, int]]:
@@ -73,3 +80,42 @@ def _read_ranged(fs: Any, path: str, start: int, end: int, fd: int) -> int:
         os.pwrite(fd, data, offset)
         offset += len(data)
     return offset - start
+
+
+class Progress:
+    """Bytes downloaded so far, logged every ``PROGRESS_SECONDS`` (a cold restore of many GiB is long)."""
+
+    def __init__(self, total: int, where: str) -> None:
+        self.total, self.where = total, where
+        self.done = 0
+        self.started = self._logged = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        """``n`` more bytes are in (any thread)."""
+        with self._lock:
+            self.done += n
+            now = time.perf_counter()
+            if now - self._logged < PROGRESS_SECONDS:
+                return
+            self._logged = now
+        logger.info(
+            "downloading from %s: %.0f of %.0f MiB (%.0f MiB/s)",
+            self.where,
+            self.done / 2**20,
+            self.total / 2**20,
+            self.done / 2**20 / (now - self.started),
+        )
+
+    def finish(self, files: int, ranges: int) -> None:
+        seconds = time.perf_counter() - self.started
+        log = logger.info if seconds >= PROGRESS_SECONDS else logger.debug
+        log(
+            "downloaded %d file(s), %.1f MiB in %d range(s) from %s in %.2fs (%.0f MiB/s)",
+            files,
+            self.total / 2**20,
+            ranges,
+            self.where,
+            seconds,
+            self.total / 2**20 / max(seconds, 1e-9),
+        )

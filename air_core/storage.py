@@ -222,7 +222,6 @@ class Storage:
         ``sizes``: the files' sizes if a listing gave them (no request to ask); otherwise each is asked,
         so that a file changed since its commit downloads whole and fails its check, not the download.
         """
-        started = time.perf_counter()
         ranges: list[tuple[str, int, int, int]] = []  # (rel, temp file descriptor, start, end)
         with contextlib.ExitStack() as cleanup:  # last in, first out: close each temp, then drop it
             temps = {}
@@ -235,26 +234,18 @@ class Storage:
                 cleanup.callback(os.close, fd)
                 os.ftruncate(fd, size)
                 ranges += [(rel, fd, start, end) for start, end in download.parts(size)]
+            progress = download.Progress(sum(end - start for *_, start, end in ranges), self.display())
 
             def get(item: tuple[str, int, int, int]) -> None:
                 rel, fd, start, end = item
                 path = self.path(rel)
                 self.call("download", rel, lambda: download.read_range(self.fs, path, start, end, fd))
+                progress.add(end - start)
 
             transfer_all(get, ranges, max_transfers=max_transfers, name="air-download")
             for local, tmp in temps.items():
                 os.replace(tmp, local)
-        total = sum(end - start for _, _, start, end in ranges)
-        seconds = time.perf_counter() - started
-        logger.info(
-            "downloaded %d file(s), %.1f MiB in %d range(s) from %s in %.2fs (%.0f MiB/s)",
-            len(files),
-            total / 2**20,
-            len(ranges),
-            self.display(),
-            seconds,
-            total / 2**20 / max(seconds, 1e-9),
-        )
+        progress.finish(len(files), len(ranges))
 
     def sizes(self, rel_dir: str = "") -> dict[str, int]:
         """Every file below ``rel_dir`` with its size, keyed by path relative to the root (fresh listing)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import threading
 import uuid
@@ -75,9 +76,11 @@ def test_local_put_leaves_no_partial_file_at_the_final_name(tmp_path):
     assert [p.name for p in (tmp_path / "dst/a").iterdir()] == ["b.bin"], "no temp file may remain"
 
 
-def test_downloads_go_by_byte_ranges_and_a_range_that_fails_is_asked_again(tmp_path, monkeypatch):
+def test_downloads_go_by_byte_ranges_and_a_range_that_fails_is_asked_again(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(download, "PART_BYTES", 1 << 20)
     monkeypatch.setattr(download, "READ_BYTES", 256 << 10)
+    monkeypatch.setattr(download, "PROGRESS_SECONDS", 0.0)  # every range is "long": progress logged
+    caplog.set_level(logging.INFO, logger="air_core.download")
     storage = Storage(
         _flaky_root(),
         storage_options={"transient_failures": 2, "fail_on": "get"},
@@ -96,6 +99,10 @@ def test_downloads_go_by_byte_ranges_and_a_range_that_fails_is_asked_again(tmp_p
     # 4 ranges of the big file, 3 of them in 4 reads; 1 read of the small file; 2 failed reads and
     # what their range had read before them (at most 3 reads each) asked again.
     assert 14 + 2 <= storage.fs.calls <= 14 + 2 * 4
+    logged = [r.getMessage() for r in caplog.records]
+    progress = [m for m in logged if m.startswith("downloading from")]
+    assert len(progress) == 5 and progress[-1].split(" (")[0].endswith(": 3 of 3 MiB"), progress
+    assert any(m.startswith("downloaded 3 file(s), 3.0 MiB in 5 range(s)") for m in logged), logged
 
     with pytest.raises(FileNotFoundError):
         storage.get_files(
