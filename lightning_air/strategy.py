@@ -94,9 +94,14 @@ class _AirShardedSaves(_Strategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Every rank: snapshot its shards into the commit of ``filepath`` (a folder) and return."""
+        """Every rank: snapshot its shards into the commit of ``filepath`` (a folder) and return. A full
+        save: rank 0 hands the one file to the plugin, as Lightning does, but with the path as given
+        (Lightning's own turns it into a ``pathlib.Path``, and ``s3://b/x`` into a local ``s3:/b/x``)."""
         if not self._air_sharded:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+            path = str(self.broadcast(str(filepath)))
+            if self.is_global_zero:
+                self.air_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return None
         if storage_options is not None:
             raise TypeError(
                 f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: pass "

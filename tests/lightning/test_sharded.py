@@ -63,18 +63,28 @@ def test_sharded_saves_to_s3_killed_mid_upload_resume_exactly(reference, tmp_pat
 
 
 @pytest.mark.slow
-def test_full_saves_of_the_sharded_strategy_carry_every_ranks_part_and_resume_exactly(reference, tmp_path):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_full_saves_of_the_sharded_strategy_carry_every_ranks_part_and_resume_exactly(
+    reference, tmp_path, where, request
+):
     """``save_distributed_checkpoint=False``: rank 0 writes one full file, and every other rank's data
-    position must still reach the commit (it did not: ranks > 0 skipped their part)."""
-    run_sharded(tmp_path, "--full", "--kill", "10:upload_start:0", expect_kill=True)
-    root = tmp_path / "ckpts"
-    with AsyncCheckpointer(str(root), read_only=True) as ckpt:
+    position must still reach the commit (it did not: ranks > 0 skipped their part). Lightning reads
+    that file itself on every rank: from a verified local copy (the cache, for S3)."""
+    args: list[str] = []
+    root, opts = str(tmp_path / "ckpts"), None
+    if where == "s3":
+        s3_root = request.getfixturevalue("s3_root")
+        args = ["--root", s3_root.url, "--endpoint", s3_root.endpoint]
+        root, opts = s3_root.url, s3_root.storage_options
+    run_sharded(tmp_path, "--full", *args, "--kill", "10:upload_start:0", expect_kill=True)
+    with AsyncCheckpointer(root, storage_options=opts, read_only=True) as ckpt:
         (newest,) = [i for i in ckpt.list() if i.status == "committed"]
         assert newest.step == 5 and newest.manifest is not None
-        parts = [f.path for f in newest.manifest.files if "part-rank-" in f.path]
-    assert len(parts) == 1 and parts[0].endswith("part-rank-00001.pt"), parts
-    assert (root / "epoch=0-step=5.ckpt").is_file(), "one full file, as Lightning writes it"
-    run_sharded(tmp_path, "--full")
+        files = sorted(f.path for f in newest.manifest.files)
+    part, full = files
+    assert full == "epoch=0-step=5.ckpt", "one full file, as Lightning writes it"
+    assert part.endswith("part-rank-00001.pt"), files
+    run_sharded(tmp_path, "--full", *args)
     assert_same_run(tmp_path, reference, ranks=2)
 
 
