@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 
@@ -82,7 +83,7 @@ def test_a_cold_restore_streams_parallel_byte_ranges_that_cover_each_file_once(
         )
         bounds = [tuple(int(x) for x in r.removeprefix("bytes=").split("-")) for r in data]
         assert bounds[0][0] == 0 and bounds[-1][1] == size - 1, f"the ranges cover the file: {bounds}"
-        assert all(b[0] == a[1] + 1 for a, b in zip(bounds, bounds[1:])), f"no gap, no overlap: {bounds}"
+        assert all(b[0] == a[1] + 1 for a, b in itertools.pairwise(bounds)), f"no gap, no overlap: {bounds}"
         assert all(end - start < 4 << 20 for start, end in bounds)
         asked = [r for path, r in proxy.ranges if "rank-" in path]
         assert len(asked) == len(bounds) + 1, f"only the throttled range was asked twice: {asked}"
