@@ -25,7 +25,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import DistributedType, broadcast_object_list
-from torch.utils.serialization import config as serialization_config
 from typing_extensions import override
 
 from air_core import (
@@ -338,8 +337,7 @@ class AirAccelerator(Accelerator):
                 )
         with contextlib.ExitStack() as stack:
             if ckpt is not None:  # files we wrote: mapped, not read into memory (Accelerate's torch.load
-                # takes no mmap for the model); the setting is thread-local and torch's documented default
-                stack.enter_context(serialization_config.patch("load.mmap", True))  # type: ignore[attr-defined]
+                stack.enter_context(_mapped_loads())  # takes no mmap for the model file)
             if self._air_sharded and ckpt is not None and info is not None:  # FSDP2 shards: the core's reader
                 load_sharded(ckpt, info, self._models, self._optimizers, folder=prefix)
                 stack.enter_context(hidden(self, "_models", "_optimizers"))  # not again from local folders
@@ -468,3 +466,15 @@ class AirAccelerator(Accelerator):
         MLflow run the session started (rank 0), then end the trackers and the process group."""
         self.air_session.close(self.completed_steps)
         super().end_training()
+
+
+def _mapped_loads() -> contextlib.AbstractContextManager[object]:
+    """``torch.load`` memory-maps by default inside: torch's documented default for ``mmap``
+    (``torch.utils.serialization.config.load.mmap``, thread-local while patched). Torch before 2.6 has no
+    such setting; loads there read the files into memory, as Accelerate does."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        return contextlib.nullcontext()
+    patched: contextlib.AbstractContextManager[object] = config.patch("load.mmap", True)  # type: ignore[attr-defined]
+    return patched
