@@ -161,6 +161,29 @@ def run_torchrun(job: str, workdir: Any, *args: str, restarts: int = 0) -> subpr
     return done
 
 
+def run_hung_and_reference(
+    job: str, tmp_path: Any, *training: str
+) -> tuple[Any, Any, subprocess.CompletedProcess]:
+    """``job`` uninterrupted (``tmp_path/reference``) and with rank 1 hanging in step 13 under a 3 s
+    watchdog and one torchrun restart (``tmp_path/hung``); asserts what a hang must show with any adapter:
+    it happened, torchrun saw ``HANG_EXIT_CODE``, and the stacks beside the checkpoints name where rank 1
+    hung. Returns both folders and the hung run."""
+    from air_core.health import HANG_EXIT_CODE
+
+    reference, hung = tmp_path / "reference", tmp_path / "hung"
+    reference.mkdir()
+    hung.mkdir()
+    run_torchrun(job, reference, *training)
+    out = run_torchrun(job, hung, *training, "--hang", "13:1", "--hang-timeout", "3", restarts=1)
+    assert (hung / "hung-once").exists(), "rank 1 hung in step 13 of the first launch"
+    assert f"exitcode  : {HANG_EXIT_CODE}" in out.stderr or f"exitcode: {HANG_EXIT_CODE}" in out.stderr, (
+        f"torchrun saw the watchdog's exit code {HANG_EXIT_CODE}:\n{out.stderr[-4000:]}"
+    )
+    (stacks,) = (hung / "ckpts" / ".air-events").glob("hang-*-rank00001.txt")
+    assert "sleep_forever_in_a_step" in stacks.read_text(), "the stacks name where rank 1 hung"
+    return reference, hung, out
+
+
 @dataclass
 class MlflowServer:
     """A real ``mlflow server`` on 127.0.0.1 with a sqlite store."""
