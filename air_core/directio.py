@@ -111,10 +111,8 @@ class DirectFile(io.RawIOBase):
         self._tick()
 
     def _go_buffered(self, exc: OSError) -> None:
-        import fcntl
-
         _buffered_once(self._path, exc)
-        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        _drop_direct(self._fd)
         self._direct = False
 
 
@@ -146,10 +144,15 @@ def _read_into(fd: int, buffer: mmap.mmap) -> int:
     except OSError as exc:
         if exc.errno != errno.EINVAL or not _O_DIRECT:
             raise
-        import fcntl
-
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        _drop_direct(fd)
         return os.readv(fd, [buffer])
+
+
+def _drop_direct(fd: int) -> None:
+    """Clear ``O_DIRECT`` on an open file whose filesystem took the flag but refuses direct I/O."""
+    import fcntl
+
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
 def _buffered_once(path: str, exc: OSError) -> None:
