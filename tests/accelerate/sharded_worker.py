@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 from accelerate_air import AirAccelerator, AirPlugin
 from accelerate_air.sharded import load_sharded, sharded_folders
+from tests.gloo_exit import exit_without_teardown
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -51,3 +52,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()
