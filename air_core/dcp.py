@@ -17,6 +17,12 @@ collectives on the training thread, inside ``dcp.save``/``dcp.load``. This modul
 
 Not ``dcp.async_save``: its thread mode runs DCP's collectives on a background thread, which the core
 never does (one collective order per process group, owned by the training thread).
+
+A job saves the same model again and again, and DCP plans each save anew: four object collectives
+(plans gathered and scattered, write results gathered, the outcome broadcast), where waiting for the
+slowest rank dominates the blocking time on a busy host. ``SavePlans`` keeps each rank's last plan: a
+save whose plan repeats on every rank (agreed in one all-reduce) reuses the last global plan and
+metadata and skips ``dcp.save``'s exchanges; any difference on any rank plans in full.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -54,7 +61,7 @@ from .manifest import CheckpointInfo, PartRecord
 from .serializer import Bundle
 from .writer import Finalize
 
-__all__ = ["DcpReader", "DcpWriter", "dcp_folders", "load", "load_newest", "save"]
+__all__ = ["DcpReader", "DcpWriter", "SavePlans", "dcp_folders", "load", "load_newest", "save"]
 logger = logging.getLogger(__name__)
 METADATA = ".metadata"
 """DCP's metadata file, in the checkpoint's folder (``<name>/.metadata``)."""
@@ -63,6 +70,18 @@ METADATA = ".metadata"
 def data_file(rank: int, index: int) -> str:
     """Rank ``rank``'s ``index``-th data file in a checkpoint folder, named as DCP names its own."""
     return f"__{rank}_{index}.distcp"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    local: SavePlan
+    """This rank's plan, as it planned it alone."""
+    final: SavePlan
+    """What the coordinator's global planning made of it (replicated items go to one rank)."""
+    metadata: Metadata | None
+    """The coordinator's global metadata (None on other ranks)."""
+    results: list[list[WriteResult]]
+    """The coordinator's write results of every rank: (file, position) per item, so they repeat too."""
 
 
 class DcpWriter(StorageWriter):
@@ -93,6 +112,8 @@ class DcpWriter(StorageWriter):
         """This rank's data files (path under the root -> items), once ``write_data`` ran."""
         self._metadata: Metadata | None = None
         self._results: list[list[WriteResult]] = []
+        self._local_plan: SavePlan | None = None
+        self._final_plan: SavePlan | None = None
 
     # -- StorageWriter --------------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -105,7 +126,7 @@ class DcpWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         cfg = self._ckpt.config
         rank = kwargs.get("rank", dist.get_rank() if dist.is_initialized() else 0)
-        if rank != cfg.rank or is_coordinator != (cfg.rank == 0):
+        if rank != cfg.rank or is_coordinator != self.coordinator:
             raise ConfigError(
                 f"DcpWriter: DCP runs this process as rank {rank} (coordinator: {is_coordinator}), the "
                 f"checkpointer as rank {cfg.rank} of {cfg.world_size}; save on the process group whose "
@@ -113,6 +134,7 @@ class DcpWriter(StorageWriter):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._local_plan = plan
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -120,6 +142,7 @@ class DcpWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Resolve this rank's items into bundles (no copy yet); the offsets are their ordinals."""
+        self._final_plan = plan
         rank = self._ckpt.config.rank
         results: list[WriteResult] = []
         for index, items in enumerate(_split(plan.items, self._bins)):
@@ -145,6 +168,17 @@ class DcpWriter(StorageWriter):
         """Coordinator: keep DCP's global metadata for the commit."""
         self._metadata, self._results = metadata, results
 
+    @property
+    def coordinator(self) -> bool:
+        """Whether this rank is DCP's coordinator (rank 0: it plans globally and writes ``.metadata``)."""
+        return self._ckpt.config.rank == 0
+
+    def planned(self) -> _Planned:
+        """The plans ``dcp.save`` made with this writer (after it returned)."""
+        if self._local_plan is None or self._final_plan is None:
+            raise RuntimeError(f"{self.folder}: dcp.save did not plan with this writer")
+        return _Planned(self._local_plan, self._final_plan, self._metadata, self._results)
+
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.folder)
 
@@ -169,6 +203,55 @@ class DcpWriter(StorageWriter):
             storage_meta=StorageMeta(checkpoint_id=self.folder, save_id=uuid.uuid4().hex),
         )
         return pickle.dumps(metadata)
+
+
+class SavePlans:
+    """Each rank's last plan of a job's sharded saves, by the folder's position in a ``save`` call.
+
+    Pass one instance to every ``save`` of a job (``TrainingSession`` does). A save plans locally; one
+    all-reduce tells whether every rank's plan is the one it made last time. If so, the last global plan
+    and metadata are reused and ``dcp.save``'s exchanges are skipped; otherwise (the first save, a key
+    added, a shape changed, on any rank) ``dcp.save`` plans in full and its plans are kept.
+    """
+
+    def __init__(self) -> None:
+        self._planned: dict[int, _Planned] = {}
+        self.replayed = 0
+        """How many folders were saved with a repeated plan (no ``dcp.save`` exchanges)."""
+
+    def replay(
+        self, slot: int, writer: DcpWriter, state: dict[str, Any], process_group: dist.ProcessGroup | None
+    ) -> bool:
+        """Every rank: collect ``state`` into ``writer`` with the last plan of ``slot`` if it repeats on
+        every rank (True); False if ``dcp.save`` must plan it (every rank gets the same answer)."""
+        coordinator = writer.coordinator
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state, writer.storage_meta(), coordinator)
+        local = planner.create_local_plan()
+        last = self._planned.get(slot)
+        same = last is not None and _same_plan(local, last.local)
+        if dist.is_available() and dist.is_initialized():
+            agreed = torch.tensor([int(same)], dtype=torch.int32)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=process_group)
+            same = bool(agreed.item())
+        if not same:
+            return False
+        assert last is not None
+        writer.write_data(planner.finish_plan(last.final), planner)
+        if coordinator:
+            assert last.metadata is not None
+            writer.finish(last.metadata, last.results)
+        self.replayed += 1
+        return True
+
+    def remember(self, slot: int, writer: DcpWriter) -> None:
+        """After ``dcp.save`` with ``writer`` returned on every rank: keep the plans it made."""
+        self._planned[slot] = writer.planned()
+
+
+def _same_plan(plan: SavePlan, last: SavePlan) -> bool:
+    """Whether two local plans write the same items (names, chunks, dtypes) with the same flattening."""
+    return plan.items == last.items and plan.planner_data == last.planner_data
 
 
 def _split(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
@@ -276,10 +359,12 @@ def save(
     process_group: dist.ProcessGroup | None = None,
     planner: SavePlanner | None = None,
     files_per_rank: int = 1,
+    plans: SavePlans | None = None,
 ) -> SaveHandle:
     """``dcp.save`` of each state dict (DTensors, sharded or plain tensors, objects) into its folder
     (path under the root), all in one commit ``name`` with this rank's ``files``. Every rank calls it,
-    as ``dcp.save`` (DCP's collectives run here, on the calling thread).
+    as ``dcp.save`` (DCP's collectives run here, on the calling thread). ``plans``: the job's
+    ``SavePlans``, to skip planning a save that repeats the last one (only with the default planner).
 
     Returns once this rank's items are in host buffers (call ``handle.wait_snapshot()`` before mutating
     GPU tensors), with the save's handle: it resolves when every rank's files and each folder's
@@ -289,8 +374,14 @@ def save(
     if not folders:
         raise ConfigError(f"air_core.dcp.save(name={name!r}): no folder given.")
     writers = [DcpWriter(checkpointer, folder=f, files_per_rank=files_per_rank) for f in folders]
-    for writer, state in zip(writers, folders.values(), strict=True):
-        dcp.save(state, storage_writer=writer, process_group=process_group, planner=planner)
+    for slot, (writer, state) in enumerate(zip(writers, folders.values(), strict=True)):
+        if plans is not None and planner is None:
+            if plans.replay(slot, writer, state, process_group):
+                continue
+            dcp.save(state, storage_writer=writer, process_group=process_group)
+            plans.remember(slot, writer)
+        else:
+            dcp.save(state, storage_writer=writer, process_group=process_group, planner=planner)
 
     def make(parts: list[PartRecord]) -> dict[str, bytes]:
         return {w.metadata_file: w.make_metadata(parts) for w in writers}

@@ -1,6 +1,8 @@
-"""Where the blocking time of one ``air_core.dcp.save`` goes: ``get_state_dict``, ``dcp.save`` with our
-writer (DCP's planning and collectives: the writer itself only collects references), and the snapshot
-copy into host buffers; with DCP's plan caching off and on, taking turns in one job.
+"""Where the blocking time of one ``air_core.dcp.save`` goes: ``get_state_dict``, planning (``dcp.save``
+with our writer: DCP's planning and collectives, the writer itself only collects references), and the
+snapshot copy into host buffers. Three ways of planning take turns in one job: every save planned by
+``dcp.save``, DCP's plan caching, and ``air_core.dcp.SavePlans`` (the last plan replayed after one
+all-reduce, what ``TrainingSession`` uses).
 
 Run under torchrun, one process per rank (gloo on CPU), on the model of ``benchmarks/sharded_save.py``:
 
@@ -29,7 +31,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 from air_core import AsyncCheckpointer, PhaseEvent  # noqa: E402
 from air_core import dcp as air_dcp  # noqa: E402
 
-PARTS = ("get_state_dict", "dcp.save", "snapshot", "blocking")
+PARTS = ("get_state_dict", "planning", "snapshot", "blocking")
+SETTINGS = ("dcp.save", "DCP plan caching", "SavePlans")
 
 
 class SnapshotStart:
@@ -57,9 +60,10 @@ def main() -> None:
     ckpt = AsyncCheckpointer(
         root[0], rank=rank, world_size=world, launch_id="dcp-save-parts", keep_last=2, listeners=[mark]
     )
-    times: dict[bool, list[list[float]]] = {False: [], True: []}
+    times: dict[str, list[list[float]]] = {setting: [] for setting in SETTINGS}
+    plans = air_dcp.SavePlans()
     for i in range(args.saves + 1):
-        for caching in (False, True):
+        for k, setting in enumerate(SETTINGS):
             step()
             dist.barrier()
             t0 = time.perf_counter()
@@ -68,22 +72,24 @@ def main() -> None:
             handle = air_dcp.save(
                 ckpt,
                 {"ckpt": {"state_dict": model_sd, "optimizer_0": optim_sd}},
-                step=2 * i + int(caching) + 1,
-                planner=DefaultSavePlanner(enable_plan_caching=caching),
+                step=len(SETTINGS) * i + k + 1,
+                planner=DefaultSavePlanner(enable_plan_caching=True) if k == 1 else None,
+                plans=plans if k == 2 else None,
             )
             t3 = time.perf_counter()
-            if i:  # the first round warms up (allocations, the plan cache)
-                times[caching].append([t1 - t0, mark.at - t1, t3 - mark.at, t3 - t0])
+            if i:  # the first round warms up (allocations, the plan caches)
+                times[setting].append([t1 - t0, mark.at - t1, t3 - mark.at, t3 - t0])
             handle.result(timeout=600)
+    assert plans.replayed == args.saves, plans.replayed  # every save after the first one
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, times)
     if rank == 0:
         print(f"{world} ranks, {args.size_mib} MiB, {args.saves} saves per setting; seconds, max over ranks")
-        print(f"{'plan caching':<14}" + "".join(f"{part:>16}" for part in PARTS))
-        for caching in (False, True):
-            rows = [[max(g[caching][s][k] for g in gathered) for k in range(4)] for s in range(args.saves)]
+        print(f"{'planned by':<18}" + "".join(f"{part:>16}" for part in PARTS))
+        for setting in SETTINGS:
+            rows = [[max(g[setting][s][k] for g in gathered) for k in range(4)] for s in range(args.saves)]
             medians = [statistics.median(row[k] for row in rows) for k in range(4)]
-            print(f"{'on' if caching else 'off':<14}" + "".join(f"{m:>16.4f}" for m in medians))
+            print(f"{setting:<18}" + "".join(f"{m:>16.4f}" for m in medians))
     ckpt.close()
     dist.destroy_process_group()
 

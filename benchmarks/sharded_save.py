@@ -184,6 +184,7 @@ class Methods:
         import torch.distributed as dist
 
         from air_core import AsyncCheckpointer
+        from air_core import dcp as air_dcp
 
         self.model, self.opt, self.workdir, self.rank = model, opt, workdir, rank
         # async_save's thread runs DCP's collectives: on a group of their own, never the training one's.
@@ -206,6 +207,7 @@ class Methods:
             "air": checkpointer("air", "air"),
             "air_staged": checkpointer("air_staged", "air-root", "air-staging"),
         }
+        self.plans = {method: air_dcp.SavePlans() for method in self.ckpt}  # as TrainingSession keeps them
 
     def meta(self, i: int) -> dict[str, Any]:
         """What a Trainer's checkpoint holds beside the sharded state (rank 0's ``meta.pt``)."""
@@ -248,6 +250,7 @@ class Methods:
                 step=i,
                 name=folder,
                 files={f"{folder}/meta.pt": self.meta(i)} if self.rank == 0 else None,
+                plans=self.plans[method],
             )
             handle.wait_snapshot()  # on CUDA, before the next optimizer step mutates the weights
 

@@ -2,7 +2,8 @@
 ``air_core.dcp`` (run as a script by tests/core/test_dcp.py).
 
 Usage: python tests/sharded_worker.py RANK WORLD ROOT INIT_FILE MODE [ARG]
-MODE: ``save`` (two training steps, a checkpoint after each; rank 0 also writes the full reference state
+MODE: ``save`` (two training steps, a checkpoint after each, the second with the first's plan
+(``SavePlans``); rank 0 also writes the full reference state
 of each to ROOT/../reference-<step>.pt), ``die`` (as ``save``, but rank ARG is SIGKILLed while it writes
 the second checkpoint), ``load`` (load the newest loadable checkpoint at this world size and write the
 full state it produced to ROOT/../loaded-<world>.pt).
@@ -22,6 +23,7 @@ from torch.distributed.fsdp import fully_shard
 
 from air_core import AsyncCheckpointer, PhaseEvent
 from air_core import dcp as air_dcp
+from tests.gloo_exit import exit_without_teardown
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -72,18 +74,21 @@ def main() -> None:
     model, opt = build()
     out = os.path.dirname(root.rstrip("/"))
     if mode in ("save", "die"):
+        plans = air_dcp.SavePlans()  # the second save repeats the first one's plan
         for step in (1, 2):
             train_step(model, opt, step)
             model_sd, optim_sd = get_state_dict(model, opt)
             state = {"model": model_sd, "optim": optim_sd, "step": step}
-            handle = air_dcp.save(ckpt, {f"step-{step:09d}": state}, step=step)
+            replayed = plans.replayed
+            handle = air_dcp.save(ckpt, {f"step-{step:09d}": state}, step=step, plans=plans)
+            how = "replayed" if plans.replayed > replayed else "planned"
             full_model, full_optim = get_state_dict(model, opt, options=FULL)
             if rank == 0:
                 torch.save(
                     {"model": full_model, "optim": full_optim}, os.path.join(out, f"reference-{step}.pt")
                 )
             handle.result(timeout=60)
-            print(f"rank {rank} committed step {step}", flush=True)
+            print(f"rank {rank} committed step {step} ({how})", flush=True)
     else:
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd, "step": -1}
@@ -103,3 +108,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -96,6 +96,7 @@ class TrainingSession:
         self._listeners = [self.records, *listeners]
         self._ckpt: AsyncCheckpointer | None = None
         self._others: list[AsyncCheckpointer] = []
+        self._plans = dcp.SavePlans()  # sharded saves of the same model repeat their plan
         """Checkpointers of further roots (``open_another``), flushed and closed with the main one."""
         self._goodput_log: GoodputLog | None = None
         self._sink: MlflowSink | None = None
@@ -266,7 +267,7 @@ class TrainingSession:
         if ckpt is None:
             raise AirError(f"{self.config.owner}: save_sharded() before the checkpoint root was opened.")
         with self._saving():
-            self.last_handle = dcp.save(ckpt, folders, step=step, name=name, files=files)
+            self.last_handle = dcp.save(ckpt, folders, step=step, name=name, files=files, plans=self._plans)
         self.returned_at = time.monotonic()
         return self.last_handle
 

@@ -54,7 +54,11 @@ def _ok(outs: list[subprocess.CompletedProcess]) -> None:
 def saved(tmp_path_factory) -> str:
     """Two FSDP2 checkpoints (steps 1 and 2) saved by 2 processes; the path of the root."""
     root = str(tmp_path_factory.mktemp("dcp") / "root")
-    _ok(_run(2, root, "save"))
+    outs = _run(2, root, "save")
+    _ok(outs)
+    for rank, out in enumerate(outs):  # what the tests below load is a save whose plan was replayed
+        assert f"rank {rank} committed step 1 (planned)" in out.stdout
+        assert f"rank {rank} committed step 2 (replayed)" in out.stdout
     return root
 
 
@@ -156,23 +160,26 @@ def test_one_process_save_splits_into_files_and_loads_back(tmp_path):
         assert fresh["meta"]["epoch"] == 3
 
 
-@pytest.mark.parametrize("caching", [False, True])
-def test_saves_whose_plan_repeats_or_changes_each_load_their_own_values(tmp_path, caching):
-    """With DCP's plan caching an unchanged plan reuses the cached global plan and metadata object, and
-    a changed one (a key added, then gone) is planned again; every commit must still hold its own
-    values and its own ``.metadata``, with or without it."""
+@pytest.mark.parametrize("planning", ["every save", "dcp plan caching", "air SavePlans"])
+def test_saves_whose_plan_repeats_or_changes_each_load_their_own_values(tmp_path, planning):
+    """With DCP's plan caching or our ``SavePlans`` an unchanged plan reuses the last global plan and
+    metadata object, and a changed one (a key added, then gone) is planned again; every commit must
+    still hold its own values and its own ``.metadata``."""
     torch.manual_seed(0)
     shapes = [{"a": (4, 3), "b": (5,)}, {"a": (4, 3), "b": (5,)}, {"a": (4, 3), "b": (5,), "c": (2,)}]
-    shapes.append(shapes[0])
+    shapes += [shapes[0], {"a": (4, 3), "b": (6,)}, {"a": (4, 3), "b": (6,)}]
     saved = []
+    plans = air_dcp.SavePlans() if planning == "air SavePlans" else None
     with AsyncCheckpointer(str(tmp_path / "root"), keep_last=10) as ckpt:
         for step, keys in enumerate(shapes, start=1):
             state = {"w": {k: torch.randn(*s) for k, s in keys.items()}, "step": step}
             saved.append(state)
-            planner = DefaultSavePlanner(enable_plan_caching=caching)
-            air_dcp.save(ckpt, {f"step-{step}": state}, step=step, planner=planner).result()
+            planner = DefaultSavePlanner(enable_plan_caching=True) if planning == "dcp plan caching" else None
+            air_dcp.save(ckpt, {f"step-{step}": state}, step=step, planner=planner, plans=plans).result()
         infos = [i for i in ckpt.list() if i.status == "committed"]
-        assert [i.step for i in infos] == [1, 2, 3, 4]
+        assert [i.step for i in infos] == [1, 2, 3, 4, 5, 6]
+        if plans is not None:  # steps 2 and 6 repeat the plan before them; a shape change does not
+            assert plans.replayed == 2
         for info, state in zip(infos, saved, strict=True):
             fresh = {"w": {k: torch.zeros_like(v) for k, v in state["w"].items()}, "step": 0}
             air_dcp.load(ckpt, fresh, info)
