@@ -82,6 +82,8 @@ class _Planned:
     """The coordinator's global metadata (None on other ranks)."""
     results: list[list[WriteResult]]
     """The coordinator's write results of every rank: (file, position) per item, so they repeat too."""
+    files_per_rank: int
+    """How the items were bundled into files (the results name those files)."""
 
 
 class DcpWriter(StorageWriter):
@@ -107,7 +109,7 @@ class DcpWriter(StorageWriter):
         self._ckpt = checkpointer
         self.folder = check_filename(folder, call="DcpWriter(folder=...)")
         self.metadata_file = f"{self.folder}/{METADATA}"
-        self._bins = files_per_rank
+        self.files_per_rank = files_per_rank
         self.files: dict[str, Bundle] = {}
         """This rank's data files (path under the root -> items), once ``write_data`` ran."""
         self._metadata: Metadata | None = None
@@ -145,7 +147,7 @@ class DcpWriter(StorageWriter):
         self._final_plan = plan
         rank = self._ckpt.config.rank
         results: list[WriteResult] = []
-        for index, items in enumerate(_split(plan.items, self._bins)):
+        for index, items in enumerate(_split(plan.items, self.files_per_rank)):
             relative = data_file(rank, index)
             values: list[torch.Tensor | bytes] = []
             for ordinal, item in enumerate(items):
@@ -177,7 +179,9 @@ class DcpWriter(StorageWriter):
         """The plans ``dcp.save`` made with this writer (after it returned)."""
         if self._local_plan is None or self._final_plan is None:
             raise RuntimeError(f"{self.folder}: dcp.save did not plan with this writer")
-        return _Planned(self._local_plan, self._final_plan, self._metadata, self._results)
+        return _Planned(
+            self._local_plan, self._final_plan, self._metadata, self._results, self.files_per_rank
+        )
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.folder)
@@ -229,7 +233,7 @@ class SavePlans:
         planner.set_up_planner(state, writer.storage_meta(), coordinator)
         local = planner.create_local_plan()
         last = self._planned.get(slot)
-        same = last is not None and _same_plan(local, last.local)
+        same = _repeats(local, writer, last)
         if dist.is_available() and dist.is_initialized():
             agreed = torch.tensor([int(same)], dtype=torch.int32)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=process_group)
@@ -249,9 +253,15 @@ class SavePlans:
         self._planned[slot] = writer.planned()
 
 
-def _same_plan(plan: SavePlan, last: SavePlan) -> bool:
-    """Whether two local plans write the same items (names, chunks, dtypes) with the same flattening."""
-    return plan.items == last.items and plan.planner_data == last.planner_data
+def _repeats(plan: SavePlan, writer: DcpWriter, last: _Planned | None) -> bool:
+    """Whether ``plan`` writes the items of ``last`` (names, chunks, dtypes), flattened as they were and
+    bundled into the same files (the results name them)."""
+    return (
+        last is not None
+        and plan.items == last.local.items
+        and plan.planner_data == last.local.planner_data
+        and writer.files_per_rank == last.files_per_rank
+    )
 
 
 def _split(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:

@@ -185,3 +185,18 @@ def test_saves_whose_plan_repeats_or_changes_each_load_their_own_values(tmp_path
             air_dcp.load(ckpt, fresh, info)
             assert_same_state(state["w"], fresh["w"])
             assert fresh["step"] == state["step"], f"step {info.step}: its own non-tensor value"
+
+
+def test_a_repeated_plan_bundled_into_other_files_is_planned_again(tmp_path):
+    """The write results name the files: a save of the same items into more files must not reuse them."""
+    plans = air_dcp.SavePlans()
+    with AsyncCheckpointer(str(tmp_path / "root"), keep_last=10) as ckpt:
+        states = [{"w": {"a": torch.randn(4, 3), "b": torch.randn(5)}} for _ in range(2)]
+        for step, (state, files) in enumerate(zip(states, (1, 2), strict=True), start=1):
+            air_dcp.save(ckpt, {f"step-{step}": state}, step=step, files_per_rank=files, plans=plans).result()
+        assert plans.replayed == 0
+        info = ckpt.latest()
+        assert len([f for f in info.manifest.files if f.path.endswith(".distcp")]) == 2
+        fresh = {"w": {k: torch.zeros_like(v) for k, v in states[1]["w"].items()}}
+        air_dcp.load(ckpt, fresh, info)
+        assert_same_state(states[1]["w"], fresh["w"])
