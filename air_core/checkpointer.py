@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -255,15 +256,17 @@ class AsyncCheckpointer:
         open_roots.settle(self._root_key, self._storage.url, "a verification")
         return verify_with(self._dest, info, max_transfers=self.config.max_transfers)
 
-    def delete(self, name: str, *, even_newest: bool = False) -> None:
+    def delete(self, name: str, *, even_newest: bool = False) -> threading.Event:
         """Delete checkpoint ``name`` on the writer thread, after every save submitted before.
 
         The newest committed checkpoint is kept until a newer one commits (a job must always have one to
         resume from), unless ``even_newest``: an explicit removal that no newer save will follow.
-        Returns at once; call on rank 0 only.
+        Returns at once, with an event set once the writer thread has run the delete; call on rank 0 only.
         """
         self._check_open("delete", write=True)
-        self._writer.submit(DeleteJob(check_name(name), even_newest=even_newest))
+        job = DeleteJob(check_name(name), even_newest=even_newest)
+        self._writer.submit(job)
+        return job.ran
 
     def fetch(
         self,

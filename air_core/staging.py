@@ -9,9 +9,11 @@ back verified local copies. It never decides *when* (the writer) or whether a sa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 import uuid
 import zlib
@@ -140,10 +142,10 @@ class Staged:
         self._staging_arg = staging_dir
 
     def temp_paths(self, files: tuple[str, ...]) -> dict[str, str]:
-        temps = {rel: f"{path}{layout.TEMP_MARK}" for rel, path in self._local(files).items()}
-        for path in temps.values():
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        return temps
+        local = self._local(files)
+        for path in local.values():
+            self._make_room(path)
+        return {rel: f"{path}{layout.TEMP_MARK}" for rel, path in local.items()}
 
     def place(self, temps: dict[str, str]) -> None:
         for rel, tmp in temps.items():
@@ -198,6 +200,8 @@ class Staged:
         if cached == manifest.to_json() and all(_matches(paths[e.path], e) for e in entries):
             return paths, "cache"
 
+        for path in paths.values():
+            self._make_room(path)
         self._storage.get_files(paths, max_transfers=max_transfers)
         for e in entries:
             if not _matches(paths[e.path], e):
@@ -208,6 +212,23 @@ class Staged:
 
     def _local(self, files: tuple[str, ...]) -> dict[str, str]:
         return {rel: layout.local_path(self.cache_dir, rel) for rel in files}
+
+    def _make_room(self, path: str) -> None:
+        """Let a file be written at ``path`` in the cache: a cached copy of another checkpoint in the way
+        is dropped (a folder of this file's name, or a file where its folder goes: a sharded save and a
+        full one of the same name, ``last.ckpt``). It is only a cache: that checkpoint is fetched again
+        if it is ever read."""
+        parent = os.path.dirname(path)
+        below = os.path.relpath(parent, self.cache_dir).split(os.sep)
+        for i in range(1, len(below) + 1):
+            ancestor = os.path.join(self.cache_dir, *below[:i])
+            if os.path.isfile(ancestor):
+                with contextlib.suppress(FileNotFoundError):  # another rank of this node was first
+                    os.unlink(ancestor)
+                break
+        os.makedirs(parent, exist_ok=True)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)  # what stays makes the write fail, saying where
 
 
 def choose_destination(config: CheckpointerConfig, storage: Storage) -> Destination:

@@ -74,6 +74,8 @@ class DeleteJob:
     name: str
     even_newest: bool = False
     """Delete it even if it is the newest committed one (an explicit removal, not retention)."""
+    ran: threading.Event = field(default_factory=threading.Event)
+    """Set once the writer thread has run it (deleted, deferred, or failed and left for a retry)."""
 
 
 @dataclass
@@ -168,6 +170,7 @@ class Writer:
                 if job.even_newest:
                     self._forced.add(job.name)
                 self._run_deletes(None)
+                job.ran.set()
             else:
                 self._save(job)
 

@@ -17,9 +17,10 @@ import contextlib
 import logging
 import os
 import re
+import threading
 import uuid
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
@@ -106,7 +107,7 @@ class AirCheckpointIO(CheckpointIO):
         self.loaded_rank_states: dict[int, Any] = {}
         """The parts of saved ranks > 0 the last ``load_checkpoint`` read: this rank's, or every saved
         rank's for an elastic resume at another world size (``TrainingSession.ranks_to_load``)."""
-        self._owners: dict[str, dict[str, list[tuple[str, int]]]] = {}
+        self._owners: dict[str, dict[str, list[_Owner]]] = {}
         """Per root: the commit names of each file or folder this plugin saved or found there."""
         self._asynchronous = False
         """In a fit that ``AirCallback`` runs (``new_session`` until ``teardown``): saves return after the
@@ -205,7 +206,7 @@ class AirCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0))
         name = checkpoint.get(AIR_KEY, {}).get("name") or commit_name(filename, step)
         with self._writing(root) as (ckpt, committed):
-            self._retire(ckpt, filename, name, step)
+            self._retire(ckpt, filename, _Owner(name, step, folder=False))
             if ckpt is self.session.checkpointer:
                 handle = self.session.save({filename: checkpoint}, step=step, name=name)
             else:
@@ -227,7 +228,11 @@ class AirCheckpointIO(CheckpointIO):
         session = self.session
         files: dict[str, Any] = {}
         if session.rank == 0:
-            self._retire(ckpt, folder, name, step)
+            # Every rank writes into the folder: a full file of that name must be gone before the others
+            # write (the save's collectives hold them until this rank arrives).
+            for ran in self._retire(ckpt, folder, _Owner(name, step, folder=True)):
+                with session.watchdog_paused():
+                    ran.wait(ckpt.config.close_timeout_seconds)
             files[f"{folder}/{meta_file}"] = checkpoint
         elif "rank_state" in air:
             files[session.state_file(name)] = air["rank_state"]
@@ -239,7 +244,7 @@ class AirCheckpointIO(CheckpointIO):
         root, filename = split_path(path)
         if ckpt is None or ckpt.closed or not _same_root(ckpt.config.root, root):
             return
-        if {n for n, _ in self._owners.get(ckpt.config.root, {}).get(filename, ())} & set(ckpt.in_flight()):
+        if {o.name for o in self._owners.get(ckpt.config.root, {}).get(filename, ())} & set(ckpt.in_flight()):
             with self.session.watchdog_paused():  # waiting for a commit is no hang
                 ckpt.wait_in_flight()
 
@@ -379,8 +384,8 @@ class AirCheckpointIO(CheckpointIO):
             owners = self._owners_of(ckpt, filename)
             if not owners:  # not ours: a link (save_last="link") or a stock file, removed as Lightning does
                 TorchCheckpointIO().remove_checkpoint(path)
-            for name, _ in owners:  # in flight or committed: queued behind its save
-                ckpt.delete(name, even_newest=now)
+            for owner in owners:  # in flight or committed: queued behind its save
+                ckpt.delete(owner.name, even_newest=now)
             owners.clear()
 
     @override
@@ -392,19 +397,27 @@ class AirCheckpointIO(CheckpointIO):
         if self._session is not None:
             self._session.close_checkpointer()
 
-    def _retire(self, ckpt: AsyncCheckpointer, filename: str, name: str, step: int) -> None:
+    def _retire(self, ckpt: AsyncCheckpointer, filename: str, new: _Owner) -> list[threading.Event]:
         """Lightning rewrites files in place (``last.ckpt``; a rerun into the same folder): the commits that
-        named ``filename`` are retired and the save ``name`` owns it. One whose step is not below ``step`` (a
-        new run rewriting an older run's folder) goes at once, since its file is being replaced; otherwise
-        the newest commit is kept until this one commits."""
+        named ``filename`` are retired and the save ``new`` owns it. One whose step is not below the new
+        step (a new run rewriting an older run's folder) goes at once, since its file is being replaced,
+        and so does one of the other kind (a full file where a sharded folder of the same name was, or the
+        reverse: Lightning removes the old one before it saves, and a local root cannot hold both);
+        otherwise the newest commit is kept until this one commits. Returns the deletes of the other kind
+        (they run on this rank's writer thread, before the new save's writes)."""
         owners = self._owners_of(ckpt, filename)
-        for older, older_step in owners:
-            ckpt.delete(older, even_newest=older_step >= step)
-        owners[:] = [(name, step)]
+        other_kind = []
+        for older in owners:
+            switch = older.folder != new.folder
+            ran = ckpt.delete(older.name, even_newest=older.step >= new.step or switch)
+            if switch:
+                other_kind.append(ran)
+        owners[:] = [new]
+        return other_kind
 
-    def _owners_of(self, ckpt: AsyncCheckpointer, filename: str) -> list[tuple[str, int]]:
-        """(name, step) of the checkpoints under ``ckpt``'s root whose rank-0 file (or folder) is ``filename``
-        (a live list; rank 0 only).
+    def _owners_of(self, ckpt: AsyncCheckpointer, filename: str) -> list[_Owner]:
+        """The checkpoints under ``ckpt``'s root whose rank-0 file (or folder) is ``filename`` (a live list;
+        rank 0 only).
 
         A root is listed once, at its first save or removal; after that this plugin's own saves keep the map,
         so no listing runs on the training thread per save and a removal also finds a save in flight.
@@ -413,8 +426,10 @@ class AirCheckpointIO(CheckpointIO):
         if owners is None:
             owners = self._owners[ckpt.config.root] = {}
             for info in self._commits_of(ckpt.list()):
-                for top in {_top(f.path) for f in info.manifest.files_of(0)} if info.manifest else ():
-                    owners.setdefault(top, []).append((info.name, info.step))
+                paths = [f.path for f in info.manifest.files_of(0)] if info.manifest else []
+                for top in {_top(path) for path in paths}:
+                    folder = any(path != top for path in paths if _top(path) == top)
+                    owners.setdefault(top, []).append(_Owner(info.name, info.step, folder))
         return owners.setdefault(filename, [])
 
     @staticmethod
@@ -430,6 +445,15 @@ class AirCheckpointIO(CheckpointIO):
         ]
         # A file rewritten in place is the last write's, whatever its step (a rerun restarts the steps).
         return found if filename is None else sorted(found, key=lambda i: i.time or 0.0)
+
+
+class _Owner(NamedTuple):
+    """A checkpoint that owns a file (or folder) Lightning named under the root."""
+
+    name: str
+    step: int
+    folder: bool
+    """A sharded save's folder, not one file."""
 
 
 def _same_root(a: str, b: str) -> bool:

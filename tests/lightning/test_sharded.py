@@ -89,6 +89,28 @@ def test_full_saves_of_the_sharded_strategy_carry_every_ranks_part_and_resume_ex
 
 
 @pytest.mark.slow
+def test_last_ckpt_switching_between_sharded_and_full_saves_replaces_the_old_one(tmp_path):
+    """``save_last`` with sharded saves, then full ones into the same dirpath (resumed), then sharded
+    again: each ``last.ckpt`` replaces the other kind, as Lightning's own removes it before saving. A
+    full file where a sharded folder was cached failed the save, and a sharded save's other ranks wrote
+    into the path of a full file that rank 0 had not yet removed."""
+    root = tmp_path / "ckpts"
+    for epochs, kind in ((1, []), (2, ["--full"]), (3, [])):
+        saved = sorted(int(p.stem.split("-")[1]) for p in tmp_path.glob("saved-*.pt"))  # by FullWeights
+        run_sharded(tmp_path, "--epochs", str(epochs), "--save-last", *kind)
+        last = root / "last.ckpt"
+        assert last.is_file() if kind else last.is_dir(), f"after {epochs} epoch(s)"
+        if saved:  # resumed from the other kind of last.ckpt: the weights of the newest save
+            loaded, expected = (
+                torch.load(tmp_path / "loaded.pt"),
+                torch.load(tmp_path / f"saved-{saved[-1]}.pt"),
+            )
+            assert all(torch.equal(loaded[k], v) for k, v in expected.items()), f"step {saved[-1]}"
+    assert sorted(os.listdir(root / "last.ckpt")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert latest_checkpoint(str(root)) == str(root / "last.ckpt")
+
+
+@pytest.mark.slow
 def test_a_committed_sharded_checkpoint_is_lightnings_stock_layout(reference):
     """Stock Lightning loads a sharded folder with ``dcp.load(checkpoint_id=folder)`` + ``meta.pt``."""
     folder = Path(latest_checkpoint(str(reference / "ckpts")))
