@@ -10,6 +10,7 @@ deletes manifest first. A committed location is never written again. It writes n
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -26,6 +27,32 @@ logger = logging.getLogger(__name__)
 def write_part(storage: Storage, record: PartRecord) -> None:
     """Write (or overwrite: intent, then complete) this rank's part record."""
     storage.write_bytes(layout.part_path(record.name, record.rank), record.to_json())
+
+
+def write_failure(storage: Storage, *, name: str, step: int, rank: int, launch_id: str, error: str) -> None:
+    """Rank ``rank``'s part of this launch's save of ``name`` failed with ``error``: the ranks waiting for it
+    stop now, not at ``commit_timeout_seconds`` (and their next save would wait for the buffers they hold)."""
+    body = {"name": name, "step": step, "rank": rank, "launch_id": launch_id, "error": error}
+    storage.write_bytes(layout.failure_path(name, rank), json.dumps(body).encode())
+
+
+def remove_failure(storage: Storage, name: str, rank: int) -> None:
+    """Take back this rank's failure record of ``name`` (the same launch saves that name again)."""
+    storage.remove(layout.failure_path(name, rank))
+
+
+def _failed(storage: Storage, name: str, rank: int, *, step: int, launch_id: str) -> str | None:
+    """The error rank ``rank`` recorded for this launch's save of ``name`` at ``step``, if it failed."""
+    data = storage.read_if_present(layout.failure_path(name, rank))
+    if data is None:
+        return None
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return None
+    if body.get("launch_id") != launch_id or body.get("step") != step:
+        return None  # another launch's save of the same name
+    return str(body.get("error", "failed"))
 
 
 def check_not_committed(storage: Storage, name: str) -> None:
@@ -66,6 +93,10 @@ def wait_for_parts(
                 r = PartRecord.from_json(storage.read_bytes(rel), where=storage.display(rel))
                 if r.complete and r.launch_id == own.launch_id and r.step == own.step and r.name == own.name:
                     found[rank] = r
+                    continue
+            error = _failed(storage, own.name, rank, step=own.step, launch_id=own.launch_id)
+            if error is not None:
+                raise StorageError(f"rank {rank} failed its part of checkpoint {own.name!r}: {error}")
         return len(found) == world_size
 
     try:
@@ -76,8 +107,10 @@ def wait_for_parts(
     return [found[r] for r in range(world_size)]
 
 
-def wait_for_manifest(storage: Storage, *, name: str, launch_id: str, timeout_seconds: float) -> Manifest:
-    """Ranks > 0: block until rank 0 has committed this launch's checkpoint ``name``."""
+def wait_for_manifest(
+    storage: Storage, *, name: str, step: int, launch_id: str, timeout_seconds: float
+) -> Manifest:
+    """Ranks > 0: block until rank 0 has committed this launch's checkpoint ``name`` (or failed it)."""
     rel = layout.manifest_path(name)
     data: list[bytes] = []
 
@@ -85,7 +118,11 @@ def wait_for_manifest(storage: Storage, *, name: str, launch_id: str, timeout_se
         found = storage.read_if_present(rel)
         if found is not None:
             data.append(found)
-        return bool(data)
+            return True
+        error = _failed(storage, name, 0, step=step, launch_id=launch_id)
+        if error is not None:
+            raise StorageError(f"rank 0 did not commit checkpoint {name!r}: {error}")
+        return False
 
     try:
         _poll(f"the commit of checkpoint {name!r} by rank 0", timeout_seconds, committed)

@@ -2,7 +2,8 @@
 
 Other modules ask here instead of spelling a path, so the on-disk format is read in one file: a
 rank's data file (default ``<name>/rank-00000.pt``), ``.air/<name>/rank-00000.json`` (part record:
-intent, then complete), ``.air/<name>/manifest.json`` (the commit, last), ``.air/lease.json`` and the
+intent, then complete), ``.air/<name>/failed-rank-00000.json`` (that part failed),
+``.air/<name>/manifest.json`` (the commit, last), ``.air/lease.json`` and the
 ``.air-events/`` log. It builds and recognises paths, never checks what is there. Key decision: the
 format is frozen; a new name is added here, an existing one never changes.
 """
@@ -57,6 +58,12 @@ def manifest_path(name: str) -> str:
 def part_path(name: str, rank: int) -> str:
     """Rank ``rank``'s part record of checkpoint ``name``."""
     return f"{record_dir(name)}/{_RANK}{rank:05d}.json"
+
+
+def failure_path(name: str, rank: int) -> str:
+    """Written by rank ``rank`` when its part of checkpoint ``name`` failed, so that the ranks waiting for
+    that part (rank 0) or for the commit (the others) stop waiting. Not a part record."""
+    return f"{record_dir(name)}/failed-{_RANK}{rank:05d}.json"
 
 
 def probe_path(token: str) -> str:

@@ -121,6 +121,8 @@ class Writer:
         self._busy: set[str] = set()
         self._deferred: set[str] = set()
         self._forced: set[str] = set()
+        self._failed_names: set[str] = set()
+        """Saves whose failure this rank recorded for the others (``commit.write_failure``)."""
         # The thread runs only while there is work: non-daemon, so the interpreter never exits with a
         # save half done, yet an idle checkpointer that was never closed does not keep a process alive.
         self._thread: threading.Thread | None = None
@@ -206,6 +208,9 @@ class Writer:
         cfg = self._config
         self._fence(f"saving checkpoint {job.name!r}")
         commit.check_not_committed(self._storage, job.name)
+        if job.name in self._failed_names:  # saved again after it failed here: the record is stale
+            commit.remove_failure(self._storage, job.name, cfg.rank)
+            self._failed_names.discard(job.name)
         # The intent names the files before they exist, so a crash leaves a partial that retention finds.
         finalized = job.finalize.files if job.finalize is not None and cfg.rank == 0 else ()
         intent = tuple(FileEntry(rel, -1, 0, cfg.rank) for rel in (*job.files, *finalized))
@@ -287,7 +292,11 @@ class Writer:
             commit.write_manifest(storage, manifest)
         else:
             manifest = commit.wait_for_manifest(
-                storage, name=job.name, launch_id=cfg.launch_id, timeout_seconds=cfg.commit_timeout_seconds
+                storage,
+                name=job.name,
+                step=job.step,
+                launch_id=cfg.launch_id,
+                timeout_seconds=cfg.commit_timeout_seconds,
             )
         self._dest.remember(manifest)
         return manifest
@@ -343,9 +352,30 @@ class Writer:
         )
         error.__cause__ = exc
         self._phase(job, "failed")
+        if cfg.world_size > 1:
+            self._tell_others(job, str(error))
         self._record(job, run, error=str(error))
         self._release(job)
         job.finish(None, error)
+
+    def _tell_others(self, job: SaveJob, error: str) -> None:
+        """Record this rank's failure where the ranks waiting for its part or its commit look (best effort:
+        the storage may be what failed; they then wait until ``commit_timeout_seconds``)."""
+        cfg = self._config
+        try:
+            commit.write_failure(
+                self._storage,
+                name=job.name,
+                step=job.step,
+                rank=cfg.rank,
+                launch_id=cfg.launch_id,
+                error=error,
+            )
+            self._failed_names.add(job.name)
+        except Exception as exc:
+            logger.warning(
+                "rank %d: could not record for the other ranks that %s failed: %s", cfg.rank, job.name, exc
+            )
 
     # -- retention and deletes ----------------------------------------------------------------
     def _retain(self) -> None:

@@ -2,7 +2,8 @@
 
 Usage: python tests/dist_worker.py RANK WORLD ROOT INIT_FILE SCENARIO
 SCENARIO: ``ok`` (two saves), ``slow`` (rank 1 uploads its part late), ``die`` (rank 1 is SIGKILLed
-before its part of the second save).
+before its part of the second save), ``fail0``/``fail1`` (rank 0's or rank 1's part of the second save
+fails: a folder stands where its file goes).
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ def main() -> None:
         world_size=world,
         launch_id=launch[0],
         keep_last=5,
-        commit_timeout_seconds=5.0,
+        commit_timeout_seconds=120.0 if scenario.startswith("fail") else 5.0,
         listeners=[Fault(rank, scenario)],
     )
     info = ckpt.save(rank_state(rank, 1), step=1).result(timeout=60)
     print(f"rank {rank} committed step 1 with {len(info.manifest.files)} files", flush=True)
+    if scenario == f"fail{rank}":
+        os.makedirs(os.path.join(root, "step-000000002", f"rank-{rank:05d}.pt", "in-the-way"))
     try:
         ckpt.save(rank_state(rank, 2), step=2).result(timeout=60)
         print(f"rank {rank} committed step 2", flush=True)

@@ -80,6 +80,31 @@ def test_rank_killed_before_its_part_leaves_the_previous_checkpoint_newest(tmp_p
         assert reader.latest().step == 1
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_ranks_failed_part_fails_the_save_on_every_rank_at_once(tmp_path, failing):
+    """The other rank learns of the failure from the failing rank's record, not from its commit timeout
+    (120 s here; the saves' results are awaited 60 s): rank 0 waiting for parts, or a rank waiting for
+    the commit, while its buffers hold its next save back."""
+    root = str(tmp_path / "root")
+    outs = _launch(root, tmp_path, f"fail{failing}")
+    for out in outs:
+        assert out.returncode == 0, out.stderr
+    failed, other = outs[failing], outs[1 - failing]
+    assert f"rank {failing} step 2 failed: SaveError: rank {failing}: saving checkpoint" in failed.stdout
+    assert "IsADirectoryError" in failed.stdout, failed.stdout
+    waiting = (
+        "rank 0 did not commit checkpoint 'step-000000002'"
+        if failing == 0
+        else "rank 1 failed its part of checkpoint 'step-000000002'"
+    )
+    assert f"rank {1 - failing} step 2 failed: SaveError" in other.stdout and waiting in other.stdout, (
+        other.stdout
+    )
+    with AsyncCheckpointer(root) as reader:
+        assert {i.step: i.status for i in reader.list()} == {1: "committed", 2: "partial"}
+
+
 class _ListingCounter(MemoryFileSystem):
     """Memory storage that records every listing, counting a lookup of a missing path as one: that is
     what an object store answers it with (s3fs lists the prefix when a HEAD finds no key)."""
