@@ -210,7 +210,8 @@ class DcpWriter(StorageWriter):
 
 
 class SavePlans:
-    """Each rank's last plan of a job's sharded saves, by the folder's position in a ``save`` call.
+    """Each rank's last plan of a job's sharded saves, by the folder's position in a ``save`` call and
+    the process group (its ranks) the save ran on.
 
     Pass one instance to every ``save`` of a job (``TrainingSession`` does). A save plans locally; one
     all-reduce tells whether every rank's plan is the one it made last time. If so, the last global plan
@@ -219,7 +220,7 @@ class SavePlans:
     """
 
     def __init__(self) -> None:
-        self._planned: dict[int, _Planned] = {}
+        self._planned: dict[tuple[int, tuple[int, ...]], _Planned] = {}
         self.replayed = 0
         """How many folders were saved with a repeated plan (no ``dcp.save`` exchanges)."""
 
@@ -232,9 +233,9 @@ class SavePlans:
         planner = DefaultSavePlanner()
         planner.set_up_planner(state, writer.storage_meta(), coordinator)
         local = planner.create_local_plan()
-        last = self._planned.get(slot)
+        last = self._planned.get(_key(slot, process_group))
         same = _repeats(local, writer, last)
-        if dist.is_available() and dist.is_initialized():
+        if _distributed():
             agreed = torch.tensor([int(same)], dtype=torch.int32)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=process_group)
             same = bool(agreed.item())
@@ -248,9 +249,20 @@ class SavePlans:
         self.replayed += 1
         return True
 
-    def remember(self, slot: int, writer: DcpWriter) -> None:
+    def remember(self, slot: int, writer: DcpWriter, process_group: dist.ProcessGroup | None) -> None:
         """After ``dcp.save`` with ``writer`` returned on every rank: keep the plans it made."""
-        self._planned[slot] = writer.planned()
+        self._planned[_key(slot, process_group)] = writer.planned()
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _key(slot: int, process_group: dist.ProcessGroup | None) -> tuple[int, tuple[int, ...]]:
+    """A folder's position in a save, on a process group (its global ranks: a plan repeats on one group)."""
+    if not _distributed():
+        return slot, ()
+    return slot, tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
 
 
 def _repeats(plan: SavePlan, writer: DcpWriter, last: _Planned | None) -> bool:
@@ -389,7 +401,7 @@ def save(
             if plans.replay(slot, writer, state, process_group):
                 continue
             dcp.save(state, storage_writer=writer, process_group=process_group)
-            plans.remember(slot, writer)
+            plans.remember(slot, writer, process_group)
         else:
             dcp.save(state, storage_writer=writer, process_group=process_group, planner=planner)
 
