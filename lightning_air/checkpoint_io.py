@@ -248,21 +248,36 @@ class AirCheckpointIO(CheckpointIO):
             with self.session.watchdog_paused():  # waiting for a commit is no hang
                 ckpt.wait_in_flight()
 
-    def is_sharded(self, path: str) -> bool:
-        """Whether ``path`` is a sharded checkpoint folder this plugin committed."""
-        root, folder = split_path(path)
+    def commit_of(self, path: str) -> CheckpointInfo | None:
+        """Every rank: the newest commit whose rank-0 file or folder is ``path`` (one listing), or None for a
+        checkpoint from elsewhere.
+
+        Raises:
+            CorruptCheckpointError: no commit names it, but saves under its root did not finish.
+        """
+        root, _ = split_path(path)
         with self.session.reader(root) as ckpt:
-            commits = self._commits_of(ckpt.list(), folder)
-        return bool(commits) and dcp.dcp_folders(commits[-1]) == [folder]
+            return self._commit_of(ckpt, path)
+
+    @staticmethod
+    def is_sharded(info: CheckpointInfo | None, path: str) -> bool:
+        """Whether ``info`` (``commit_of(path)``) is a sharded checkpoint whose folder is ``path``."""
+        return info is not None and dcp.dcp_folders(info) == [split_path(path)[1]]
 
     def load_sharded(
-        self, path: str, state: dict[str, Any], *, meta_file: str, weights_only: bool | None
+        self,
+        path: str,
+        info: CheckpointInfo,
+        state: dict[str, Any],
+        *,
+        meta_file: str,
+        weights_only: bool | None,
     ) -> dict[str, Any]:
-        """Every rank: load the committed sharded checkpoint ``path`` into ``state`` in place (resharded
-        at this world size by DCP; each rank fetches only the files it needs); return rank 0's rest."""
+        """Every rank: load the committed sharded checkpoint ``info`` (its folder ``path``) into ``state`` in
+        place (resharded at this world size by DCP; each rank fetches only the files it needs); return rank
+        0's rest."""
         root, folder = split_path(path)
         with self.session.reader(root) as ckpt:
-            info = self._commits_of(ckpt.list(), folder)[-1]
             dcp.load(ckpt, state, info, folder=folder)
             meta = f"{folder}/{meta_file}"
             local = ckpt.fetch(info, paths=[meta])
@@ -307,16 +322,16 @@ class AirCheckpointIO(CheckpointIO):
             self._load_rank_states(ckpt, info, weights_only)
         return checkpoint
 
-    def local_copy(self, path: str, weights_only: bool | None) -> str:
+    def local_copy(self, path: str, info: CheckpointInfo | None, weights_only: bool | None) -> str:
         """Every rank, for a strategy that reads full checkpoint files itself (the sharded strategies'
-        full saves): a verified local copy of the committed file ``path``, with the saved ranks' states
-        read for the callback; ``path`` itself if no commit names it (a file from elsewhere)."""
+        full saves): a verified local copy of the file ``path`` that ``info`` (``commit_of(path)``)
+        committed, with the saved ranks' states read for the callback; ``path`` itself if ``info`` is None
+        (a file from elsewhere)."""
+        if info is None:
+            self.loaded_rank_state, self.loaded_rank_states = None, {}
+            return path
         root, filename = split_path(path)
         with self.session.reader(root) as ckpt:
-            info = self._commit_of(ckpt, path)
-            if info is None:
-                self.loaded_rank_state, self.loaded_rank_states = None, {}
-                return path
             local = ckpt.fetch(info, paths=[filename])
             self._load_rank_states(ckpt, info, weights_only)
             return local.paths[filename]

@@ -119,8 +119,10 @@ class _AirShardedSaves(_Strategy):
         full file it committed, as Lightning loads it from a verified local copy; anything else as
         Lightning loads it."""
         path = str(self.broadcast(str(checkpoint_path)))
-        if not self.air_io.is_sharded(path):  # Lightning reads a full file itself: from a verified copy
-            return super().load_checkpoint(self.air_io.local_copy(path, weights_only), weights_only)
+        info = self.air_io.commit_of(path)
+        if not self.air_io.is_sharded(info, path):  # Lightning reads a full file itself: from a verified copy
+            return super().load_checkpoint(self.air_io.local_copy(path, info, weights_only), weights_only)
+        assert info is not None
         assert self.model is not None and self.lightning_module is not None
         key = self._air_model_key
         state: dict[str, Any] = {key: get_model_state_dict(self.model, options=_SHARDED)}
@@ -128,7 +130,7 @@ class _AirShardedSaves(_Strategy):
         for i, optimizer in enumerate(optimizers):
             state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer, options=_SHARDED)
         checkpoint = self.air_io.load_sharded(
-            path, state, meta_file=_METADATA_FILENAME, weights_only=weights_only
+            path, info, state, meta_file=_METADATA_FILENAME, weights_only=weights_only
         )
         strict = replace(_SHARDED, strict=self.lightning_module.strict_loading)
         set_model_state_dict(self.model, state[key], options=strict)
