@@ -200,3 +200,32 @@ def test_a_repeated_plan_bundled_into_other_files_is_planned_again(tmp_path):
         fresh = {"w": {k: torch.zeros_like(v) for k, v in states[1]["w"].items()}}
         air_dcp.load(ckpt, fresh, info)
         assert_same_state(states[1]["w"], fresh["w"])
+
+
+def test_a_save_of_several_folders_replays_each_folders_plan(tmp_path):
+    """Accelerate's FSDP2 saves are one commit of several DCP folders (model, optimizer): each folder's
+    plan is kept by its position, and a repeated save loads back its own values in every folder."""
+    plans = air_dcp.SavePlans()
+    with AsyncCheckpointer(str(tmp_path / "root"), keep_last=10) as ckpt:
+        saved = []
+        for step in (1, 2):
+            folders = {
+                f"ckpt-{step}/model": {"model": {"w": torch.randn(6, 4), "b": torch.randn(4)}},
+                f"ckpt-{step}/optimizer": {"optimizer": {"m": torch.randn(3), "lr": 0.1 * step}},
+            }
+            air_dcp.save(ckpt, folders, step=step, name=f"ckpt-{step}", plans=plans).result()
+            saved.append(folders)
+        assert plans.replayed == 2  # both folders of the second save
+        info = ckpt.latest()
+        assert air_dcp.dcp_folders(info) == ["ckpt-2/model", "ckpt-2/optimizer"]
+        for folder, state in saved[1].items():
+            (key,) = state
+            fresh = {
+                key: {
+                    k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0
+                    for k, v in state[key].items()
+                }
+            }
+            air_dcp.load(ckpt, fresh, info, folder=folder)
+            for k, v in state[key].items():
+                assert torch.equal(fresh[key][k], v) if isinstance(v, torch.Tensor) else fresh[key][k] == v
