@@ -29,20 +29,18 @@ def write_part(storage: Storage, record: PartRecord) -> None:
     storage.write_bytes(layout.part_path(record.name, record.rank), record.to_json())
 
 
-def write_failure(storage: Storage, *, name: str, step: int, rank: int, launch_id: str, error: str) -> None:
-    """Rank ``rank``'s part of this launch's save of ``name`` failed with ``error``: the ranks waiting for it
-    stop now, not at ``commit_timeout_seconds`` (and their next save would wait for the buffers they hold)."""
-    body = {"name": name, "step": step, "rank": rank, "launch_id": launch_id, "error": error}
-    storage.write_bytes(layout.failure_path(name, rank), json.dumps(body).encode())
+def write_failure(
+    storage: Storage, *, name: str, step: int, rank: int, launch_id: str, attempt: int, error: str
+) -> None:
+    """Rank ``rank``'s part of this launch's save of ``name`` (its ``attempt``-th) failed with ``error``: the
+    ranks waiting for it stop now, not at ``commit_timeout_seconds`` (and their next save would wait for
+    the buffers they hold)."""
+    body = {"name": name, "step": step, "rank": rank, "launch_id": launch_id, "attempt": attempt}
+    storage.write_bytes(layout.failure_path(name, rank), json.dumps({**body, "error": error}).encode())
 
 
-def remove_failure(storage: Storage, name: str, rank: int) -> None:
-    """Take back this rank's failure record of ``name`` (the same launch saves that name again)."""
-    storage.remove(layout.failure_path(name, rank))
-
-
-def _failed(storage: Storage, name: str, rank: int, *, step: int, launch_id: str) -> str | None:
-    """The error rank ``rank`` recorded for this launch's save of ``name`` at ``step``, if it failed."""
+def _failed(storage: Storage, name: str, rank: int, *, step: int, launch_id: str, attempt: int) -> str | None:
+    """The error rank ``rank`` recorded for this attempt of this launch's save of ``name``, if it failed."""
     data = storage.read_if_present(layout.failure_path(name, rank))
     if data is None:
         return None
@@ -50,8 +48,8 @@ def _failed(storage: Storage, name: str, rank: int, *, step: int, launch_id: str
         body = json.loads(data)
     except ValueError:
         return None
-    if body.get("launch_id") != launch_id or body.get("step") != step:
-        return None  # another launch's save of the same name
+    if (body.get("launch_id"), body.get("step"), body.get("attempt")) != (launch_id, step, attempt):
+        return None  # another launch's save of the same name, or an earlier attempt
     return str(body.get("error", "failed"))
 
 
@@ -91,10 +89,12 @@ def wait_for_parts(
             rel = layout.part_path(own.name, rank)
             with contextlib.suppress(FileNotFoundError, CorruptCheckpointError):
                 r = PartRecord.from_json(storage.read_bytes(rel), where=storage.display(rel))
-                if r.complete and r.launch_id == own.launch_id and r.step == own.step and r.name == own.name:
+                if r.complete and _same_save(r, own):
                     found[rank] = r
                     continue
-            error = _failed(storage, own.name, rank, step=own.step, launch_id=own.launch_id)
+            error = _failed(
+                storage, own.name, rank, step=own.step, launch_id=own.launch_id, attempt=own.attempt
+            )
             if error is not None:
                 raise StorageError(f"rank {rank} failed its part of checkpoint {own.name!r}: {error}")
         return len(found) == world_size
@@ -107,8 +107,18 @@ def wait_for_parts(
     return [found[r] for r in range(world_size)]
 
 
+def _same_save(record: PartRecord, own: PartRecord) -> bool:
+    """Whether ``record`` belongs to ``own``'s save: this launch, step and name, and this attempt of it."""
+    return (record.launch_id, record.step, record.name, record.attempt) == (
+        own.launch_id,
+        own.step,
+        own.name,
+        own.attempt,
+    )
+
+
 def wait_for_manifest(
-    storage: Storage, *, name: str, step: int, launch_id: str, timeout_seconds: float
+    storage: Storage, *, name: str, step: int, launch_id: str, attempt: int, timeout_seconds: float
 ) -> Manifest:
     """Ranks > 0: block until rank 0 has committed this launch's checkpoint ``name`` (or failed it)."""
     rel = layout.manifest_path(name)
@@ -119,7 +129,7 @@ def wait_for_manifest(
         if found is not None:
             data.append(found)
             return True
-        error = _failed(storage, name, 0, step=step, launch_id=launch_id)
+        error = _failed(storage, name, 0, step=step, launch_id=launch_id, attempt=attempt)
         if error is not None:
             raise StorageError(f"rank 0 did not commit checkpoint {name!r}: {error}")
         return False

@@ -86,6 +86,8 @@ class PartRecord:
     extents: dict[str, list[list[int]]] = field(default_factory=dict)
     """Per bundled file (``serializer.Bundle``): [offset, length] of each item, for the commit's
     finalizer (a ``torch.distributed.checkpoint`` save's ``.metadata``)."""
+    attempt: int = 1
+    """Which save of this name in this launch (2 after one failed): an earlier attempt's record is stale."""
 
     def to_json(self) -> bytes:
         return _dump("air-part", self)
@@ -99,6 +101,8 @@ def _dump(kind: str, record: Manifest | PartRecord, indent: int | None = None) -
     body = {"format": kind, "version": FORMAT_VERSION, **asdict(record)}
     if not body.get("extents", True):
         del body["extents"]  # plain saves' records stay as they were
+    if body.get("attempt") == 1:
+        del body["attempt"]  # and so do first attempts'
     return json.dumps(body, indent=indent).encode()
 
 

@@ -87,6 +87,8 @@ class _Progress:
     size: int = 0
     leftovers: list[str] = field(default_factory=list)
     """Local files a failure must remove (temp files, then staged copies)."""
+    attempt: int = 1
+    """Which save of this checkpoint name this is (a name saved again after it failed: 2, ...)."""
 
 
 class Writer:
@@ -121,8 +123,10 @@ class Writer:
         self._busy: set[str] = set()
         self._deferred: set[str] = set()
         self._forced: set[str] = set()
-        self._failed_names: set[str] = set()
-        """Saves whose failure this rank recorded for the others (``commit.write_failure``)."""
+        self._failed_attempts: dict[str, int] = {}
+        """The last failed attempt of each checkpoint name that failed here. Every rank fails an attempt
+        (the others learn of it from the failure record), so a retry is the same attempt everywhere, and
+        an earlier attempt's failure records are not read as this one's."""
         # The thread runs only while there is work: non-daemon, so the interpreter never exits with a
         # save half done, yet an idle checkpointer that was never closed does not keep a process alive.
         self._thread: threading.Thread | None = None
@@ -178,14 +182,14 @@ class Writer:
 
     # -- one save, top to bottom ---------------------------------------------------------------
     def _save(self, job: SaveJob) -> None:
-        run = _Progress()
+        run = _Progress(attempt=self._failed_attempts.get(job.name, 0) + 1)
         try:
-            self._begin(job)
+            self._begin(job, run.attempt)
             written = self._serialize(job, run)
             self._upload(job, run)
             run.phase = "commit"
             t0 = time.monotonic()
-            part = self._record_part(job, written)
+            part = self._record_part(job, written, run.attempt)
             manifest = self._commit(job, part, run)
             run.leftovers = []
             run.seconds["commit"] = time.monotonic() - t0
@@ -203,19 +207,17 @@ class Writer:
                 exc_info=True,
             )
 
-    def _begin(self, job: SaveJob) -> None:
+    def _begin(self, job: SaveJob, attempt: int) -> None:
         """Refuse a committed name, then write the intent record before any data byte."""
         cfg = self._config
         self._fence(f"saving checkpoint {job.name!r}")
         commit.check_not_committed(self._storage, job.name)
-        if job.name in self._failed_names:  # saved again after it failed here: the record is stale
-            commit.remove_failure(self._storage, job.name, cfg.rank)
-            self._failed_names.discard(job.name)
         # The intent names the files before they exist, so a crash leaves a partial that retention finds.
         finalized = job.finalize.files if job.finalize is not None and cfg.rank == 0 else ()
         intent = tuple(FileEntry(rel, -1, 0, cfg.rank) for rel in (*job.files, *finalized))
         commit.write_part(
-            self._storage, PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, intent, False)
+            self._storage,
+            PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, intent, False, attempt=attempt),
         )
 
     def _serialize(self, job: SaveJob, run: _Progress) -> dict[str, Written]:
@@ -257,12 +259,12 @@ class Writer:
         run.seconds["upload"] = time.monotonic() - t0
         self._phase(job, "uploaded")
 
-    def _record_part(self, job: SaveJob, written: dict[str, Written]) -> PartRecord:
+    def _record_part(self, job: SaveJob, written: dict[str, Written], attempt: int) -> PartRecord:
         """This rank's complete part record (written only when other ranks' parts must be merged)."""
         cfg = self._config
         entries = tuple(FileEntry(rel, written[rel].size, written[rel].crc32, cfg.rank) for rel in job.files)
         extents = {rel: [list(e) for e in w.extents] for rel, w in written.items() if w.extents}
-        part = PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, entries, True, extents)
+        part = PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, entries, True, extents, attempt)
         if cfg.world_size > 1:
             commit.write_part(self._storage, part)
             self._phase(job, "part_written")
@@ -276,7 +278,10 @@ class Writer:
             parts = [part]
             if cfg.world_size > 1:
                 parts = commit.wait_for_parts(
-                    storage, part, world_size=cfg.world_size, timeout_seconds=cfg.commit_timeout_seconds
+                    storage,
+                    part,
+                    world_size=cfg.world_size,
+                    timeout_seconds=cfg.commit_timeout_seconds,
                 )
             extra = self._finalize(job.finalize, parts, run) if job.finalize is not None else ()
             manifest = Manifest(
@@ -296,6 +301,7 @@ class Writer:
                 name=job.name,
                 step=job.step,
                 launch_id=cfg.launch_id,
+                attempt=run.attempt,
                 timeout_seconds=cfg.commit_timeout_seconds,
             )
         self._dest.remember(manifest)
@@ -353,12 +359,13 @@ class Writer:
         error.__cause__ = exc
         self._phase(job, "failed")
         if cfg.world_size > 1:
-            self._tell_others(job, str(error))
+            self._failed_attempts[job.name] = run.attempt
+            self._tell_others(job, run.attempt, str(error))
         self._record(job, run, error=str(error))
         self._release(job)
         job.finish(None, error)
 
-    def _tell_others(self, job: SaveJob, error: str) -> None:
+    def _tell_others(self, job: SaveJob, attempt: int, error: str) -> None:
         """Record this rank's failure where the ranks waiting for its part or its commit look (best effort:
         the storage may be what failed; they then wait until ``commit_timeout_seconds``)."""
         cfg = self._config
@@ -369,9 +376,9 @@ class Writer:
                 step=job.step,
                 rank=cfg.rank,
                 launch_id=cfg.launch_id,
+                attempt=attempt,
                 error=error,
             )
-            self._failed_names.add(job.name)
         except Exception as exc:
             logger.warning(
                 "rank %d: could not record for the other ranks that %s failed: %s", cfg.rank, job.name, exc

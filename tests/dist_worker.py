@@ -3,12 +3,13 @@
 Usage: python tests/dist_worker.py RANK WORLD ROOT INIT_FILE SCENARIO
 SCENARIO: ``ok`` (two saves), ``slow`` (rank 1 uploads its part late), ``die`` (rank 1 is SIGKILLed
 before its part of the second save), ``fail0``/``fail1`` (rank 0's or rank 1's part of the second save
-fails: a folder stands where its file goes).
+fails: a folder stands where its file goes; then both save it again, without it).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -61,6 +62,11 @@ def main() -> None:
         print(f"rank {rank} committed step 2", flush=True)
     except Exception as exc:
         print(f"rank {rank} step 2 failed: {type(exc).__name__}: {exc}", flush=True)
+    if scenario.startswith("fail"):  # the same save again, the obstacle gone: its second attempt
+        if scenario == f"fail{rank}":
+            shutil.rmtree(os.path.join(root, "step-000000002", f"rank-{rank:05d}.pt"))
+        ckpt.save(rank_state(rank, 2), step=2).result(timeout=60)
+        print(f"rank {rank} committed step 2 at the second attempt", flush=True)
     ckpt.close()
 
 

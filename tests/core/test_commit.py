@@ -85,7 +85,7 @@ def test_rank_killed_before_its_part_leaves_the_previous_checkpoint_newest(tmp_p
 def test_a_ranks_failed_part_fails_the_save_on_every_rank_at_once(tmp_path, failing):
     """The other rank learns of the failure from the failing rank's record, not from its commit timeout
     (120 s here; the saves' results are awaited 60 s): rank 0 waiting for parts, or a rank waiting for
-    the commit, while its buffers hold its next save back."""
+    the commit, while its buffers hold its next save back. Then both save it again."""
     root = str(tmp_path / "root")
     outs = _launch(root, tmp_path, f"fail{failing}")
     for out in outs:
@@ -101,8 +101,14 @@ def test_a_ranks_failed_part_fails_the_save_on_every_rank_at_once(tmp_path, fail
     assert f"rank {1 - failing} step 2 failed: SaveError" in other.stdout and waiting in other.stdout, (
         other.stdout
     )
+    # Saved again under the same name, neither rank takes the first attempt's records for the second's.
+    for rank, out in enumerate(outs):
+        assert f"rank {rank} committed step 2 at the second attempt" in out.stdout, out.stdout
     with AsyncCheckpointer(root) as reader:
-        assert {i.step: i.status for i in reader.list()} == {1: "committed", 2: "partial"}
+        assert {i.step: i.status for i in reader.list()} == {1: "committed", 2: "committed"}
+    for r in range(2):
+        with AsyncCheckpointer(root, rank=r, world_size=2, launch_id="reader") as ckpt:
+            assert torch.equal(ckpt.load()["w"], rank_state(r, 2)["w"])
 
 
 class _ListingCounter(MemoryFileSystem):
