@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from . import layout
 from .errors import CorruptCheckpointError
-from .manifest import CheckpointInfo, FileEntry, Manifest, PartRecord
+from .manifest import CheckpointInfo, FailureRecord, FileEntry, Manifest, PartRecord
 from .storage import Storage
 
 
@@ -60,7 +60,8 @@ def read_catalog(storage: Storage) -> Catalog:
             recorded[name] = tuple(sorted({f.path for r in records for f in r.files}))
             if info.status == "partial":
                 step = max((r.step for r in records), default=-1)
-                info = replace(info, step=step, reason=f"no manifest ({len(records)} part record(s) found)")
+                reason = f"no manifest ({len(records)} part record(s) found)"
+                info = replace(info, step=step, reason="; ".join([reason, *_failures(storage, name, sizes)]))
         infos.append(info)
     infos.sort(key=lambda i: (i.step, i.time or 0.0, i.name))
     return Catalog(tuple(infos), recorded)
@@ -93,6 +94,18 @@ def _judge(storage: Storage, name: str, sizes: dict[str, int]) -> CheckpointInfo
     if problem:
         return CheckpointInfo(name, manifest.step, "corrupt", problem, manifest)
     return CheckpointInfo(name, manifest.step, "committed", "", manifest)
+
+
+def _failures(storage: Storage, name: str, sizes: dict[str, int]) -> list[str]:
+    """Why ranks failed their parts of the partial checkpoint ``name`` (its failure records, if any)."""
+    lines = []
+    for rel in sorted(sizes):
+        if layout.is_failure_record(rel, name):
+            with contextlib.suppress(FileNotFoundError):
+                record = FailureRecord.from_json(storage.read_bytes(rel))
+                if record is not None:
+                    lines.append(f"rank {record.rank} failed (attempt {record.attempt}): {record.error}")
+    return lines
 
 
 def _part_records(storage: Storage, name: str, sizes: dict[str, int]) -> list[PartRecord]:

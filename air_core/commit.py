@@ -10,7 +10,6 @@ deletes manifest first. A committed location is never written again. It writes n
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from collections.abc import Callable
 from . import layout
 from .catalog import Catalog
 from .errors import CorruptCheckpointError, StorageError
-from .manifest import CheckpointInfo, Manifest, PartRecord
+from .manifest import CheckpointInfo, FailureRecord, Manifest, PartRecord
 from .storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -29,28 +28,23 @@ def write_part(storage: Storage, record: PartRecord) -> None:
     storage.write_bytes(layout.part_path(record.name, record.rank), record.to_json())
 
 
-def write_failure(
-    storage: Storage, *, name: str, step: int, rank: int, launch_id: str, attempt: int, error: str
-) -> None:
-    """Rank ``rank``'s part of this launch's save of ``name`` (its ``attempt``-th) failed with ``error``: the
-    ranks waiting for it stop now, not at ``commit_timeout_seconds`` (and their next save would wait for
-    the buffers they hold)."""
-    body = {"name": name, "step": step, "rank": rank, "launch_id": launch_id, "attempt": attempt}
-    storage.write_bytes(layout.failure_path(name, rank), json.dumps({**body, "error": error}).encode())
+def write_failure(storage: Storage, record: FailureRecord) -> None:
+    """This rank's part of ``record``'s attempt failed: the ranks waiting for it stop now, not at
+    ``commit_timeout_seconds`` (and their next save would wait for the buffers they hold)."""
+    storage.write_bytes(layout.failure_path(record.name, record.rank), record.to_json())
 
 
-def _failed(storage: Storage, name: str, rank: int, *, step: int, launch_id: str, attempt: int) -> str | None:
-    """The error rank ``rank`` recorded for this attempt of this launch's save of ``name``, if it failed."""
-    data = storage.read_if_present(layout.failure_path(name, rank))
-    if data is None:
-        return None
-    try:
-        body = json.loads(data)
-    except ValueError:
-        return None
-    if (body.get("launch_id"), body.get("step"), body.get("attempt")) != (launch_id, step, attempt):
-        return None  # another launch's save of the same name, or an earlier attempt
-    return str(body.get("error", "failed"))
+def _failed(storage: Storage, own: PartRecord, rank: int) -> str | None:
+    """The error rank ``rank`` recorded for ``own``'s attempt of this launch's save, if it failed there."""
+    data = storage.read_if_present(layout.failure_path(own.name, rank))
+    record = FailureRecord.from_json(data) if data is not None else None
+    if record is None or (record.launch_id, record.step, record.attempt) != (
+        own.launch_id,
+        own.step,
+        own.attempt,
+    ):
+        return None  # none, or another launch's save of the same name, or an earlier attempt
+    return record.error
 
 
 def check_not_committed(storage: Storage, name: str) -> None:
@@ -92,9 +86,7 @@ def wait_for_parts(
                 if r.complete and _same_save(r, own):
                     found[rank] = r
                     continue
-            error = _failed(
-                storage, own.name, rank, step=own.step, launch_id=own.launch_id, attempt=own.attempt
-            )
+            error = _failed(storage, own, rank)
             if error is not None:
                 raise StorageError(f"rank {rank} failed its part of checkpoint {own.name!r}: {error}")
         return len(found) == world_size
@@ -117,10 +109,10 @@ def _same_save(record: PartRecord, own: PartRecord) -> bool:
     )
 
 
-def wait_for_manifest(
-    storage: Storage, *, name: str, step: int, launch_id: str, attempt: int, timeout_seconds: float
-) -> Manifest:
-    """Ranks > 0: block until rank 0 has committed this launch's checkpoint ``name`` (or failed it)."""
+def wait_for_manifest(storage: Storage, own: PartRecord, *, timeout_seconds: float) -> Manifest:
+    """Ranks > 0: block until rank 0 has committed this launch's checkpoint ``own.name`` (or failed this
+    attempt of it)."""
+    name, launch_id = own.name, own.launch_id
     rel = layout.manifest_path(name)
     data: list[bytes] = []
 
@@ -129,7 +121,7 @@ def wait_for_manifest(
         if found is not None:
             data.append(found)
             return True
-        error = _failed(storage, name, 0, step=step, launch_id=launch_id, attempt=attempt)
+        error = _failed(storage, own, 0)
         if error is not None:
             raise StorageError(f"rank 0 did not commit checkpoint {name!r}: {error}")
         return False

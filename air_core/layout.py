@@ -66,6 +66,12 @@ def failure_path(name: str, rank: int) -> str:
     return f"{record_dir(name)}/failed-{_RANK}{rank:05d}.json"
 
 
+def is_failure_record(rel: str, name: str) -> bool:
+    """Whether ``rel`` is a ``failure_path`` of checkpoint ``name``."""
+    head, _, tail = rel.rpartition("/")
+    return head == record_dir(name) and tail.startswith(f"failed-{_RANK}") and tail.endswith(".json")
+
+
 def probe_path(token: str) -> str:
     """The probe a writable-root check writes and removes."""
     return f"{META_DIR}/{PROBE_PREFIX}{token}"

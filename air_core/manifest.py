@@ -1,4 +1,5 @@
-"""What a committed checkpoint is: ``Manifest``, the per-rank ``PartRecord``s, and their JSON form.
+"""What a committed checkpoint is: ``Manifest``, the per-rank ``PartRecord``s (and ``FailureRecord``s),
+and their JSON form.
 
 Records only: where they live is ``layout.py``, reading and writing them is ``commit.py`` and
 ``catalog.py``. Readers trust nothing without a manifest. Checksums are CRC-32 (zlib, ~6 GB/s,
@@ -95,6 +96,34 @@ class PartRecord:
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> PartRecord:
         return _load(cls, "air-part", data, where)
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """One rank's failed part of one attempt of a save (``layout.failure_path``): the ranks waiting for
+    that part or for the commit stop waiting, and ``air ls`` says why the checkpoint is partial."""
+
+    name: str
+    step: int
+    rank: int
+    launch_id: str
+    attempt: int
+    error: str
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": "air-failure", "version": FORMAT_VERSION, **asdict(self)}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> FailureRecord | None:
+        """The record, or None for anything else (a torn write: whoever waits goes on waiting)."""
+        try:
+            body = json.loads(data)
+            if body.pop("format") != "air-failure":
+                return None
+            body.pop("version")
+            return cls(**body)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
 
 
 def _dump(kind: str, record: Manifest | PartRecord, indent: int | None = None) -> bytes:

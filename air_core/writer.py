@@ -25,7 +25,7 @@ from .catalog import Catalog, read_catalog
 from .config import CheckpointerConfig
 from .errors import SaveError
 from .events import Emitter, Phase, PhaseEvent, SaveRecord
-from .manifest import CheckpointInfo, FileEntry, Manifest, PartRecord, library_versions
+from .manifest import CheckpointInfo, FailureRecord, FileEntry, Manifest, PartRecord, library_versions
 from .priority import WriterPriority, own_nice
 from .serializer import Serializer, Written
 from .snapshot import BufferPool, Snapshot
@@ -296,14 +296,7 @@ class Writer:
             self._fence(f"committing checkpoint {job.name!r}")
             commit.write_manifest(storage, manifest)
         else:
-            manifest = commit.wait_for_manifest(
-                storage,
-                name=job.name,
-                step=job.step,
-                launch_id=cfg.launch_id,
-                attempt=run.attempt,
-                timeout_seconds=cfg.commit_timeout_seconds,
-            )
+            manifest = commit.wait_for_manifest(storage, part, timeout_seconds=cfg.commit_timeout_seconds)
         self._dest.remember(manifest)
         return manifest
 
@@ -370,15 +363,8 @@ class Writer:
         the storage may be what failed; they then wait until ``commit_timeout_seconds``)."""
         cfg = self._config
         try:
-            commit.write_failure(
-                self._storage,
-                name=job.name,
-                step=job.step,
-                rank=cfg.rank,
-                launch_id=cfg.launch_id,
-                attempt=attempt,
-                error=error,
-            )
+            record = FailureRecord(job.name, job.step, cfg.rank, cfg.launch_id, attempt, error)
+            commit.write_failure(self._storage, record)
         except Exception as exc:
             logger.warning(
                 "rank %d: could not record for the other ranks that %s failed: %s", cfg.rank, job.name, exc

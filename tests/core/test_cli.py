@@ -8,8 +8,10 @@ import sys
 
 import torch
 
-from air_core import AsyncCheckpointer
+from air_core import AsyncCheckpointer, commit
+from air_core.manifest import FailureRecord
 from air_core.session import GoodputLog
+from air_core.storage import Storage
 from tests.conftest import REPO
 
 
@@ -28,6 +30,9 @@ def _root_with_committed_partial_and_corrupt(tmp_path) -> str:
             log.step(step, 0.1, 0.01)
         log.close()
     os.remove(f"{root}/.air/step-000000003/manifest.json")  # step 3: a partial checkpoint
+    failed = FailureRecord("step-000000003", 3, 1, "launch-b", 1, "rank 1: saving failed: disk full")
+    storage = Storage(root, storage_options={}, retries=0, retry_backoff_seconds=0.0)
+    commit.write_failure(storage, failed)  # ...that rank 1 said it failed
     os.truncate(f"{root}/step-000000004/rank-00000.pt", 100)  # step 4: a truncated file
     path = f"{root}/step-000000002/rank-00000.pt"
     data = bytearray(open(path, "rb").read())
@@ -44,6 +49,7 @@ def test_ls_shows_every_checkpoint_with_its_status(tmp_path):
     assert lines["step-000000001"].endswith("committed")
     assert lines["step-000000002"].endswith("committed"), "a changed byte keeps the size: only verify sees it"
     assert "partial: no manifest" in lines["step-000000003"]
+    assert "rank 1 failed (attempt 1): rank 1: saving failed: disk full" in lines["step-000000003"]
     assert "corrupt: file step-000000004/rank-00000.pt has 100 bytes" in lines["step-000000004"]
 
 
