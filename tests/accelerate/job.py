@@ -20,6 +20,7 @@ seconds on that rank.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -130,6 +131,9 @@ def main() -> None:
     p.add_argument("--hang", default="", help="STEP:RANK: that rank sleeps forever in that step, once")
     p.add_argument("--hang-timeout", type=float, default=3.0, help="with --hang: that rank's hang timeout")
     args = p.parse_args()
+    # A test waits 300 s for a job that takes seconds: one still running at 240 s is stuck. Print every
+    # thread's stack and exit, so that the test fails showing where, not at pytest's timeout.
+    faulthandler.dump_traceback_later(240, exit=True)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     for name in ("accelerate_air", "air_core"):
         logging.getLogger(name).setLevel(logging.DEBUG if args.debug else logging.INFO)

@@ -65,7 +65,7 @@ def run_job(
         name = signal.Signals(expect_signal).name
         assert out.returncode == 1 and name in out.stderr, f"expected {name} ({args}):\n{out.stderr[-3000:]}"
     else:
-        assert out.returncode == 0, f"job failed ({args}):\n{out.stderr[-3000:]}"
+        assert out.returncode == 0, f"job failed ({args}):\n{out.stderr[-12000:]}"
     return out
 
 
