@@ -51,17 +51,21 @@ class Catalog:
 def read_catalog(storage: Storage) -> Catalog:
     """List ``storage`` once (fresh) and judge every checkpoint found under the record folder."""
     sizes = storage.sizes()
-    names = sorted({name for rel in sizes if (name := layout.checkpoint_of(rel)) is not None})
+    record_files: dict[str, list[str]] = {}  # each checkpoint's files under its record folder
+    for rel in sorted(sizes):
+        if (name := layout.checkpoint_of(rel)) is not None:
+            record_files.setdefault(name, []).append(rel)
     infos, recorded = [], {}
-    for name in names:
+    for name in sorted(record_files):
         info = _judge(storage, name, sizes)
         if info.manifest is None:
-            records = _part_records(storage, name, sizes)
+            records = _part_records(storage, name, record_files[name])
             recorded[name] = tuple(sorted({f.path for r in records for f in r.files}))
             if info.status == "partial":
                 step = max((r.step for r in records), default=-1)
                 reason = f"no manifest ({len(records)} part record(s) found)"
-                info = replace(info, step=step, reason="; ".join([reason, *_failures(storage, name, sizes)]))
+                failures = _failures(storage, name, record_files[name])
+                info = replace(info, step=step, reason="; ".join([reason, *failures]))
         infos.append(info)
     infos.sort(key=lambda i: (i.step, i.time or 0.0, i.name))
     return Catalog(tuple(infos), recorded)
@@ -96,10 +100,11 @@ def _judge(storage: Storage, name: str, sizes: dict[str, int]) -> CheckpointInfo
     return CheckpointInfo(name, manifest.step, "committed", "", manifest)
 
 
-def _failures(storage: Storage, name: str, sizes: dict[str, int]) -> list[str]:
-    """Why ranks failed their parts of the partial checkpoint ``name`` (its failure records, if any)."""
+def _failures(storage: Storage, name: str, rels: list[str]) -> list[str]:
+    """Why ranks failed their parts of the partial checkpoint ``name`` (its failure records among
+    ``rels``, its record folder's files)."""
     lines = []
-    for rel in sorted(sizes):
+    for rel in rels:
         if layout.is_failure_record(rel, name):
             with contextlib.suppress(FileNotFoundError):
                 record = FailureRecord.from_json(storage.read_bytes(rel))
@@ -108,9 +113,10 @@ def _failures(storage: Storage, name: str, sizes: dict[str, int]) -> list[str]:
     return lines
 
 
-def _part_records(storage: Storage, name: str, sizes: dict[str, int]) -> list[PartRecord]:
+def _part_records(storage: Storage, name: str, rels: list[str]) -> list[PartRecord]:
+    """The readable part records of checkpoint ``name`` among ``rels``, its record folder's files."""
     records = []
-    for rel in sizes:
+    for rel in rels:
         if layout.is_part_record(rel, name):
             with contextlib.suppress(CorruptCheckpointError, FileNotFoundError):
                 records.append(PartRecord.from_json(storage.read_bytes(rel), where=rel))

@@ -38,11 +38,7 @@ def _failed(storage: Storage, own: PartRecord, rank: int) -> str | None:
     """The error rank ``rank`` recorded for ``own``'s attempt of this launch's save, if it failed there."""
     data = storage.read_if_present(layout.failure_path(own.name, rank))
     record = FailureRecord.from_json(data) if data is not None else None
-    if record is None or (record.launch_id, record.step, record.attempt) != (
-        own.launch_id,
-        own.step,
-        own.attempt,
-    ):
+    if record is None or not _same_save(record, own):
         return None  # none, or another launch's save of the same name, or an earlier attempt
     return record.error
 
@@ -99,7 +95,7 @@ def wait_for_parts(
     return [found[r] for r in range(world_size)]
 
 
-def _same_save(record: PartRecord, own: PartRecord) -> bool:
+def _same_save(record: PartRecord | FailureRecord, own: PartRecord) -> bool:
     """Whether ``record`` belongs to ``own``'s save: this launch, step and name, and this attempt of it."""
     return (record.launch_id, record.step, record.name, record.attempt) == (
         own.launch_id,

@@ -184,12 +184,12 @@ class Writer:
     def _save(self, job: SaveJob) -> None:
         run = _Progress(attempt=self._failed_attempts.get(job.name, 0) + 1)
         try:
-            self._begin(job, run.attempt)
+            self._begin(job, run)
             written = self._serialize(job, run)
             self._upload(job, run)
             run.phase = "commit"
             t0 = time.monotonic()
-            part = self._record_part(job, written, run.attempt)
+            part = self._record_part(job, written, run)
             manifest = self._commit(job, part, run)
             run.leftovers = []
             run.seconds["commit"] = time.monotonic() - t0
@@ -207,7 +207,7 @@ class Writer:
                 exc_info=True,
             )
 
-    def _begin(self, job: SaveJob, attempt: int) -> None:
+    def _begin(self, job: SaveJob, run: _Progress) -> None:
         """Refuse a committed name, then write the intent record before any data byte."""
         cfg = self._config
         self._fence(f"saving checkpoint {job.name!r}")
@@ -217,7 +217,7 @@ class Writer:
         intent = tuple(FileEntry(rel, -1, 0, cfg.rank) for rel in (*job.files, *finalized))
         commit.write_part(
             self._storage,
-            PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, intent, False, attempt=attempt),
+            PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, intent, False, attempt=run.attempt),
         )
 
     def _serialize(self, job: SaveJob, run: _Progress) -> dict[str, Written]:
@@ -259,12 +259,12 @@ class Writer:
         run.seconds["upload"] = time.monotonic() - t0
         self._phase(job, "uploaded")
 
-    def _record_part(self, job: SaveJob, written: dict[str, Written], attempt: int) -> PartRecord:
+    def _record_part(self, job: SaveJob, written: dict[str, Written], run: _Progress) -> PartRecord:
         """This rank's complete part record (written only when other ranks' parts must be merged)."""
         cfg = self._config
         entries = tuple(FileEntry(rel, written[rel].size, written[rel].crc32, cfg.rank) for rel in job.files)
         extents = {rel: [list(e) for e in w.extents] for rel, w in written.items() if w.extents}
-        part = PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, entries, True, extents, attempt)
+        part = PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, entries, True, extents, run.attempt)
         if cfg.world_size > 1:
             commit.write_part(self._storage, part)
             self._phase(job, "part_written")
@@ -278,10 +278,7 @@ class Writer:
             parts = [part]
             if cfg.world_size > 1:
                 parts = commit.wait_for_parts(
-                    storage,
-                    part,
-                    world_size=cfg.world_size,
-                    timeout_seconds=cfg.commit_timeout_seconds,
+                    storage, part, world_size=cfg.world_size, timeout_seconds=cfg.commit_timeout_seconds
                 )
             extra = self._finalize(job.finalize, parts, run) if job.finalize is not None else ()
             manifest = Manifest(
