@@ -131,9 +131,13 @@ def main() -> None:
     p.add_argument("--hang", default="", help="STEP:RANK: that rank sleeps forever in that step, once")
     p.add_argument("--hang-timeout", type=float, default=3.0, help="with --hang: that rank's hang timeout")
     args = p.parse_args()
-    # A test waits 300 s for a job that takes seconds: one still running at 240 s is stuck. Print every
-    # thread's stack and exit, so that the test fails showing where, not at pytest's timeout.
-    faulthandler.dump_traceback_later(240, exit=True)
+    # A test waits 300 s for a job that takes seconds: one still running at 240 s is stuck. Write every
+    # thread's stack to WORKDIR/stalled-rank<R>.txt (the test shows it: stderr is cut short) and exit,
+    # so that the test fails showing where, not at pytest's timeout.
+    stall_file = open(os.path.join(args.workdir, f"stalled-rank{os.environ.get('RANK', '0')}.txt"), "w")
+    faulthandler.dump_traceback_later(
+        float(os.environ.get("AIR_TEST_STALL_SECONDS", 240)), exit=True, file=stall_file
+    )
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     for name in ("accelerate_air", "air_core"):
         logging.getLogger(name).setLevel(logging.DEBUG if args.debug else logging.INFO)

@@ -57,16 +57,21 @@ def run_job(
     )
     if not check:
         return out
+    shown = f"({args}): rc={out.returncode}\n{_stalls(workdir)}{out.stderr[-12000:]}"
     if expect_signal and processes == 1:
-        assert out.returncode == -expect_signal, (
-            f"expected signal {expect_signal} ({args}): rc={out.returncode}\n{out.stderr[-3000:]}"
-        )
+        assert out.returncode == -expect_signal, f"expected signal {expect_signal} {shown}"
     elif expect_signal:  # torchrun reports the child's signal and exits 1
         name = signal.Signals(expect_signal).name
-        assert out.returncode == 1 and name in out.stderr, f"expected {name} ({args}):\n{out.stderr[-3000:]}"
+        assert out.returncode == 1 and name in out.stderr, f"expected {name} {shown}"
     else:
-        assert out.returncode == 0, f"job failed ({args}):\n{out.stderr[-12000:]}"
+        assert out.returncode == 0, f"job failed {shown}"
     return out
+
+
+def _stalls(workdir: Path) -> str:
+    """The stacks a stalled job's ranks wrote (``job.py``): the cut-short stderr can lose them."""
+    stalled = [f for f in sorted(workdir.glob("stalled-rank*.txt")) if f.stat().st_size]
+    return "".join(f"--- {f.name}:\n{f.read_text()}\n" for f in stalled)
 
 
 def training_args(args: tuple[str, ...]) -> tuple[str, ...]:
