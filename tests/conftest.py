@@ -10,6 +10,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -146,19 +147,36 @@ def run_python(
     )
 
 
+# Each rank's process, run by a shell that appends "RANK RESTART EXIT_STATUS" to $AIR_TEST_EXITS when
+# it ends. torchrun names one failed rank per failure, with whole-second timestamps: when a dead rank's
+# peer fails within the same second, it may name the peer instead.
+_RECORD_EXIT = (
+    '"$0" "$@"; code=$?; echo "$RANK $TORCHELASTIC_RESTART_COUNT $code" >> "$AIR_TEST_EXITS"; exit $code'
+)
+
+
 def run_torchrun(job: str, workdir: Any, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:
     """Run ``job WORKDIR ARGS`` as two processes under ``torchrun --max-restarts restarts`` (the
-    pre-imported interpreter, ``tests/zygote.py``); assert it finished."""
+    pre-imported interpreter, ``tests/zygote.py``); assert it finished. Each rank's exit status is
+    appended to ``WORKDIR/rank-exits.txt`` (``rank_exits``)."""
     from tests.zygote import python
 
     command = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command += ["--max-restarts", str(restarts), job, str(workdir), *args]
+    command += ["--max-restarts", str(restarts), "--no-python", "sh", "-c", _RECORD_EXIT, python()]
+    command += [job, str(workdir), *args]
     # torchrun's agent shares its rendezvous store with the workers, and a restarted worker may read the
     # previous attempt's gloo addresses from it (pytorch#135712, #167288): each attempt gets its own.
     env = {**os.environ, "PYTHONPATH": REPO, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env["AIR_TEST_EXITS"] = os.path.join(str(workdir), "rank-exits.txt")
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, f"the job must finish ({args}):\n{done.stderr[-4000:]}"
     return done
+
+
+def rank_exits(workdir: Any) -> dict[tuple[int, int], int]:
+    """(rank, restart) -> exit status of each rank process ``run_torchrun`` ran in ``workdir``."""
+    lines = (Path(workdir) / "rank-exits.txt").read_text().split("\n")
+    return {(int(r), int(n)): int(code) for r, n, code in (line.split() for line in lines if line)}
 
 
 def run_hung_and_reference(
@@ -176,9 +194,9 @@ def run_hung_and_reference(
     run_torchrun(job, reference, *training)
     out = run_torchrun(job, hung, *training, "--hang", "13:1", "--hang-timeout", "3", restarts=1)
     assert (hung / "hung-once").exists(), "rank 1 hung in step 13 of the first launch"
-    assert f"exitcode  : {HANG_EXIT_CODE}" in out.stderr or f"exitcode: {HANG_EXIT_CODE}" in out.stderr, (
-        f"torchrun saw the watchdog's exit code {HANG_EXIT_CODE}:\n{out.stderr[-4000:]}"
-    )
+    exits = rank_exits(hung)
+    assert exits[(1, 0)] == HANG_EXIT_CODE, f"rank 1 exited with the watchdog's code: {exits}\n{out.stderr}"
+    assert exits[(0, 1)] == exits[(1, 1)] == 0, f"the restarted launch finished: {exits}"
     (stacks,) = (hung / "ckpts" / ".air-events").glob("hang-*-rank00001.txt")
     assert "sleep_forever_in_a_step" in stacks.read_text(), "the stacks name where rank 1 hung"
     return reference, hung, out
