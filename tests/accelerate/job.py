@@ -20,14 +20,11 @@ seconds on that rank.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import faulthandler
 import json
 import logging
 import os
 import signal
 import sys
-import threading
 import time
 
 import torch
@@ -35,6 +32,7 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Dataset
 
+from tests import stalls
 from tests.kill_at import Journal, KillAt
 
 N_SAMPLES, DIM, BATCH = 64, 16, 4
@@ -109,31 +107,6 @@ def _hang_once(args, rank: int, step: int) -> None:
         sleep_forever_in_a_step()
 
 
-def _show_stalls(workdir: str, seconds: float) -> None:
-    """A test waits 300 s for a job that takes seconds: one still running after ``seconds`` is stuck. Every
-    thread's stack then goes to WORKDIR/stalled-rank<R>.txt (the test shows it: stderr is cut short) and
-    the process exits 1, so that the test fails showing where, not at pytest's timeout. Shortly before,
-    its loader workers (which inherit a SIGUSR1 stack dump) write theirs to stalled-rank<R>-workers.txt,
-    one at a time: a rank can wait forever on a stuck worker."""
-    rank = os.environ.get("RANK", "0")
-    workers = open(os.path.join(workdir, f"stalled-rank{rank}-workers.txt"), "ab", buffering=0)
-    faulthandler.register(signal.SIGUSR1, file=workers, all_threads=True)
-
-    def dump_workers() -> None:
-        import psutil
-
-        for child in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                child.send_signal(signal.SIGUSR1)
-                time.sleep(0.5)
-
-    timer = threading.Timer(max(seconds - 10, 0), dump_workers)
-    timer.daemon = True
-    timer.start()
-    own = open(os.path.join(workdir, f"stalled-rank{rank}.txt"), "w")
-    faulthandler.dump_traceback_later(seconds, exit=True, file=own)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("workdir")
@@ -158,7 +131,7 @@ def main() -> None:
     p.add_argument("--hang", default="", help="STEP:RANK: that rank sleeps forever in that step, once")
     p.add_argument("--hang-timeout", type=float, default=3.0, help="with --hang: that rank's hang timeout")
     args = p.parse_args()
-    _show_stalls(args.workdir, float(os.environ.get("AIR_TEST_STALL_SECONDS", 240)))
+    stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     for name in ("accelerate_air", "air_core"):
         logging.getLogger(name).setLevel(logging.DEBUG if args.debug else logging.INFO)

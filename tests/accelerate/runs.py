@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import stalls
 from tests.conftest import REPO
 from tests.zygote import python
 
@@ -57,7 +58,7 @@ def run_job(
     )
     if not check:
         return out
-    shown = f"({args}): rc={out.returncode}\n{_stalls(workdir)}{out.stderr[-12000:]}"
+    shown = f"({args}): rc={out.returncode}\n{stalls.shown(workdir)}{out.stderr[-12000:]}"
     if expect_signal and processes == 1:
         assert out.returncode == -expect_signal, f"expected signal {expect_signal} {shown}"
     elif expect_signal:  # torchrun reports the child's signal and exits 1
@@ -66,12 +67,6 @@ def run_job(
     else:
         assert out.returncode == 0, f"job failed {shown}"
     return out
-
-
-def _stalls(workdir: Path) -> str:
-    """The stacks a stalled job's ranks wrote (``job.py``): the cut-short stderr can lose them."""
-    stalled = [f for f in sorted(workdir.glob("stalled-rank*.txt")) if f.stat().st_size]
-    return "".join(f"--- {f.name}:\n{f.read_text()}\n" for f in stalled)
 
 
 def training_args(args: tuple[str, ...]) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
 
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
+from tests import stalls
 from tests.kill_at import Journal, KillAt
 from tests.lightning.model import Model, NumberedData, make_loader
 
@@ -87,6 +88,7 @@ def main() -> None:
     p.add_argument("--hang", default="", help="STEP:RANK: that rank sleeps forever in that step, once")
     p.add_argument("--hang-timeout", type=float, default=3.0, help="with --hang: that rank's hang timeout")
     args = p.parse_args()
+    stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     for name in ("lightning_air", "air_core"):
         logging.getLogger(name).setLevel(logging.INFO)

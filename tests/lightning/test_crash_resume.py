@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import stalls
 from tests.conftest import REPO
 from tests.sameness import assert_same_run
 from tests.zygote import python
@@ -32,10 +33,11 @@ def run_job(workdir: Path, *args: str, expect_kill: bool = False, job: str = JOB
         timeout=300,
         env={**os.environ, "PYTHONPATH": REPO},
     )
+    shown = f"({args}): rc={out.returncode}\n{stalls.shown(workdir)}{out.stderr[-12000:]}"
     if expect_kill:
-        assert out.returncode == -9, f"expected a SIGKILL ({args}): rc={out.returncode}\n{out.stderr[-3000:]}"
+        assert out.returncode == -9, f"expected a SIGKILL {shown}"
     else:
-        assert out.returncode == 0, f"job failed ({args}):\n{out.stderr[-3000:]}"
+        assert out.returncode == 0, f"job failed {shown}"
 
 
 @pytest.fixture(scope="module")
