@@ -159,6 +159,7 @@ def run_torchrun(job: str, workdir: Any, *args: str, restarts: int = 0) -> subpr
     """Run ``job WORKDIR ARGS`` as two processes under ``torchrun --max-restarts restarts`` (the
     pre-imported interpreter, ``tests/zygote.py``); assert it finished. Each rank's exit status is
     appended to ``WORKDIR/rank-exits.txt`` (``rank_exits``)."""
+    from tests import stalls
     from tests.zygote import python
 
     command = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -169,7 +170,7 @@ def run_torchrun(job: str, workdir: Any, *args: str, restarts: int = 0) -> subpr
     env = {**os.environ, "PYTHONPATH": REPO, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     env["AIR_TEST_EXITS"] = os.path.join(str(workdir), "rank-exits.txt")
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    assert done.returncode == 0, f"the job must finish ({args}):\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, f"the job must finish {stalls.shown(workdir, args, done)}"
     return done
 
 
@@ -195,7 +196,9 @@ def run_hung_and_reference(
     out = run_torchrun(job, hung, *training, "--hang", "13:1", "--hang-timeout", "3", restarts=1)
     assert (hung / "hung-once").exists(), "rank 1 hung in step 13 of the first launch"
     exits = rank_exits(hung)
-    assert exits[(1, 0)] == HANG_EXIT_CODE, f"rank 1 exited with the watchdog's code: {exits}\n{out.stderr}"
+    assert exits[(1, 0)] == HANG_EXIT_CODE, (
+        f"rank 1 exited with the watchdog's code: {exits}\n{out.stderr[-4000:]}"
+    )
     assert exits[(0, 1)] == exits[(1, 1)] == 0, f"the restarted launch finished: {exits}"
     (stacks,) = (hung / "ckpts" / ".air-events").glob("hang-*-rank00001.txt")
     assert "sleep_forever_in_a_step" in stacks.read_text(), "the stacks name where rank 1 hung"

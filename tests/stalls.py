@@ -16,6 +16,7 @@ import contextlib
 import faulthandler
 import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -48,7 +49,9 @@ def arm(workdir: str, seconds: float = DEFAULT_SECONDS) -> None:
     faulthandler.dump_traceback_later(seconds, exit=True, file=own)
 
 
-def shown(workdir: str | Path) -> str:
-    """Every non-empty stall file in ``workdir``, for a failing test's message."""
+def shown(workdir: str | Path, args: tuple[str, ...], out: subprocess.CompletedProcess) -> str:
+    """A failing job's message: its arguments and exit code, every non-empty stall file in ``workdir``,
+    then the tail of its stderr."""
     found = [f for f in sorted(Path(workdir).glob("stalled-*.txt")) if f.stat().st_size]
-    return "".join(f"--- {f.name}:\n{f.read_text(errors='replace')}\n" for f in found)
+    files = "".join(f"--- {f.name}:\n{f.read_text(errors='replace')}\n" for f in found)
+    return f"({args}): rc={out.returncode}\n{files}{out.stderr[-12000:]}"

@@ -58,7 +58,7 @@ def run_job(
     )
     if not check:
         return out
-    shown = f"({args}): rc={out.returncode}\n{stalls.shown(workdir)}{out.stderr[-12000:]}"
+    shown = stalls.shown(workdir, args, out)
     if expect_signal and processes == 1:
         assert out.returncode == -expect_signal, f"expected signal {expect_signal} {shown}"
     elif expect_signal:  # torchrun reports the child's signal and exits 1

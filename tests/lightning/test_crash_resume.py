@@ -33,7 +33,7 @@ def run_job(workdir: Path, *args: str, expect_kill: bool = False, job: str = JOB
         timeout=300,
         env={**os.environ, "PYTHONPATH": REPO},
     )
-    shown = f"({args}): rc={out.returncode}\n{stalls.shown(workdir)}{out.stderr[-12000:]}"
+    shown = stalls.shown(workdir, args, out)
     if expect_kill:
         assert out.returncode == -9, f"expected a SIGKILL {shown}"
     else:
