@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -170,7 +171,9 @@ def main() -> None:
         sink.close()
     if rank == 0:
         torch.save(model.state_dict(), os.path.join(args.workdir, "final.pt"))
-    print(json.dumps({"rank": rank, "steps": step, **cache.stats()}), flush=True)
+    # One write per line: with print, two ranks' lines ran together on the shared stdout.
+    sys.stdout.write(json.dumps({"rank": rank, "steps": step, **cache.stats()}) + "\n")
+    sys.stdout.flush()
     if world > 1:
         dist.destroy_process_group()
 
