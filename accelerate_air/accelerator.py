@@ -253,6 +253,8 @@ class AirAccelerator(Accelerator):
                 place.ckpt.delete(older)  # deferred by the core until this save commits
         else:
             place.claim(folder, name)
+        for model in self._models:  # a GPU save copies their buffers ahead of the next forward
+            self.air_session.track_model(model)
         rank_state = self.air_session.rank_state()
         files = accelerate_files(
             self, rank_state["rng"], tracked=self._air_tracked, sharded=self._air_sharded

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
+import torch
+
 from . import layout, open_roots
 from .catalog import scan
 from .config import BusyPolicy, CheckpointerConfig, WriterKind, check_filename, check_name, check_step
@@ -29,7 +31,7 @@ from .lease import RootLease
 from .manifest import CheckpointInfo
 from .recovery import LocalCheckpoint, load_file, restore, verify_with
 from .serializer import make_serializer
-from .snapshot import BufferPool, take_snapshot
+from .snapshot import BufferPool, storage_pointers, take_snapshot
 from .staging import choose_destination
 from .storage import Storage
 from .writer import DeleteJob, Finalize, SaveJob, Writer
@@ -132,7 +134,13 @@ class AsyncCheckpointer:
 
     # -- saving ------------------------------------------------------------------------------
     def save(
-        self, state: Any, *, step: int, name: str | None = None, filename: str | None = None
+        self,
+        state: Any,
+        *,
+        step: int,
+        name: str | None = None,
+        filename: str | None = None,
+        in_order: Iterable[torch.Tensor] = (),
     ) -> SaveHandle:
         """Snapshot ``state`` and persist it in the background.
 
@@ -144,6 +152,9 @@ class AsyncCheckpointer:
             step: the training step; checkpoints are ordered by it.
             name: the checkpoint's name, one path segment; default ``step-<step, 9 digits>``.
             filename: this rank's file, relative to the root; default ``<name>/rank-<rank>.pt``.
+            in_order: GPU tensors of ``state`` that the next forward updates in place, before the
+                optimizer step's ``wait_snapshot`` (the model's buffers: BatchNorm statistics). Their
+                copies are queued on the current stream, ahead of that forward; the rest overlap it.
 
         Raises:
             SaveError: an earlier save failed; raised once, carrying that save's step.
@@ -153,7 +164,7 @@ class AsyncCheckpointer:
         filename = check_filename(
             filename or layout.default_file(name, self.config.rank), call="save(filename=...)"
         )
-        return self.save_files({filename: state}, step=step, name=name)
+        return self.save_files({filename: state}, step=step, name=name, in_order=in_order)
 
     def save_files(
         self,
@@ -162,8 +173,9 @@ class AsyncCheckpointer:
         step: int,
         name: str | None = None,
         finalize: Finalize | None = None,
+        in_order: Iterable[torch.Tensor] = (),
     ) -> SaveHandle:
-        """Like ``save``, for a rank that writes several files into one checkpoint.
+        """Like ``save`` (``in_order`` as there), for a rank that writes several files into one checkpoint.
 
         ``files`` maps each path, relative to the root, to its state; every file is written in
         ``torch.save`` format (a ``Bundle``: its items one after another) and they commit together.
@@ -195,6 +207,7 @@ class AsyncCheckpointer:
                 buffer,
                 spill_dir=self._dest.spill_dir,
                 spill_name=f"{name}-r{self.config.rank}-{uuid.uuid4().hex[:6]}.spill",
+                in_order=storage_pointers(in_order),
             )
         except BaseException:
             self._pool.give_back(buffer)

@@ -33,7 +33,7 @@ import logging
 import os
 import pickle
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -382,11 +382,13 @@ def save(
     planner: SavePlanner | None = None,
     files_per_rank: int = 1,
     plans: SavePlans | None = None,
+    in_order: Iterable[torch.Tensor] = (),
 ) -> SaveHandle:
     """``dcp.save`` of each state dict (DTensors, sharded or plain tensors, objects) into its folder
     (path under the root), all in one commit ``name`` with this rank's ``files``. Every rank calls it,
     as ``dcp.save`` (DCP's collectives run here, on the calling thread). ``plans``: the job's
     ``SavePlans``, to skip planning a save that repeats the last one (only with the default planner).
+    ``in_order``: as in ``AsyncCheckpointer.save`` (the model's buffers).
 
     Returns once this rank's items are in host buffers (call ``handle.wait_snapshot()`` before mutating
     GPU tensors), with the save's handle: it resolves when every rank's files and each folder's
@@ -410,7 +412,9 @@ def save(
 
     bundles = {path: bundle for w in writers for path, bundle in w.files.items()}
     finalize = Finalize(tuple(w.metadata_file for w in writers), make)
-    return checkpointer.save_files({**bundles, **(files or {})}, step=step, name=name, finalize=finalize)
+    return checkpointer.save_files(
+        {**bundles, **(files or {})}, step=step, name=name, finalize=finalize, in_order=in_order
+    )
 
 
 def load(

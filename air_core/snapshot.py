@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,11 +201,27 @@ class _RefUnpickler(pickle.Unpickler):
         return self._tensors[pid[1]]
 
 
-def take_snapshot(state: Any, buffer: HostBuffer, *, spill_dir: str, spill_name: str) -> Snapshot:
+def storage_pointers(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
+    """The data pointers of ``tensors``' storages (a DTensor's: its local shard's, which is what a
+    sharded save copies), for ``take_snapshot(in_order=...)``."""
+    return frozenset(getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for t in tensors)
+
+
+def take_snapshot(
+    state: Any,
+    buffer: HostBuffer,
+    *,
+    spill_dir: str,
+    spill_name: str,
+    in_order: frozenset[int] = frozenset(),
+) -> Snapshot:
     """Copy ``state`` into ``buffer`` (and a spill file beyond its capacity).
 
-    Called on the training thread. On return, CPU tensors are copied; GPU copies are queued on a
-    side stream and ``Snapshot.wait_copied`` must return before the caller mutates them.
+    Called on the training thread. On return, CPU tensors are copied; GPU copies are queued and
+    ``Snapshot.wait_copied`` must return before the caller mutates them. ``in_order``: data pointers of
+    GPU storages that work queued right after this call mutates (module buffers: the next forward updates
+    BatchNorm statistics in place, long before the optimizer step's gate). Their copies are queued on the
+    current stream, ahead of that work; the others on a side stream, overlapping it.
     """
     found: list[torch.Tensor] = []
     skel = io.BytesIO()
@@ -254,18 +271,25 @@ def take_snapshot(state: Any, buffer: HostBuffer, *, spill_dir: str, spill_name:
             pending_spill.append(s)
             spill_offset += _aligned(n)
 
-    event = None
-    stream = torch.cuda.Stream() if on_gpu else None
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    ahead = in_order if on_gpu else frozenset()
+
+    def copy(queued_ahead: bool) -> None:
         for s, placed in zip(sources, slots, strict=True):
-            if not placed.spilled and placed.nbytes:
+            if not placed.spilled and placed.nbytes and (s.data_ptr() in ahead) == queued_ahead:
                 dst = buffer.tensor[placed.offset : placed.offset + placed.nbytes]
                 dst.copy_(_bytes_view(s), non_blocking=s.device.type == "cuda")
-        if stream is not None:
+
+    event = None
+    if on_gpu:
+        copy(queued_ahead=True)  # on the current stream: before whatever the caller queues next
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())  # its event then covers those copies too
+        with torch.cuda.stream(stream):
+            copy(queued_ahead=False)
             event = torch.cuda.Event()
             event.record(stream)
+    else:
+        copy(queued_ahead=False)
 
     spill_path = None
     if pending_spill:

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU check, run on a CUDA machine from the repository root: bash benchmarks/gpu_check.sh [SIZE_MIB]
-# Section "stall" (GPU_CHECK_SECTIONS, default "health stall sharded fsdp2"):
+# Section "order" (GPU_CHECK_SECTIONS, default "order health stall sharded fsdp2"):
+# 0. benchmarks/gpu_snapshot_order.py: a save's BatchNorm statistics are those at save time although the
+#    next forward runs while the save's copies are in flight (a tracked model's buffers go first).
+# Section "stall":
 # 1. measures pinned device-to-host bandwidth (cudaHostRegister'd host memory, as air_core pins it);
 # 2. runs benchmarks/checkpoint_stall.py on the GPU with a multi-GB state (default 8192 MiB);
 # 3. prints the blocking time next to the bound state size / pinned bandwidth.
@@ -17,15 +20,20 @@
 #    and, with 2+ GPUs, under torchrun on every GPU (links and all-reduce over NCCL, clocks);
 # 7. the straggler section timer with CUDA events around a GPU matmul (against a synchronized wall
 #    clock of the same work).
-# Output also lands in $OUT (if set) as gpu_check.json, gpu_check.txt, sharded_save.txt and health.txt.
+# Output also lands in $OUT (if set) as order.txt, gpu_check.json, gpu_check.txt, sharded_save.txt,
+# fsdp2.txt and health.txt.
 #   GPU_CHECK_SECTIONS=sharded bash benchmarks/gpu_check.sh     # the sharded benchmark only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE_MIB="${1:-8192}"
 PY="${PYTHON:-python3}"
 OUT_DIR="${OUT:-/tmp}"
-SECTIONS=" ${GPU_CHECK_SECTIONS:-health stall sharded fsdp2} "
+SECTIONS=" ${GPU_CHECK_SECTIONS:-order health stall sharded fsdp2} "
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [[ "$SECTIONS" == *" order "* ]]; then
+  timeout 120 "$PY" benchmarks/gpu_snapshot_order.py --dir "${BENCH_DIR:-/tmp}/air-snapshot-order" \
+      | tee "$OUT_DIR/order.txt"
+fi
 if [[ "$SECTIONS" == *" health "* ]]; then
 {
   set +e  # a warn (1) or bad node (2) is a result to print, not a reason to stop

@@ -143,6 +143,7 @@ class AirCallback(Callback):
             parameter_bytes=sum(p.numel() * p.element_size() for p in pl_module.parameters()),
         )
         plugin.attach(pl_module)
+        self.session.track_model(pl_module)
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
                 callback.file_exists = _WaitForSaves(callback, plugin)  # type: ignore[method-assign]

@@ -1,9 +1,9 @@
 """``TrainingSession``: one rank's checkpointing, measurement and resume state for a training job.
 
 Framework-free. An adapter creates one per rank when training starts and translates the framework's
-events into its calls: ``open`` (the checkpoint root), ``track`` (each train loader), ``start`` (the
-first step is next), ``record_fetch``/``before_backward``/``record_step`` (timings, straggler
-sections), ``before_optimizer_step`` (the snapshot gate),
+events into its calls: ``open`` (the checkpoint root), ``track`` (each train loader), ``track_model``
+(each trained model), ``start`` (the first step is next), ``record_fetch``/``before_backward``/
+``record_step`` (timings, straggler sections), ``before_optimizer_step`` (the snapshot gate),
 ``save``/``rank_state``/``restore_rank_state`` and ``close``. The session owns the checkpointer, the
 ``Recorder``, rank 0's goodput log and MLflow sink (it ends the run it started), the SIGTERM flush, the
 launch id, the hang watchdog (armed at ``start``, fed by ``record_step``, paused in saves, flushes and
@@ -20,6 +20,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+import torch
 
 from .. import dcp
 from ..checkpointer import AsyncCheckpointer, SaveHandle
@@ -102,6 +104,7 @@ class TrainingSession:
         self._sink: MlflowSink | None = None
         self._resumed_run: str | None = None
         self._loaders: list[TrackedLoader] = []
+        self._models: list[torch.nn.Module] = []
         self._preflight: PreflightReport | None = None
         self._pending: dict[str, Any] | None = None
         self._failed: BaseException | None = None
@@ -247,7 +250,7 @@ class TrainingSession:
         if ckpt is None:
             raise AirError(f"{self.config.owner}: save() before the checkpoint root was opened.")
         with self._saving():
-            self.last_handle = ckpt.save_files(files, step=step, name=name)
+            self.last_handle = ckpt.save_files(files, step=step, name=name, in_order=self._buffers())
         self.returned_at = time.monotonic()
         return self.last_handle
 
@@ -267,9 +270,20 @@ class TrainingSession:
         if ckpt is None:
             raise AirError(f"{self.config.owner}: save_sharded() before the checkpoint root was opened.")
         with self._saving():
-            self.last_handle = dcp.save(ckpt, folders, step=step, name=name, files=files, plans=self._plans)
+            self.last_handle = dcp.save(
+                ckpt, folders, step=step, name=name, files=files, plans=self._plans, in_order=self._buffers()
+            )
         self.returned_at = time.monotonic()
         return self.last_handle
+
+    def track_model(self, model: torch.nn.Module) -> None:
+        """``model`` is trained: its buffers (BatchNorm statistics) change in the next forward, before the
+        snapshot gate, so a GPU save copies them ahead of that forward (``in_order``)."""
+        if all(m is not model for m in self._models):
+            self._models.append(model)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [b for model in self._models for b in model.buffers()]
 
     def state_file(self, name: str, *, rank: int | None = None) -> str:
         """Where this rank's (or saved rank ``rank``'s) ``rank_state`` goes in checkpoint ``name`` when

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import collections
+import os
+import subprocess
 
 import pytest
 import torch
 
 from air_core import AsyncCheckpointer, ConfigError
+from air_core.session import SessionConfig, TrainingSession
 from air_core.snapshot import HostBuffer, materialize, take_snapshot
+from tests.conftest import REPO
+from tests.zygote import python
 
 
 def _state(seed: int = 0) -> dict:
@@ -58,6 +63,30 @@ def test_aliasing_and_parameters_survive_the_snapshot(tmp_path):
     assert isinstance(out["p"], torch.nn.Parameter) and out["p"].requires_grad
 
 
+def test_a_save_holds_the_buffers_the_next_forward_updates(tmp_path):
+    """A tracked model's buffers are copied apart from the rest (on a GPU, ahead of the next forward, on
+    the training stream): a BatchNorm forward right after ``save`` returns must not reach the checkpoint,
+    and no tensor may be left out of the copy, buffers included."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4)).train()
+    model(torch.randn(8, 6))
+    session = TrainingSession(SessionConfig(mlflow=False), checkpointer={})
+    session.track_model(model)
+    session.track_model(model)  # once is enough
+    session.open(str(tmp_path / "root"))
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    handle = session.save({"step-1/rank-0.pt": model.state_dict()}, step=1, name="step-1")
+    model(torch.randn(8, 6) + 5.0)  # updates running_mean, running_var, num_batches_tracked in place
+    session.before_optimizer_step()
+    handle.result(timeout=60)
+    loaded = session.checkpointer.load()
+    session.close(step=1)
+    assert set(loaded) == set(saved)
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value), f"{key}: the value at save() time"
+    assert not torch.equal(model.state_dict()["1.running_mean"], saved["1.running_mean"])
+
+
 def test_host_budget_is_never_exceeded_and_spill_saves_correctly(tmp_path):
     budget = 1 << 20  # 1 MiB for a ~4.3 MiB state
     state = {f"t{i}": torch.randn(256, 1024) for i in range(4)} | {"small": torch.arange(5)}
@@ -89,3 +118,29 @@ def test_sparse_tensor_is_refused_with_the_fix(tmp_path):
         with pytest.raises(ConfigError, match="to_dense"):
             ckpt.save({"s": torch.eye(3).to_sparse()}, step=1)
         ckpt.save({"ok": torch.ones(1)}, step=2).result(timeout=60)  # the buffer was handed back
+
+
+_DTENSOR_POINTERS = """
+import torch, torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+from air_core.snapshot import storage_pointers
+dist.init_process_group("gloo", init_method="file://" + __import__("sys").argv[1], rank=0, world_size=1)
+plain = torch.zeros(3)
+sharded = distribute_tensor(torch.randn(4, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+found = storage_pointers([plain, sharded])
+assert found == {plain.untyped_storage().data_ptr(), sharded.to_local().untyped_storage().data_ptr()}, found
+dist.destroy_process_group()
+"""
+
+
+def test_in_order_tensors_may_be_dtensors(tmp_path):
+    """A DTensor has no storage of its own (its ``untyped_storage()`` raises): its local shard's storage is
+    what a sharded save copies, so that is the one looked up."""
+    out = subprocess.run(
+        [python(), "-c", _DTENSOR_POINTERS, str(tmp_path / "init")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
