@@ -6,10 +6,11 @@ events into its calls: ``open`` (the checkpoint root), ``track`` (each train loa
 ``record_step`` (timings, straggler sections), ``before_optimizer_step`` (the snapshot gate),
 ``save``/``rank_state``/``restore_rank_state`` and ``close``. The session owns the checkpointer, the
 ``Recorder``, rank 0's goodput log and MLflow sink (it ends the run it started), the SIGTERM flush, the
-launch id, the hang watchdog (armed at ``start``, fed by ``record_step``, paused in saves, flushes and
-``watchdog_paused``), the pre-flight (``preflight``, before the root is opened) and the world-size and
-model checks. Its collectives are the adapter's (``broadcast``, ``gather``, run on the training
-thread), except the pre-flight's, which run on the default process group before training starts.
+launch id, the node health (``health.py``: the pre-flight, run by ``preflight`` before the root is
+opened; the hang watchdog, armed at ``start``, fed by ``record_step``, paused in saves, flushes and
+``watchdog_paused``; straggler sections) and the world-size and model checks. Its collectives are the
+adapter's (``broadcast``, ``gather``, run on the training thread), except the pre-flight's, which run on
+the default process group before training starts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -26,15 +27,15 @@ import torch
 from .. import dcp
 from ..checkpointer import AsyncCheckpointer, SaveHandle
 from ..compat import check_fits
-from ..errors import AirError, ConfigError, StragglerError
+from ..errors import AirError, ConfigError
 from ..events import Listener
-from ..health.preflight import PreflightReport, run_preflight, stop_if_bad
+from ..health.preflight import PreflightReport
 from ..health.stragglers import Stragglers
-from ..health.watchdog import ExitOnHang, Watchdog, restart_hazard
 from ..layout import rank_state_path
 from .config import SessionConfig
 from .elastic import Layout, layout_of
 from .goodput import Goodput, GoodputLog, goodput_of
+from .health import SessionHealth
 from .loader import LoaderState, TrackedLoader
 from .metrics import Gather, Recorder
 from .mlflow_sink import MlflowSink
@@ -82,13 +83,12 @@ class TrainingSession:
         self.records = Recorder(config.log_every_n_steps, rank=rank)
         """``fetch_seconds`` per step and the save/restore records of this rank."""
         self.records.gather = gather if world_size > 1 else None
-        self.stragglers: Stragglers | None = None
-        """This rank's straggler detection (None: ``straggler_threshold`` off, or ``measure`` False)."""
-        if config.straggler_threshold and measure:
-            self.stragglers = Stragglers(
-                threshold=config.straggler_threshold, stop=config.stop_on_straggler, owner=config.owner
-            )
-            self.records.parts.append(self.stragglers)
+        self.health = SessionHealth(
+            config, rank=rank, world_size=world_size, launch_id=self.launch_id, measure=measure
+        )
+        """The pre-flight report, hang watchdog and straggler detection."""
+        if self.health.stragglers is not None:
+            self.records.parts.append(self.health.stragglers)
         self.goodput: Goodput | None = None
         """Rank 0, after ``close``: the goodput of every launch of this job so far."""
         self.last_handle: SaveHandle | None = None
@@ -105,12 +105,9 @@ class TrainingSession:
         self._resumed_run: str | None = None
         self._loaders: list[TrackedLoader] = []
         self._models: list[torch.nn.Module] = []
-        self._preflight: PreflightReport | None = None
         self._pending: dict[str, Any] | None = None
         self._failed: BaseException | None = None
         self._closed = False
-        self._watchdog: Watchdog | None = None
-        """The hang watchdog, from ``start`` to ``close`` (with ``hang_watchdog``)."""
         self._preemption = FlushOnSigterm(
             self._flushable, timeout_seconds=config.flush_timeout_seconds, who=config.owner, log=logger
         )
@@ -126,36 +123,12 @@ class TrainingSession:
         Raises:
             HealthCheckError: on every rank, when any rank's node is bad (one line per failed check).
         """
-        checks = self.config.preflight_checks
-        if not checks:
-            return None
-        settings = self._settings
-        report = run_preflight(
-            checks,
-            root=root,
-            storage_options=settings.get("storage_options") or {},
-            staging_dir=settings.get("staging_dir"),
-            host_budget_bytes=settings.get("host_budget_bytes"),
-            expected_bytes=3 * parameter_bytes if parameter_bytes else None,
-            rank=self.rank,
-            world_size=self.world_size,
-        )
-        self._preflight = report
-        if self.rank == 0:
-            for result in report.results:
-                level = logging.WARNING if result.status in ("warn", "bad") else logging.INFO
-                logger.log(level, "%s pre-flight: %s", self.config.owner, result.line())
-            logger.info("%s pre-flight: %s in %.2f s", self.config.owner, report.status, report.seconds)
-        stop_if_bad(report, owner=self.config.owner)
-        return report
+        return self.health.preflight(root, checkpointer=self._settings, parameter_bytes=parameter_bytes)
 
-    @staticmethod
-    def _log_preflight(sink: MlflowSink, report: PreflightReport) -> None:
-        """The pre-flight's time and worst status (0 ok, 1 warn, 2 bad) at step 0, and a tag per
-        problem, ``preflight.<check>.<host>``."""
-        sink.log({"preflight_seconds": report.seconds, "preflight_status": report.exit_code}, 0)
-        for problem in report.problems():
-            sink.tag(f"preflight.{problem.check}.{problem.host}", f"{problem.status}: {problem.message}")
+    @property
+    def stragglers(self) -> Stragglers | None:
+        """This rank's straggler detection (None: ``straggler_threshold`` off, or ``measure`` False)."""
+        return self.health.stragglers
 
     # -- the checkpoint root -------------------------------------------------------------------------
     def open(self, root: str) -> AsyncCheckpointer:
@@ -178,9 +151,10 @@ class TrainingSession:
             if self.rank == 0 and self._measure and self._goodput_log is None:
                 self._goodput_log = GoodputLog(self._ckpt.storage, self.launch_id)
                 self.records.goodput = self._goodput_log
-                if self._preflight is not None:  # it ran before the root was opened: log it now
-                    problems = [r.as_dict() for r in self._preflight.problems()]
-                    self._goodput_log.preflight(self._preflight.seconds, self._preflight.status, problems)
+                report = self.health.report
+                if report is not None:  # it ran before the root was opened: log it now
+                    problems = [r.as_dict() for r in report.problems()]
+                    self._goodput_log.preflight(report.seconds, report.status, problems)
         elif self._ckpt.config.root.rstrip("/") != str(root).rstrip("/"):
             raise ConfigError(
                 f"{self.config.owner} writes under one root: got {root!r} after {self._ckpt.config.root!r}. "
@@ -249,7 +223,7 @@ class TrainingSession:
         ckpt = checkpointer or self._ckpt
         if ckpt is None:
             raise AirError(f"{self.config.owner}: save() before the checkpoint root was opened.")
-        with self._saving():
+        with self.health.saving():
             self.last_handle = ckpt.save_files(files, step=step, name=name, in_order=self._buffers())
         self.returned_at = time.monotonic()
         return self.last_handle
@@ -269,7 +243,7 @@ class TrainingSession:
         ckpt = checkpointer or self._ckpt
         if ckpt is None:
             raise AirError(f"{self.config.owner}: save_sharded() before the checkpoint root was opened.")
-        with self._saving():
+        with self.health.saving():
             self.last_handle = dcp.save(
                 ckpt, folders, step=step, name=name, files=files, plans=self._plans, in_order=self._buffers()
             )
@@ -299,14 +273,7 @@ class TrainingSession:
     def watchdog_paused(self) -> contextlib.AbstractContextManager[None]:
         """Time inside is not a hang: checkpoint I/O the training thread waits on (an adapter's load, a wait
         for commits). The session pauses its own saves, flushes and ``close``. Nestable, any thread."""
-        return self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _saving(self) -> Iterator[None]:
-        with self.watchdog_paused():
-            yield
-        if self._watchdog is not None:  # another rank's blocking save may hold this one in a collective
-            self._watchdog.grant(self.config.flush_timeout_seconds)
+        return self.health.paused()
 
     # -- loaders and per-rank state ------------------------------------------------------------------
     def track(
@@ -468,24 +435,9 @@ class TrainingSession:
                 run_id=run_id, experiment=self.config.mlflow_experiment, end_run=run_is_ours
             )
             self.records.attach(self._sink.log, self._sink.tag)
-            if self._preflight is not None:
-                self._log_preflight(self._sink, self._preflight)
-        if self.config.hang_watchdog and self._watchdog is None and not self._closed:
-            self._watchdog = Watchdog(
-                self.config.hang_timeout_seconds,
-                floor_seconds=self.config.hang_floor_seconds,
-                on_hang=ExitOnHang(
-                    who=self.config.owner,
-                    rank=self.rank,
-                    launch_id=self.launch_id,
-                    write=self._write_hang,
-                    record=self._record_hang,
-                ),
-            )
-            self._watchdog.arm()
-            hazard = restart_hazard()
-            if hazard and self.rank == 0:
-                logger.warning("%s: %s", self.config.owner, hazard)
+            self.health.log_preflight(self._sink)
+        if not self._closed:
+            self.health.arm(write=self._write_hang, record=self._record_hang)
 
     def _write_hang(self, path: str, data: bytes) -> None:  # the watchdog's thread: no flush, no lock
         if self._ckpt is None:
@@ -508,18 +460,15 @@ class TrainingSession:
     def record_fetch(self, seconds: float) -> None:
         """A training batch was fetched (after ``seconds``) and is handed to the step now."""
         self.records.record_fetch(seconds)
-        if self.stragglers is not None:
-            self.stragglers.timer.start()
+        self.health.fetched()
 
     def before_backward(self) -> None:
         """Backward (and with it DDP's gradient communication) starts: the straggler section ends."""
-        if self.stragglers is not None:
-            self.stragglers.timer.stop()
+        self.health.before_backward()
 
     def record_progress(self) -> None:
         """Progress that is no training step (an evaluation batch): the hang watchdog's limit restarts."""
-        if self._watchdog is not None:
-            self._watchdog.beat()
+        self.health.progress()
 
     def record_step(self, step: int) -> None:
         """Training step ``step`` ended (every rank; a window end gathers over ranks). The hang watchdog
@@ -529,21 +478,10 @@ class TrainingSession:
             StragglerError: with ``stop_on_straggler``, this window named a straggler; the session
                 committed the saves in flight and closed first (every rank raises at the same step).
         """
-        if self._watchdog is not None:
-            self._watchdog.beat(step)
-        if self.stragglers is not None:
-            self.stragglers.timer.end_step()
+        self.health.step_ended(step)
         self.records.record_step(step)
-        if self.stragglers is not None and self.stragglers.stop_requested is not None:
-            scores = self.stragglers.stop_requested
-            error = StragglerError(
-                f"{self.config.owner}(stop_on_straggler=True): straggler(s) at step {step} under "
-                f"straggler_threshold={self.config.straggler_threshold}: {self.stragglers.describe(scores)}. "
-                "The checkpoints in flight were committed and training stops: replace or drain the slow "
-                "node(s) and resume from the last checkpoint, or pass stop_on_straggler=False to only log.",
-                step=step,
-                ranks=scores.stragglers,
-            )
+        error = self.health.straggler_stop(step)
+        if error is not None:
             self.fail(error)
             self.close(step)
             raise error
@@ -553,8 +491,7 @@ class TrainingSession:
         """Training is failing with ``exception``: commit what is in flight (bounded); ``close`` then
         logs a save error instead of raising it over ``exception``."""
         self._failed = exception
-        if self._watchdog is not None:  # the launch ends; its flush is bounded
-            self._watchdog.close()
+        self.health.close()  # the launch ends; its flush is bounded
         self._preemption.flush(type(exception).__name__)
 
     def close_checkpointer(self) -> None:
@@ -583,8 +520,7 @@ class TrainingSession:
         if self._closed:
             return
         self._closed = True
-        if self._watchdog is not None:
-            self._watchdog.close()
+        self.health.close()
         try:
             self.close_checkpointer()
         finally:
