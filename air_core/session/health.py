@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ..errors import StragglerError
@@ -109,7 +109,7 @@ class SessionHealth:
         return self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def saving(self) -> Any:
+    def saving(self) -> Iterator[None]:
         """A blocking save: paused inside, and after it the watchdog's limit is extended by
         ``flush_timeout_seconds`` (another rank's blocking save may hold this one in a collective)."""
         with self.paused():
