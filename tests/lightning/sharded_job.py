@@ -1,12 +1,19 @@
-"""The Lightning test job with an FSDP2 (``fully_shard``) model under ``AirModelParallelStrategy``.
+"""The Lightning test job with an FSDP2 (``fully_shard``) model under ``AirModelParallelStrategy``, or
+with ``--fsdp1`` an FSDP1 (``FullyShardedDataParallel``) model under ``AirFSDPStrategy``.
 
-    python tests/lightning/sharded_job.py WORKDIR [--devices D] [--every K] [--epochs E]
+    python tests/lightning/sharded_job.py WORKDIR [--devices D] [--every K] [--epochs E] [--fsdp1]
         [--kill STEP:PHASE[:RANK]] [--root URL --endpoint URL] [--elastic] [--top-k K] [--save-last] [--full]
 
 The model, data and records are tests/lightning/job.py's (``ids-rank<R>.jsonl`` per step, rank 0's
 ``final.pt``: the full, unsharded weights after fit), on D CPU processes (gloo). Also written by rank 0:
 ``saved-<step>.pt`` (the full weights at each checkpoint) and ``loaded.pt`` (the full weights right
 after a resume restored them), so a resume at another world size can be checked against the save.
+
+FSDP1 runs on CPU with gloo when it is given the CPU as its device, but Lightning refuses
+``FSDPStrategy`` on CPU (and wraps the model with ``device_id=None``, which FSDP1 refuses there), and so
+does ``AirFSDPStrategy``, for users. ``CpuFSDPStrategy`` lifts both for this job only, so that the FSDP1
+sharded path (``ShardedTensor`` state, the strategy's save and load) runs with a real Trainer here; the
+GPU run is in benchmarks/gpu_fsdp2.py.
 """
 
 from __future__ import annotations
@@ -18,19 +25,32 @@ import os
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import FSDPStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from lightning_air import AirCallback, AirCheckpointIO, AirModelParallelStrategy, latest_checkpoint
+from lightning_air import (
+    AirCallback,
+    AirCheckpointIO,
+    AirFSDPStrategy,
+    AirModelParallelStrategy,
+    latest_checkpoint,
+)
 from tests.gloo_exit import exit_without_teardown
 from tests.kill_at import Journal, KillAt
 from tests.lightning.model import Model
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FULL_FSDP1 = StateDictOptions(full_state_dict=True)
+"""FSDP1's full state dict with ``cpu_offload`` crashes on a CPU model (torch 2.13); its tensors are on
+the CPU already."""
 
 
 class ShardedModel(Model):
     def configure_model(self) -> None:
+        if not isinstance(self.trainer.strategy, AirModelParallelStrategy):
+            return  # FSDP1: the strategy wraps the model (one unit per Linear layer)
         mesh = self.device_mesh["data_parallel"]
         for layer in self.net:
             if isinstance(layer, torch.nn.Linear):
@@ -38,14 +58,31 @@ class ShardedModel(Model):
         fully_shard(self.net, mesh=mesh)
 
 
+class CpuFSDPStrategy(AirFSDPStrategy):
+    """``AirFSDPStrategy`` with FSDP1 on the CPU, for this job (see the module's docstring)."""
+
+    def _configure_launcher(self) -> None:
+        FSDPStrategy._configure_launcher(self)  # without AirFSDPStrategy's refusal of the CPU
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        wrapped = FullyShardedDataParallel(
+            module=model,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
+        self.kwargs.pop("auto_wrap_policy", None)  # applied: Lightning warns about a policy it would ignore
+        return super()._setup_model(wrapped)  # Lightning's own steps for a model wrapped already
+
+
 class FullWeights(Callback):
     """Rank 0 writes the full weights when a checkpoint is made and right after a resume loaded one."""
 
-    def __init__(self, workdir: str) -> None:
-        self.workdir = workdir
+    def __init__(self, workdir: str, options: StateDictOptions) -> None:
+        self.workdir, self.options = workdir, options
 
     def _write(self, trainer: pl.Trainer, module: pl.LightningModule, name: str) -> None:
-        full = get_model_state_dict(module, options=FULL)  # a collective: every rank calls it
+        full = get_model_state_dict(module, options=self.options)  # a collective: every rank calls it
         if trainer.is_global_zero:
             torch.save(full, os.path.join(self.workdir, name))
 
@@ -68,9 +105,12 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k), monitoring the step")
     p.add_argument("--save-last", action="store_true", help="ModelCheckpoint(save_last=True)")
     p.add_argument("--full", action="store_true", help="save_distributed_checkpoint=False: full files")
+    p.add_argument("--fsdp1", action="store_true", help="FSDP1 under AirFSDPStrategy (CpuFSDPStrategy)")
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     args = p.parse_args()
+    if args.fsdp1 and args.full:
+        p.error("--fsdp1 --full: FSDP1's full state dict offloads to the CPU, which crashes on a CPU model")
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     logging.getLogger("air_core").setLevel(logging.INFO)
     pl.seed_everything(0, workers=True)
@@ -82,13 +122,21 @@ def main() -> None:
     plugin.add_listener(Journal(args.workdir))
     if args.kill:
         plugin.add_listener(KillAt.parse(args.kill))
+    if args.fsdp1:
+        strategy: pl.strategies.Strategy = CpuFSDPStrategy(
+            auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+            state_dict_type="sharded",
+        )
+    else:
+        strategy = AirModelParallelStrategy(
+            data_parallel_size=args.devices, tensor_parallel_size=1, save_distributed_checkpoint=not args.full
+        )
+    full_options = FULL_FSDP1 if args.fsdp1 else FULL
     trainer = pl.Trainer(
         max_epochs=args.epochs,
         accelerator="cpu",
         devices=args.devices,
-        strategy=AirModelParallelStrategy(
-            data_parallel_size=args.devices, tensor_parallel_size=1, save_distributed_checkpoint=not args.full
-        ),
+        strategy=strategy,
         plugins=[plugin],
         callbacks=[
             AirCallback(log_every_n_steps=8, elastic=args.elastic),
@@ -100,7 +148,7 @@ def main() -> None:
                 mode="max",
                 save_last=args.save_last,
             ),
-            FullWeights(args.workdir),
+            FullWeights(args.workdir, full_options),
         ],
         logger=False,
         enable_progress_bar=False,
@@ -109,7 +157,7 @@ def main() -> None:
     )
     model = ShardedModel(args.workdir, 0)
     trainer.fit(model, ckpt_path=latest_checkpoint(root, storage_options=opts))
-    full = get_model_state_dict(model, options=FULL)
+    full = get_model_state_dict(model, options=full_options)
     if trainer.is_global_zero:
         torch.save(full, os.path.join(args.workdir, "final.pt"))
     torch.distributed.destroy_process_group()

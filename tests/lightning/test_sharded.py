@@ -41,6 +41,14 @@ def reference(tmp_path_factory) -> Path:
     return workdir
 
 
+@pytest.fixture(scope="module")
+def reference_fsdp1(tmp_path_factory) -> Path:
+    """The same run with FSDP1 under ``AirFSDPStrategy`` (on CPU only in the test job: sharded_job.py)."""
+    workdir = tmp_path_factory.mktemp("fsdp1-reference")
+    run_sharded(workdir, "--fsdp1")
+    return workdir
+
+
 @pytest.mark.slow
 def test_sharded_saves_to_s3_killed_mid_upload_resume_exactly(reference, tmp_path, s3_root):
     s3 = ["--root", s3_root.url, "--endpoint", s3_root.endpoint]
@@ -60,6 +68,31 @@ def test_sharded_saves_to_s3_killed_mid_upload_resume_exactly(reference, tmp_pat
     state = {"state_dict": {k: torch.zeros_like(v) for k, v in saved.items()}}
     dcp.load(state, storage_reader=FileSystemReader(str(local)), no_dist=True)
     assert all(torch.equal(state["state_dict"][k], v) for k, v in saved.items())
+
+
+@pytest.mark.slow
+def test_fsdp1_sharded_saves_killed_mid_upload_resume_exactly_in_lightnings_fsdp_layout(
+    reference_fsdp1, tmp_path
+):
+    """``AirFSDPStrategy(state_dict_type="sharded")``: FSDP1's ``ShardedTensor`` state goes through the
+    core as FSDP2's DTensors do: rank 1 killed while uploading step 10 leaves step 5 the newest, and the
+    resume is the uninterrupted run. The folder is stock ``FSDPStrategy``'s (``model``/``optimizer_0``
+    + ``meta.pt``) and loads with stock DCP into plain tensors."""
+    run_sharded(tmp_path, "--fsdp1", "--kill", "10:upload_start:1", expect_kill=True)
+    newest = latest_checkpoint(str(tmp_path / "ckpts"))
+    assert newest is not None and newest.endswith("epoch=0-step=5.ckpt"), newest
+    run_sharded(tmp_path, "--fsdp1")
+    assert_same_run(tmp_path, reference_fsdp1, ranks=2)
+    folder = tmp_path / "ckpts" / "epoch=1-step=15.ckpt"
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert {k.split(".")[0] for k in FileSystemReader(str(folder)).read_metadata().state_dict_metadata} == {
+        "model",
+        "optimizer_0",
+    }
+    saved = torch.load(tmp_path / "saved-15.pt")
+    state = {"model": {k: torch.zeros_like(v) for k, v in saved.items()}}
+    dcp.load(state, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+    assert all(torch.equal(state["model"][k], v) for k, v in saved.items())
 
 
 @pytest.mark.slow
@@ -125,18 +158,22 @@ def test_a_committed_sharded_checkpoint_is_lightnings_stock_layout(reference):
 
 
 @pytest.mark.slow
-def test_a_two_rank_sharded_checkpoint_continues_on_one_and_three_ranks(tmp_path_factory):
+@pytest.mark.parametrize("fsdp", ["fsdp2", "fsdp1"])
+def test_a_two_rank_sharded_checkpoint_continues_on_one_and_three_ranks(tmp_path_factory, fsdp):
     """Weights resharded by DCP equal the saved ones; the rest of the interrupted epoch is split over the
-    new ranks, each sample once; training completes."""
-    saved = tmp_path_factory.mktemp("sharded-two-ranks")
-    run_sharded(saved, "--epochs", "1")  # 8 steps an epoch on two ranks: the newest commit is step 5
+    new ranks, each sample once; training completes. FSDP2 (DTensor) and FSDP1 (ShardedTensor) state."""
+    strategy = ["--fsdp1"] if fsdp == "fsdp1" else []
+    saved = tmp_path_factory.mktemp(f"{fsdp}-two-ranks")
+    run_sharded(
+        saved, "--epochs", "1", *strategy
+    )  # 8 steps an epoch on two ranks: the newest commit is step 5
     weights = torch.load(saved / "saved-5.pt")
     before = [i for r in range(2) for rec in _records(saved, r) if rec["step"] < 5 for i in rec["ids"]]
     runs = {}
     for devices in (1, 3):
-        work = tmp_path_factory.mktemp(f"sharded-on-{devices}")
+        work = tmp_path_factory.mktemp(f"{fsdp}-on-{devices}")
         shutil.copytree(saved / "ckpts", work / "ckpts")
-        args = ("--devices", str(devices), "--epochs", "2", "--elastic")
+        args = ("--devices", str(devices), "--epochs", "2", "--elastic", *strategy)
         runs[devices] = (work, start([python(), JOB, str(work), *args], work))
     finish({f"the sharded resume on {n} process(es)": run for n, run in runs.items()})
     for devices, (work, _) in runs.items():
