@@ -306,6 +306,7 @@ class AirAccelerator(Accelerator):
             if ckpt is None:  # no commit names it: as stock Accelerate loads it
                 self._air_load_folder(folder, None, None, "", load_kwargs, load_model_func_kwargs)
                 return
+            stack.enter_context(ckpt.restoring())  # every file and shard it reads: one restore
             local = self._air_fetch(ckpt, info)
             folder = places.top_folder(local.info) if self._air_folders.is_main(ckpt) else ""
             view = stack.enter_context(folder_view(local.paths, folder))
@@ -338,11 +339,13 @@ class AirAccelerator(Accelerator):
                     fix="Resume with the model it was saved from, or give this run its own AirPlugin root.",
                 )
         with contextlib.ExitStack() as stack:
-            if ckpt is not None:  # files we wrote: mapped, not read into memory (Accelerate's torch.load
-                stack.enter_context(_mapped_loads())  # takes no mmap for the model file)
             if self._air_sharded and ckpt is not None and info is not None:  # FSDP2 shards: the core's reader
                 load_sharded(ckpt, info, self._models, self._optimizers, folder=prefix)
                 stack.enter_context(hidden(self, "_models", "_optimizers"))  # not again from local folders
+            # Files we wrote: mapped, not read into memory (Accelerate's torch.load takes no mmap for the
+            # model file). Not around the sharded load: DCP's reader loads slices of files, which cannot.
+            if ckpt is not None:
+                stack.enter_context(_mapped_loads())
             super().load_state(folder, load_kwargs, **load_model_func_kwargs)
         needed = self.air_session.ranks_to_load(saved)
         if not needed or any(r not in states for r in needed):

@@ -10,12 +10,13 @@ The training thread calls ``save`` (blocks only for the snapshot), ``latest``/``
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -29,7 +30,7 @@ from .events import Emitter, Listener, PhaseEvent, RestoreRecord
 from .handle import SaveHandle
 from .lease import RootLease
 from .manifest import CheckpointInfo
-from .recovery import LocalCheckpoint, load_file, restore, verify_with
+from .recovery import LocalCheckpoint, load_file, one_restore, restore, verify_with
 from .serializer import make_serializer
 from .snapshot import BufferPool, storage_pointers, take_snapshot
 from .staging import choose_destination
@@ -127,6 +128,7 @@ class AsyncCheckpointer:
         fence = self._lease.check if self._lease is not None else None
         self._writer = Writer(cfg, self._storage, self._dest, self._pool, self._serializer, self._emit, fence)
         self._handles: list[SaveHandle] = []
+        self._restores: list[RestoreRecord] | None = None  # inside ``restoring``
         self._warned_spill = False
         self._closed = False
         if not cfg.read_only:
@@ -300,8 +302,38 @@ class AsyncCheckpointer:
             CorruptCheckpointError: ``info`` (or every committed checkpoint) fails verification.
         """
         local, record = self._restore(info, ranks=ranks, paths=paths)
-        self._emit(record)
+        self._restored(record)
         return local
+
+    @contextlib.contextmanager
+    def restoring(self) -> Iterator[None]:
+        """Report the fetches and loads made inside as one restore: one ``RestoreRecord``, timed over the
+        whole block, emitted when it ends without an exception.
+
+        A framework's resume is one restore but several reads: a sharded load fetches each DCP folder's
+        metadata and then its files, and an adapter also reads every rank's small state file. Reported
+        one by one, each looked like a resume of its own (in the metrics and the goodput log), and
+        the time between them (DCP reading slices, copying into the model) was not counted at all.
+        Nested blocks report with the outermost. Calling thread only.
+        """
+        if self._restores is not None:
+            yield
+            return
+        self._restores = []
+        started = time.monotonic()
+        try:
+            yield
+            records = self._restores
+        finally:
+            self._restores = None
+        if records:
+            self._emit(one_restore(records, time.monotonic() - started))
+
+    def _restored(self, record: RestoreRecord) -> None:
+        if self._restores is not None:
+            self._restores.append(record)
+        else:
+            self._emit(record)
 
     def _restore(
         self, info: CheckpointInfo | None, *, ranks: Iterable[int] | None, paths: Iterable[str] | None
@@ -345,7 +377,7 @@ class AsyncCheckpointer:
         loading = time.monotonic()
         state = load_file(local, rank=rank, map_location=map_location, weights_only=weights_only)
         took = time.monotonic() - loading
-        self._emit(dataclasses.replace(record, seconds=record.seconds + took, load_seconds=took))
+        self._restored(dataclasses.replace(record, seconds=record.seconds + took, load_seconds=took))
         return state
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -40,6 +40,31 @@ class LocalCheckpoint:
     source: Literal["local", "cache", "remote"]
 
 
+def one_restore(records: list[RestoreRecord], seconds: float) -> RestoreRecord:
+    """``records`` (the fetches and loads of one restore, in order) as one record of ``seconds`` in all.
+
+    The bytes add up; the source is the farthest any file came from; finding and fetching add up, and
+    the rest of ``seconds`` (unpickling, DCP reading slices, copying into the model) is load time.
+    """
+    sources = {r.source for r in records}
+    source: Literal["local", "cache", "remote"] = next(
+        s for s in ("remote", "cache", "local") if s in sources
+    )
+    find, fetch = sum(r.find_seconds for r in records), sum(r.fetch_seconds for r in records)
+    first = records[0]
+    return RestoreRecord(
+        first.name,
+        first.step,
+        first.rank,
+        seconds,
+        source,
+        sum(r.bytes for r in records),
+        find,
+        fetch,
+        load_seconds=max(seconds - find - fetch, 0.0),
+    )
+
+
 def restore(
     storage: Storage,
     dest: Destination,

@@ -277,7 +277,7 @@ class AirCheckpointIO(CheckpointIO):
         place (resharded at this world size by DCP; each rank fetches only the files it needs); return rank
         0's rest."""
         root, folder = split_path(path)
-        with self.session.reader(root) as ckpt:
+        with self.session.reader(root) as ckpt, ckpt.restoring():
             dcp.load(ckpt, state, info, folder=folder)
             meta = f"{folder}/{meta_file}"
             local = ckpt.fetch(info, paths=[meta])
@@ -304,7 +304,7 @@ class AirCheckpointIO(CheckpointIO):
         if path.startswith(("http://", "https://")):
             return self._load_unverified(path, map_location, weights_only, why="a URL")
         root, filename = split_path(path)
-        with self.session.reader(root) as ckpt:
+        with self.session.reader(root) as ckpt, ckpt.restoring():
             info = self._commit_of(ckpt, path)
             if info is None:
                 return self._load_unverified(path, map_location, weights_only, why="named by no commit")
@@ -331,7 +331,7 @@ class AirCheckpointIO(CheckpointIO):
             self.loaded_rank_state, self.loaded_rank_states = None, {}
             return path
         root, filename = split_path(path)
-        with self.session.reader(root) as ckpt:
+        with self.session.reader(root) as ckpt, ckpt.restoring():
             local = ckpt.fetch(info, paths=[filename])
             self._load_rank_states(ckpt, info, weights_only)
             return local.paths[filename]

@@ -3,7 +3,7 @@
     python tests/accelerate/job.py WORKDIR [--workers N] [--loader plain|seedable|stateful]
         [--every K] [--epochs E] [--kill STEP:PHASE[:RANK]] [--sigterm STEP:PHASE] [--root URL --endpoint URL]
         [--stock] [--no-augment] [--mlflow URI [--tracker] [--experiment NAME]] [--width W] [--secret S]
-        [--hang STEP:RANK --hang-timeout S]
+        [--hang STEP:RANK --hang-timeout S] [--fsdp2]
 
 Trains a dropout MLP with a scheduler on numbered samples whose features get random noise from the
 global RNG (so data augmentation, dropout and shuffling all depend on restored RNG state), saving
@@ -14,7 +14,10 @@ SIGKILLs the process (of RANK, default every rank) when the save of STEP reaches
 workers the noise comes from each worker's RNG (--no-augment: none). --stock runs a plain
 Accelerator (stock save_state into WORKDIR/stock, no resume), for comparisons. --hang makes RANK sleep
 forever inside step STEP on the first launch only (a marker file), with a hang watchdog timeout of S
-seconds on that rank.
+seconds on that rank. --fsdp2 shards the model with Accelerate's FSDP2 plugin (sharded state dicts),
+on CPU through tests/accelerate/fsdp_on_cpu.py; rank 0 then also writes the full model and optimizer
+state at each save (saved-<step>.pt) and the full state a resume loaded (loaded.pt, with
+--dump-loaded), and final.pt holds the full weights.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import time
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.utils.data import DataLoader, Dataset
 
 from tests import stalls
@@ -83,7 +87,20 @@ def build(args):
         plugin.add_listener(KillAt.parse(args.kill))
     if args.sigterm:
         plugin.add_listener(KillAt.parse(args.sigterm, signal.SIGTERM))
+    if args.fsdp2:
+        from tests.accelerate.fsdp_on_cpu import fsdp2_plugin, keep_fsdp_on_cpu
+
+        keep_fsdp_on_cpu()
+        tracking["fsdp_plugin"] = fsdp2_plugin()
     return AirAccelerator(air_plugin=plugin, cpu=True, dataloader_config=config, **tracking)
+
+
+def full_state(model, optimizer) -> dict:
+    """FSDP2: the full, unsharded model and optimizer state on every process (a collective)."""
+    model_state, optim_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True)
+    )
+    return {"model": model_state, "optim": optim_state}
 
 
 def _hang_settings(args) -> dict:
@@ -130,6 +147,7 @@ def main() -> None:
     p.add_argument("--dump-loaded", action="store_true", help="each rank saves its weights after resume()")
     p.add_argument("--hang", default="", help="STEP:RANK: that rank sleeps forever in that step, once")
     p.add_argument("--hang-timeout", type=float, default=3.0, help="with --hang: that rank's hang timeout")
+    p.add_argument("--fsdp2", action="store_true", help="Accelerate's FSDP2 with sharded state dicts")
     args = p.parse_args()
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
@@ -155,7 +173,11 @@ def main() -> None:
     )
     start_epoch = 0 if args.stock else accelerator.resume()
     step = 0 if args.stock else accelerator.completed_steps
-    if args.dump_loaded:
+    if args.dump_loaded and args.fsdp2:
+        loaded = full_state(model, optimizer)
+        if accelerator.is_main_process:
+            torch.save(loaded, os.path.join(args.workdir, "loaded.pt"))
+    elif args.dump_loaded:
         weights = accelerator.unwrap_model(model).state_dict()
         torch.save(weights, os.path.join(args.workdir, f"loaded-rank{accelerator.process_index}.pt"))
     ids_file = os.path.join(args.workdir, f"ids-rank{accelerator.process_index}.jsonl")
@@ -181,13 +203,20 @@ def main() -> None:
                 accelerator.save_state(
                     os.path.join(args.workdir, "stock", f"step_{step}") if args.stock else None
                 )
+                if args.fsdp2:
+                    saved = full_state(model, optimizer)
+                    if accelerator.is_main_process:
+                        torch.save(saved, os.path.join(args.workdir, f"saved-{step}.pt"))
         model.eval()  # an evaluation loader at each epoch's end: prepared and tracked, never counted as fetch
         with torch.no_grad():
             for _, x in evaluation:
                 model(x)
+    final = (
+        full_state(model, optimizer)["model"] if args.fsdp2 else accelerator.unwrap_model(model).state_dict()
+    )
     accelerator.end_training()
     if accelerator.is_main_process:
-        torch.save(accelerator.unwrap_model(model).state_dict(), os.path.join(args.workdir, "final.pt"))
+        torch.save(final, os.path.join(args.workdir, "final.pt"))
         if not args.stock:
             stats = {
                 "fetches": len(accelerator.air_records.fetch_seconds),

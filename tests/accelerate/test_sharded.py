@@ -1,54 +1,78 @@
-"""AirAccelerator's FSDP2 save/load code on CPU (Accelerate itself turns FSDP off there): the DTensor state
-of a ``fully_shard``-ed model + AdamW saved by 2 gloo processes in Accelerate's folder layout, one
-commit, loads at 1 and 3 processes equal to the full reference, and each folder reads with stock DCP.
-The real ``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))`` run is in
-benchmarks/gpu_check.sh."""
+"""``AirAccelerator`` with Accelerate's FSDP2 plugin (sharded state dicts) and a real ``prepare``,
+``save_state``, ``load_state`` and ``resume()``, on gloo processes: Accelerate keeps FSDP off on CPU, so
+the job turns it back on for itself (tests/accelerate/fsdp_on_cpu.py). The GPU run is in
+benchmarks/gpu_check.sh.
+
+A save killed while one rank writes its shards resumes bitwise equal to an uninterrupted run; a
+checkpoint of two processes continues on one and on three with the full model and optimizer state as
+saved and every sample of the interrupted epoch once; each of Accelerate's DCP folders reads with stock
+DCP.
+"""
 
 from __future__ import annotations
 
-import os
-import subprocess
+import json
+import shutil
+import signal
 import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from air_core import AsyncCheckpointer
-from air_core.dcp import dcp_folders
-from tests.conftest import REPO
-from tests.sameness import assert_same_state
+from tests.accelerate.job import N_SAMPLES
+from tests.accelerate.runs import JOB, run_job, stats
+from tests.concurrent_jobs import finish, start
+from tests.sameness import assert_same_run, assert_same_state
 
 pytestmark = pytest.mark.slow
-WORKER = os.path.join(REPO, "tests/accelerate/sharded_worker.py")
+SAVED_STEP = 5
 
 
-def _torchrun(nproc: int, root: str, out: str, mode: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    cmd += [WORKER, root, out, mode]  # --standalone: a free port of this host
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": REPO}
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+def test_fsdp2_saves_killed_while_a_rank_writes_resume_exactly(tmp_path_factory):
+    reference, resumed = tmp_path_factory.mktemp("fsdp2-reference"), tmp_path_factory.mktemp("fsdp2-killed")
+    run_job(reference, "--fsdp2", processes=2)
+    run_job(resumed, "--fsdp2", "--kill", "10:serialize_start:1", processes=2, expect_signal=signal.SIGKILL)
+    run_job(resumed, "--fsdp2", processes=2)
+    assert_same_run(resumed, reference, ranks=2)
+    resume = stats(resumed)[0]
+    assert resume["restores"] == [["step-000000005", "cache"]], "one restore: every folder and file it read"
 
 
-def test_fsdp2_state_through_the_adapter_loads_at_other_world_sizes(tmp_path):
-    root, out = str(tmp_path / "root"), str(tmp_path)
-    _torchrun(2, root, out, "save")
-    with AsyncCheckpointer(root, read_only=True) as reader:
-        info = reader.latest()
-    assert info is not None
-    assert dcp_folders(info) == ["step-000000002/optimizer_0", "step-000000002/pytorch_model_fsdp_0"]
-    reference = torch.load(tmp_path / "reference.pt", weights_only=False)
-    for nproc in (1, 3):
-        _torchrun(nproc, root, out, "load")
-        loaded = torch.load(tmp_path / f"loaded-{nproc}.pt", weights_only=False)
-        assert_same_state(reference, loaded, f"at {nproc} process(es)")
+def test_a_two_process_fsdp2_checkpoint_continues_on_one_and_three_processes(tmp_path_factory):
+    saved = tmp_path_factory.mktemp("fsdp2-two-processes")
+    run_job(saved, "--fsdp2", "--every", str(SAVED_STEP), "--epochs", "1", processes=2)
+    full = torch.load(saved / f"saved-{SAVED_STEP}.pt", weights_only=False)
+    folder = saved / f"ckpts/step-{SAVED_STEP:09d}"
     # Accelerate's stock load_fsdp_model reads the model folder with DCP's FileSystemReader.
-    model = reference["model"]
-    state = {"model": {k: torch.zeros_like(v) for k, v in model.items()}}
-    dcp.load(
-        state, storage_reader=FileSystemReader(f"{root}/step-000000002/pytorch_model_fsdp_0"), no_dist=True
-    )
-    assert all(torch.equal(state["model"][k], v) for k, v in model.items())
+    state = {"model": {k: torch.zeros_like(v) for k, v in full["model"].items()}}
+    dcp.load(state, storage_reader=FileSystemReader(str(folder / "pytorch_model_fsdp_0")), no_dist=True)
+    assert_same_state(full["model"], state["model"], "read by stock DCP")
+    before = [
+        i for r in range(2) for rec in _records(saved, r) if rec["step"] < SAVED_STEP for i in rec["ids"]
+    ]
+    runs = {}
+    for processes in (1, 3):  # torchrun, as `accelerate launch --multi_gpu` starts them (it refuses one)
+        work = tmp_path_factory.mktemp(f"fsdp2-on-{processes}")
+        shutil.copytree(saved / "ckpts", work / "ckpts")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+        command += [str(processes), JOB, str(work), "--fsdp2", "--every", str(SAVED_STEP)]
+        runs[processes] = (work, start([*command, "--epochs", "2", "--elastic", "--dump-loaded"], work))
+    finish({f"the FSDP2 resume on {n} process(es)": run for n, run in runs.items()})
+    for processes, (work, _) in runs.items():
+        loaded = torch.load(work / "loaded.pt", weights_only=False)
+        assert_same_state(full, loaded, f"(model and optimizer) resharded to {processes} process(es)")
+        records = [_records(work, rank) for rank in range(processes)]
+        assert min(rec["step"] for rank in records for rec in rank) == SAVED_STEP, "resumed at the saved step"
+        rest = [i for rank in records for rec in rank if rec["epoch"] == 0 for i in rec["ids"]]
+        assert Counter(before + rest) == Counter(range(N_SAMPLES)), (
+            f"on {processes} process(es): every sample of the interrupted epoch exactly once"
+        )
+        assert (work / "final.pt").exists(), "training completed"
+
+
+def _records(workdir: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (workdir / f"ids-rank{rank}.jsonl").read_text().splitlines()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 
 import pytest
@@ -104,6 +105,37 @@ def test_load_prefers_the_local_cache_when_its_manifest_matches(tmp_path):
         cached.write_bytes(cached.read_bytes().replace(b'"step": 5', b'"step": 6'))
         _assert_state_equal(ckpt.load(), _state(5))
     assert [r.source for r in rec.of(RestoreRecord)] == ["cache", "remote"]
+
+
+def test_the_reads_of_one_resume_are_reported_as_one_restore(tmp_path):
+    """``restoring()``: a fetch and a load inside it (a framework's resume reads several files) are one
+    ``RestoreRecord``: bytes added up, the farthest source, timed over the whole block (the work between
+    the reads is load time). Nested blocks report once; a block that raises reports nothing."""
+    root = f"memory://grouped-{uuid.uuid4().hex[:8]}"
+    rec = Recorder()
+    with AsyncCheckpointer(root, staging_dir=str(tmp_path), listeners=[rec]) as ckpt:
+        ckpt.save(_state(5), step=5).result(timeout=60)
+        (info,) = ckpt.list()
+        (size,) = [f.size for f in info.manifest.files]
+        ckpt.fetch(info)
+        assert [(r.source, r.bytes) for r in rec.of(RestoreRecord)] == [("cache", size)], "one per read"
+        rec.events.clear()
+        with ckpt.restoring():
+            started = time.monotonic()
+            with ckpt.restoring():
+                ckpt.fetch(info)
+            _assert_state_equal(ckpt.load(info), _state(5))
+            time.sleep(0.2)  # the caller's own work, e.g. copying the state into the model
+            between = time.monotonic() - started
+        (one,) = rec.of(RestoreRecord)
+        assert (one.name, one.step, one.source, one.bytes) == (info.name, 5, "cache", 2 * size)
+        assert one.seconds >= between and one.load_seconds >= 0.2
+        assert one.seconds == pytest.approx(one.find_seconds + one.fetch_seconds + one.load_seconds)
+        rec.events.clear()
+        with pytest.raises(RuntimeError, match="the load failed"), ckpt.restoring():
+            ckpt.fetch(info)
+            raise RuntimeError("the load failed")
+        assert rec.of(RestoreRecord) == []
 
 
 def test_retention_keeps_newest_and_deletes_only_after_a_newer_commit(tmp_path):
