@@ -7,7 +7,8 @@ with ``--fsdp1`` an FSDP1 (``FullyShardedDataParallel``) model under ``AirFSDPSt
 The model, data and records are tests/lightning/job.py's (``ids-rank<R>.jsonl`` per step, rank 0's
 ``final.pt``: the full, unsharded weights after fit), on D CPU processes (gloo). Also written by rank 0:
 ``saved-<step>.pt`` (the full weights at each checkpoint) and ``loaded.pt`` (the full weights right
-after a resume restored them), so a resume at another world size can be checked against the save.
+after a resume restored them), so a resume at another world size can be checked against the save;
+by every rank, ``restores-rank<R>.json``: the restores its last launch recorded (``[name, source]``).
 
 FSDP1 runs on CPU with gloo when it is given the CPU as its device, but Lightning refuses
 ``FSDPStrategy`` on CPU (and wraps the model with ``device_id=None``, which FSDP1 refuses there), and so
@@ -19,6 +20,7 @@ GPU run is in benchmarks/gpu_fsdp2.py.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 
@@ -132,6 +134,7 @@ def main() -> None:
             data_parallel_size=args.devices, tensor_parallel_size=1, save_distributed_checkpoint=not args.full
         )
     full_options = FULL_FSDP1 if args.fsdp1 else FULL
+    air = AirCallback(log_every_n_steps=8, elastic=args.elastic)
     trainer = pl.Trainer(
         max_epochs=args.epochs,
         accelerator="cpu",
@@ -139,7 +142,7 @@ def main() -> None:
         strategy=strategy,
         plugins=[plugin],
         callbacks=[
-            AirCallback(log_every_n_steps=8, elastic=args.elastic),
+            air,
             ModelCheckpoint(
                 dirpath=root,
                 every_n_train_steps=args.every,
@@ -157,6 +160,8 @@ def main() -> None:
     )
     model = ShardedModel(args.workdir, 0)
     trainer.fit(model, ckpt_path=latest_checkpoint(root, storage_options=opts))
+    with open(os.path.join(args.workdir, f"restores-rank{trainer.global_rank}.json"), "w") as f:
+        json.dump([[r.name, r.source] for r in air.records.restores], f)  # this launch's
     full = get_model_state_dict(model, options=full_options)
     if trainer.is_global_zero:
         torch.save(full, os.path.join(args.workdir, "final.pt"))

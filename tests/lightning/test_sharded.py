@@ -83,6 +83,9 @@ def test_fsdp1_sharded_saves_killed_mid_upload_resume_exactly_in_lightnings_fsdp
     assert newest is not None and newest.endswith("epoch=0-step=5.ckpt"), newest
     run_sharded(tmp_path, "--fsdp1")
     assert_same_run(tmp_path, reference_fsdp1, ranks=2)
+    for rank in range(2):  # its shards, the DCP metadata, meta.pt, the other ranks' state: one restore
+        ((name, source),) = json.loads((tmp_path / f"restores-rank{rank}.json").read_text())
+        assert name.startswith("ckpt-000000005-") and source == "cache", (name, source)
     folder = tmp_path / "ckpts" / "epoch=1-step=15.ckpt"
     assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     assert {k.split(".")[0] for k in FileSystemReader(str(folder)).read_metadata().state_dict_metadata} == {
