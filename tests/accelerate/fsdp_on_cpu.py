@@ -17,7 +17,7 @@ import functools
 import os
 from typing import Any
 
-from accelerate.state import AcceleratorState
+from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
 
@@ -39,6 +39,8 @@ def keep_fsdp_on_cpu() -> None:
         if fsdp_plugin is not None and launched and self.distributed_type != DistributedType.FSDP:
             self.distributed_type = DistributedType.FSDP
             self.fsdp_plugin = fsdp_plugin
+            # As AcceleratorState's own __init__ ends: every later AcceleratorState() copies this back.
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
     __init__._fsdp_on_cpu = True  # type: ignore[attr-defined]
     AcceleratorState.__init__ = __init__  # type: ignore[method-assign]

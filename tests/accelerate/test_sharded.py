@@ -5,13 +5,14 @@ benchmarks/gpu_check.sh.
 
 A save killed while one rank writes its shards resumes bitwise equal to an uninterrupted run; a
 checkpoint of two processes continues on one and on three with the full model and optimizer state as
-saved and every sample of the interrupted epoch once; each of Accelerate's DCP folders reads with stock
-DCP.
+saved and every sample of the interrupted epoch once; the committed folder loads with stock Accelerate's
+``load_state``, and its model folder with stock DCP.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import sys
@@ -26,10 +27,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from tests.accelerate.job import N_SAMPLES
 from tests.accelerate.runs import JOB, run_job, stats
 from tests.concurrent_jobs import finish, start
+from tests.conftest import REPO
 from tests.sameness import assert_same_run, assert_same_state
 
 pytestmark = pytest.mark.slow
 SAVED_STEP = 5
+STOCK_LOAD = os.path.join(REPO, "tests/accelerate/stock_fsdp2_load.py")
 
 
 def test_fsdp2_saves_killed_while_a_rank_writes_resume_exactly(tmp_path_factory):
@@ -58,10 +61,17 @@ def test_a_two_process_fsdp2_checkpoint_continues_on_one_and_three_processes(tmp
     for processes in (1, 3):  # torchrun, as `accelerate launch --multi_gpu` starts them (it refuses one)
         work = tmp_path_factory.mktemp(f"fsdp2-on-{processes}")
         shutil.copytree(saved / "ckpts", work / "ckpts")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-        command += [str(processes), JOB, str(work), "--fsdp2", "--every", str(SAVED_STEP)]
+        command = [*_torchrun(processes), JOB, str(work), "--fsdp2", "--every", str(SAVED_STEP)]
         runs[processes] = (work, start([*command, "--epochs", "2", "--elastic", "--dump-loaded"], work))
-    finish({f"the FSDP2 resume on {n} process(es)": run for n, run in runs.items()})
+    stock = tmp_path_factory.mktemp("fsdp2-stock-load")  # the folder as it is, by stock load_state
+    command = [*_torchrun(2), STOCK_LOAD, str(folder), str(stock / "loaded.pt")]
+    finish(
+        {
+            **{f"the FSDP2 resume on {n} process(es)": run for n, run in runs.items()},
+            "stock Accelerate's load_state": (stock, start(command, stock)),
+        }
+    )
+    assert_same_state(full, torch.load(stock / "loaded.pt", weights_only=False), "by stock load_state")
     for processes, (work, _) in runs.items():
         loaded = torch.load(work / "loaded.pt", weights_only=False)
         assert_same_state(full, loaded, f"(model and optimizer) resharded to {processes} process(es)")
@@ -72,6 +82,10 @@ def test_a_two_process_fsdp2_checkpoint_continues_on_one_and_three_processes(tmp
             f"on {processes} process(es): every sample of the interrupted epoch exactly once"
         )
         assert (work / "final.pt").exists(), "training completed"
+
+
+def _torchrun(processes: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
 
 
 def _records(workdir: Path, rank: int) -> list[dict]:
