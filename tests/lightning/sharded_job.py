@@ -3,12 +3,15 @@ with ``--fsdp1`` an FSDP1 (``FullyShardedDataParallel``) model under ``AirFSDPSt
 
     python tests/lightning/sharded_job.py WORKDIR [--devices D] [--every K] [--epochs E] [--fsdp1]
         [--kill STEP:PHASE[:RANK]] [--root URL --endpoint URL] [--elastic] [--top-k K] [--save-last] [--full]
+    python tests/lightning/sharded_job.py WORKDIR --stock-resume PATH [--devices D] [--epochs E]
 
 The model, data and records are tests/lightning/job.py's (``ids-rank<R>.jsonl`` per step, rank 0's
 ``final.pt``: the full, unsharded weights after fit), on D CPU processes (gloo). Also written by rank 0:
 ``saved-<step>.pt`` (the full weights at each checkpoint) and ``loaded.pt`` (the full weights right
 after a resume restored them), so a resume at another world size can be checked against the save;
 by every rank, ``restores-rank<R>.json``: the restores its last launch recorded (``[name, source]``).
+``--stock-resume`` runs stock Lightning instead (``ModelParallelStrategy``, no air-plugins class):
+``fit(ckpt_path=PATH)``, saving nothing.
 
 FSDP1 runs on CPU with gloo when it is given the CPU as its device, but Lightning refuses
 ``FSDPStrategy`` on CPU (and wraps the model with ``device_id=None``, which FSDP1 refuses there), and so
@@ -27,7 +30,7 @@ import os
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -51,7 +54,7 @@ the CPU already."""
 
 class ShardedModel(Model):
     def configure_model(self) -> None:
-        if not isinstance(self.trainer.strategy, AirModelParallelStrategy):
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy):
             return  # FSDP1: the strategy wraps the model (one unit per Linear layer)
         mesh = self.device_mesh["data_parallel"]
         for layer in self.net:
@@ -96,6 +99,23 @@ class FullWeights(Callback):
             self._write(trainer, pl_module, "loaded.pt")
 
 
+def stock_resume(args: argparse.Namespace) -> None:
+    trainer = pl.Trainer(
+        max_epochs=args.epochs,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
+        callbacks=[FullWeights(args.workdir, FULL)],
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(ShardedModel(args.workdir, 0), ckpt_path=args.stock_resume)
+    torch.distributed.destroy_process_group()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("workdir")
@@ -108,6 +128,7 @@ def main() -> None:
     p.add_argument("--save-last", action="store_true", help="ModelCheckpoint(save_last=True)")
     p.add_argument("--full", action="store_true", help="save_distributed_checkpoint=False: full files")
     p.add_argument("--fsdp1", action="store_true", help="FSDP1 under AirFSDPStrategy (CpuFSDPStrategy)")
+    p.add_argument("--stock-resume", default="", help="stock Lightning resumes from this checkpoint")
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     args = p.parse_args()
@@ -116,6 +137,9 @@ def main() -> None:
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     logging.getLogger("air_core").setLevel(logging.INFO)
     pl.seed_everything(0, workers=True)
+    if args.stock_resume:
+        stock_resume(args)
+        return
     root = args.root or os.path.join(args.workdir, "ckpts")
     opts = {"client_kwargs": {"endpoint_url": args.endpoint}} if args.endpoint else None
     if args.endpoint:

@@ -161,6 +161,17 @@ def test_a_committed_sharded_checkpoint_is_lightnings_stock_layout(reference):
 
 
 @pytest.mark.slow
+def test_stock_lightning_resumes_from_a_committed_sharded_checkpoint(reference, tmp_path):
+    """``ModelParallelStrategy`` itself (no air-plugins class) resumes a fit from our folder."""
+    folder = latest_checkpoint(str(reference / "ckpts"))
+    run_sharded(tmp_path, "--stock-resume", folder)
+    loaded, saved = torch.load(tmp_path / "loaded.pt"), torch.load(reference / "saved-15.pt")
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())
+    resumed = [json.loads(line)["step"] for r in range(2) for line in open(tmp_path / f"ids-rank{r}.jsonl")]
+    assert sorted(resumed) == [15, 15], "the stock fit continued at the saved step"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fsdp", ["fsdp2", "fsdp1"])
 def test_a_two_rank_sharded_checkpoint_continues_on_one_and_three_ranks(tmp_path_factory, fsdp):
     """Weights resharded by DCP equal the saved ones; the rest of the interrupted epoch is split over the
