@@ -77,7 +77,8 @@ class RestoreRecord:
     step: int
     rank: int
     seconds: float
-    """From the call (``fetch``/``load``) to the files verified, or to the state unpickled (``load``)."""
+    """From the call (``fetch``/``load``) to the files verified, or to the state unpickled (``load``);
+    for the reads inside ``AsyncCheckpointer.restoring()``, the whole block."""
     source: Literal["local", "cache", "remote"]
     bytes: int
     find_seconds: float = 0.0
@@ -86,7 +87,8 @@ class RestoreRecord:
     """Getting verified local copies of the files: the CRC-32 check of a cached or local copy, or the
     download (with its check)."""
     load_seconds: float = 0.0
-    """``torch.load`` of the file (``AsyncCheckpointer.load`` only: a ``fetch`` leaves it to the caller)."""
+    """``torch.load`` of the file (``AsyncCheckpointer.load`` only: a ``fetch`` leaves it to the caller);
+    inside ``restoring()``, the block's time that was not finding or fetching."""
 
 
 Event = PhaseEvent | SaveRecord | RestoreRecord
