@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -29,25 +28,35 @@ from tests.accelerate.runs import JOB, run_job, stats
 from tests.concurrent_jobs import finish, start
 from tests.conftest import REPO
 from tests.sameness import assert_same_run, assert_same_state
+from tests.zygote import python
 
 pytestmark = pytest.mark.slow
 SAVED_STEP = 5
+ARGS = ("--fsdp2", "--epochs", "1")
 STOCK_LOAD = os.path.join(REPO, "tests/accelerate/stock_fsdp2_load.py")
 
 
-def test_fsdp2_saves_killed_while_a_rank_writes_resume_exactly(tmp_path_factory):
-    reference, resumed = tmp_path_factory.mktemp("fsdp2-reference"), tmp_path_factory.mktemp("fsdp2-killed")
-    run_job(reference, "--fsdp2", processes=2)
-    run_job(resumed, "--fsdp2", "--kill", "10:serialize_start:1", processes=2, expect_signal=signal.SIGKILL)
-    run_job(resumed, "--fsdp2", processes=2)
-    assert_same_run(resumed, reference, ranks=2)
-    resume = stats(resumed)[0]
-    assert resume["restores"] == [["step-000000005", "cache"]], "one restore: every folder and file it read"
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """One epoch (8 steps) on two processes, saving at step 5: mid-epoch, with 24 samples left (whole
+    batches at 1 and at 3 processes, so no padding repeats one)."""
+    workdir = tmp_path_factory.mktemp("fsdp2-two-processes")
+    run_job(workdir, *ARGS, "--every", str(SAVED_STEP), processes=2)
+    return workdir
 
 
-def test_a_two_process_fsdp2_checkpoint_continues_on_one_and_three_processes(tmp_path_factory):
-    saved = tmp_path_factory.mktemp("fsdp2-two-processes")
-    run_job(saved, "--fsdp2", "--every", str(SAVED_STEP), "--epochs", "1", processes=2)
+def test_fsdp2_saves_killed_while_a_rank_writes_resume_exactly(saved, tmp_path):
+    """Saves every 3 steps; rank 1 killed while writing step 6: the resume from step 3 is the
+    uninterrupted run (``saved``: when a job saves does not change what it trains)."""
+    args = (*ARGS, "--every", "3")
+    run_job(tmp_path, *args, "--kill", "6:serialize_start:1", processes=2, expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args, processes=2)
+    assert_same_run(tmp_path, saved, ranks=2)
+    resume = stats(tmp_path)[0]
+    assert resume["restores"] == [["step-000000003", "cache"]], "one restore: every folder and file it read"
+
+
+def test_a_two_process_fsdp2_checkpoint_continues_on_one_and_three_processes(saved, tmp_path_factory):
     full = torch.load(saved / f"saved-{SAVED_STEP}.pt", weights_only=False)
     folder = saved / f"ckpts/step-{SAVED_STEP:09d}"
     # Accelerate's stock load_fsdp_model reads the model folder with DCP's FileSystemReader.
@@ -85,7 +94,7 @@ def test_a_two_process_fsdp2_checkpoint_continues_on_one_and_three_processes(tmp
 
 
 def _torchrun(processes: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+    return [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
 
 
 def _records(workdir: Path, rank: int) -> list[dict]:
