@@ -267,7 +267,8 @@ class AirCallback(Callback):
             self._end(trainer)
 
     def _end(self, trainer: pl.Trainer) -> None:
-        """Close the session (commits what is in flight; goodput, MLflow) and unhook ``ModelCheckpoint``."""
+        """Close the session (commits what is in flight; goodput, MLflow), unhook ``ModelCheckpoint`` and
+        end the plugin's asynchronous saves."""
         for callback in trainer.checkpoint_callbacks:
             if isinstance(vars(callback).get("file_exists"), _WaitForSaves):
                 delattr(callback, "file_exists")  # the class's method again
@@ -275,6 +276,12 @@ class AirCallback(Callback):
             delattr(trainer.strategy, "process_dataloader")
         if self.session is not None:
             self.session.close(trainer.global_step)
+        plugin = trainer.strategy.checkpoint_io
+        if isinstance(plugin, AirCheckpointIO):
+            # Later saves (a notebook's, after fit) return once committed again. The strategy's teardown
+            # says so to the plugin, but not ModelParallelStrategy's (Lightning 2.6): its saves after the
+            # fit stayed asynchronous, and were lost when the process ended.
+            plugin.teardown()
 
 
 def _check_sharded_saves_reach_the_plugin(strategy: Any) -> None:

@@ -19,7 +19,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -53,11 +53,12 @@ def split_path(path: str) -> tuple[str, str]:
     return head or (sep or "."), tail
 
 
-def commit_name(filename: str, step: int) -> str:
+def commit_name(filename: str, step: int, unique: str = "") -> str:
     """The commit name of a save of ``filename`` at ``step``: unique, since Lightning may write the same file
-    at the same step again (a rerun with ``enable_version_counter=False``) while the older commit exists."""
+    at the same step again (a rerun with ``enable_version_counter=False``) while the older commit exists.
+    ``unique``: what makes it so (default: random); the ranks of one sharded save pass the same."""
     stem = re.sub(r"[^A-Za-z0-9._=+-]", "_", filename.removesuffix(".ckpt")).lstrip(".") or "ckpt"
-    return f"{stem}.s{step:09d}.{uuid.uuid4().hex[:6]}"
+    return f"{stem}.s{step:09d}.{unique or uuid.uuid4().hex[:6]}"
 
 
 class AirCheckpointIO(CheckpointIO):
@@ -109,6 +110,8 @@ class AirCheckpointIO(CheckpointIO):
         rank's for an elastic resume at another world size (``TrainingSession.ranks_to_load``)."""
         self._owners: dict[str, dict[str, list[_Owner]]] = {}
         """Per root: the commit names of each file or folder this plugin saved or found there."""
+        self._unnamed_sharded = 0
+        """Sharded saves named by this plugin (every rank counts alike: each rank makes every one)."""
         self._asynchronous = False
         """In a fit that ``AirCallback`` runs (``new_session`` until ``teardown``): saves return after the
         snapshot. Otherwise a save returns once committed and closes its writer (no thread or lease left):
@@ -155,6 +158,26 @@ class AirCheckpointIO(CheckpointIO):
                 measure=False,
             )
         return self._session
+
+    def span_ranks(self, *, rank: int, world_size: int, broadcast: Callable[[str], str]) -> None:
+        """Every rank, before a sharded save or load (``AirModelParallelStrategy``, ``AirFSDPStrategy``):
+        every rank writes its shards into one commit, so outside a fit that ``AirCallback`` runs (a fit
+        without it, a save after the fit) the plugin's own session spans the strategy's ranks, where it
+        would be one rank's (Lightning saves a full checkpoint on rank 0 only)."""
+        current = self._session
+        if current is not None and not current.closed:
+            if current.world_size == world_size:
+                return
+            current.close(0)  # a one-rank session of an earlier full save: its writer is closed
+        self._session = TrainingSession(
+            SessionConfig(owner="AirCheckpointIO"),
+            checkpointer=self._settings,
+            listeners=self._listeners,
+            measure=False,
+            rank=rank,
+            world_size=world_size,
+            broadcast=broadcast,
+        )
 
     def checkpointer(self, root: str) -> AsyncCheckpointer:
         """The core checkpointer for ``root`` (one per session; created on first use)."""
@@ -223,9 +246,12 @@ class AirCheckpointIO(CheckpointIO):
         root, folder = split_path(path)
         step = int(checkpoint.get("global_step", 0))
         air = checkpoint.get(AIR_KEY) or {}
-        name = air.get("name") or commit_name(folder, step)
-        ckpt = self.checkpointer(root)
         session = self.session
+        name = air.get("name")
+        if not name:  # no AirCallback in this fit, or a save after it: a name every rank derives alike
+            self._unnamed_sharded += 1
+            name = commit_name(folder, step, f"{session.launch_id[:6]}{self._unnamed_sharded}")
+        ckpt = self.checkpointer(root)
         files: dict[str, Any] = {}
         if session.rank == 0:
             # Every rank writes into the folder: a full file of that name must be gone before the others

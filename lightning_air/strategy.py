@@ -74,6 +74,16 @@ class _AirShardedSaves(_Strategy):
         _ = self.air_io  # before any training step: a wrong plugin is a ConfigError, not a lost save
         super().setup(trainer)
 
+    def _air_span_ranks(self) -> AirCheckpointIO:
+        """The plugin, its session spanning this strategy's ranks (every rank makes each sharded save)."""
+        plugin = self.air_io
+        plugin.span_ranks(
+            rank=self.global_rank,
+            world_size=self.world_size,
+            broadcast=lambda value: self.broadcast(value, src=0),
+        )
+        return plugin
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self._air_sharded:
@@ -109,7 +119,7 @@ class _AirShardedSaves(_Strategy):
             )
         sharded = {self._air_model_key: checkpoint.pop("state_dict")}
         sharded.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        self.air_io.save_sharded(
+        self._air_span_ranks().save_sharded(
             sharded, checkpoint, str(self.broadcast(str(filepath))), meta_file=_METADATA_FILENAME
         )
 
@@ -119,6 +129,8 @@ class _AirShardedSaves(_Strategy):
         full file it committed, as Lightning loads it from a verified local copy; anything else as
         Lightning loads it."""
         path = str(self.broadcast(str(checkpoint_path)))
+        if self._air_sharded:
+            self._air_span_ranks()
         info = self.air_io.commit_of(path)
         if not self.air_io.is_sharded(info, path):  # Lightning reads a full file itself: from a verified copy
             return super().load_checkpoint(self.air_io.local_copy(path, info, weights_only), weights_only)

@@ -129,6 +129,8 @@ def main() -> None:
     p.add_argument("--full", action="store_true", help="save_distributed_checkpoint=False: full files")
     p.add_argument("--fsdp1", action="store_true", help="FSDP1 under AirFSDPStrategy (CpuFSDPStrategy)")
     p.add_argument("--stock-resume", default="", help="stock Lightning resumes from this checkpoint")
+    p.add_argument("--save-after-fit", default="", help="trainer.save_checkpoint(PATH) after fit")
+    p.add_argument("--no-callback", action="store_true", help="AirCheckpointIO without AirCallback")
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     args = p.parse_args()
@@ -166,7 +168,7 @@ def main() -> None:
         strategy=strategy,
         plugins=[plugin],
         callbacks=[
-            air,
+            *([] if args.no_callback else [air]),
             ModelCheckpoint(
                 dirpath=root,
                 every_n_train_steps=args.every,
@@ -184,11 +186,14 @@ def main() -> None:
     )
     model = ShardedModel(args.workdir, 0)
     trainer.fit(model, ckpt_path=latest_checkpoint(root, storage_options=opts))
-    with open(os.path.join(args.workdir, f"restores-rank{trainer.global_rank}.json"), "w") as f:
-        json.dump([[r.name, r.source] for r in air.records.restores], f)  # this launch's
+    if not args.no_callback:
+        with open(os.path.join(args.workdir, f"restores-rank{trainer.global_rank}.json"), "w") as f:
+            json.dump([[r.name, r.source] for r in air.records.restores], f)  # this launch's
     full = get_model_state_dict(model, options=full_options)
     if trainer.is_global_zero:
         torch.save(full, os.path.join(args.workdir, "final.pt"))
+    if args.save_after_fit:  # the notebook pattern: every rank calls it, as Lightning requires
+        trainer.save_checkpoint(args.save_after_fit)
     torch.distributed.destroy_process_group()
 
 

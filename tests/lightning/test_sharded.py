@@ -161,6 +161,31 @@ def test_a_committed_sharded_checkpoint_is_lightnings_stock_layout(reference):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("callback", ["with AirCallback", "plugin only"])
+def test_a_sharded_save_after_fit_is_committed_when_it_returns(tmp_path, callback):
+    """The notebook pattern, every rank calling ``trainer.save_checkpoint`` after ``fit``; and a fit without
+    ``AirCallback``. Both failed: the plugin's own session was one rank's (each rank named the commit
+    alike, as rank 0 of 1), and after a fit with ``AirCallback`` the save stayed asynchronous, since
+    ``ModelParallelStrategy``'s teardown does not tear the plugin down: the process ended first."""
+    after = tmp_path / "notebook" / "after.ckpt"
+    run_sharded(
+        tmp_path,
+        "--epochs",
+        "1",
+        "--save-after-fit",
+        str(after),
+        *(["--no-callback"] * (callback == "plugin only")),
+    )
+    assert latest_checkpoint(str(tmp_path / "ckpts")).endswith("epoch=0-step=5.ckpt")
+    assert latest_checkpoint(str(after.parent)) == str(after)
+    assert sorted(os.listdir(after)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    final = torch.load(tmp_path / "final.pt")
+    state = {"state_dict": {k: torch.zeros_like(v) for k, v in final.items()}}
+    dcp.load(state, storage_reader=FileSystemReader(str(after)), no_dist=True)
+    assert all(torch.equal(state["state_dict"][k], v) for k, v in final.items())
+
+
+@pytest.mark.slow
 def test_stock_lightning_resumes_from_a_committed_sharded_checkpoint(reference, tmp_path):
     """``ModelParallelStrategy`` itself (no air-plugins class) resumes a fit from our folder."""
     folder = latest_checkpoint(str(reference / "ckpts"))
