@@ -151,13 +151,18 @@ class AirCheckpointIO(CheckpointIO):
         """The training session (a one-rank session without metrics when no ``AirCallback`` made one, or
         after its fit ended: Lightning saves on rank 0 only then)."""
         if self._session is None or self._session.closed:
-            self._session = TrainingSession(
-                SessionConfig(owner="AirCheckpointIO"),
-                checkpointer=self._settings,
-                listeners=self._listeners,
-                measure=False,
-            )
+            self._session = self._own_session()
         return self._session
+
+    def _own_session(self, **ranks: Any) -> TrainingSession:
+        """A session of this plugin's settings and listeners, without metrics (``ranks``: all of one rank)."""
+        return TrainingSession(
+            SessionConfig(owner="AirCheckpointIO"),
+            checkpointer=self._settings,
+            listeners=self._listeners,
+            measure=False,
+            **ranks,
+        )
 
     def span_ranks(self, *, rank: int, world_size: int, broadcast: Callable[[str], str]) -> None:
         """Every rank, before a sharded save or load (``AirModelParallelStrategy``, ``AirFSDPStrategy``):
@@ -169,15 +174,7 @@ class AirCheckpointIO(CheckpointIO):
             if current.world_size == world_size:
                 return
             current.close(0)  # a one-rank session of an earlier full save: its writer is closed
-        self._session = TrainingSession(
-            SessionConfig(owner="AirCheckpointIO"),
-            checkpointer=self._settings,
-            listeners=self._listeners,
-            measure=False,
-            rank=rank,
-            world_size=world_size,
-            broadcast=broadcast,
-        )
+        self._session = self._own_session(rank=rank, world_size=world_size, broadcast=broadcast)
 
     def checkpointer(self, root: str) -> AsyncCheckpointer:
         """The core checkpointer for ``root`` (one per session; created on first use)."""

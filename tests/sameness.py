@@ -13,12 +13,14 @@ from pathlib import Path
 import torch
 
 
+def records(workdir: Path, rank: int = 0) -> list[dict]:
+    """Every record the rank's launches in ``workdir`` appended, in order (a replayed step twice)."""
+    return [json.loads(line) for line in (workdir / f"ids-rank{rank}.jsonl").read_text().splitlines()]
+
+
 def step_records(workdir: Path, rank: int = 0) -> list[dict]:
     """The record of each step; a step replayed after a crash counts once (its last run)."""
-    by_step: dict[int, dict] = {}
-    for line in (workdir / f"ids-rank{rank}.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step[record["step"]] = record
+    by_step = {record["step"]: record for record in records(workdir, rank)}
     assert sorted(by_step) == list(range(len(by_step))), "every step ran, none was skipped"
     return [by_step[s] for s in sorted(by_step)]
 

@@ -95,6 +95,15 @@ def build(args):
     return AirAccelerator(air_plugin=plugin, cpu=True, dataloader_config=config, **tracking)
 
 
+def trained(width: int = 32) -> tuple:
+    """The job's model, optimizer and scheduler, not yet prepared."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(DIM, width), torch.nn.Dropout(0.2), torch.nn.Linear(width, DIM)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
+
+
 def full_state(model, optimizer) -> dict:
     """FSDP2: the full, unsharded model and optimizer state on every process (a collective)."""
     model_state, optim_state = get_state_dict(
@@ -159,12 +168,7 @@ def main() -> None:
     accelerator = build(args)
     if args.tracker:
         accelerator.init_trackers(args.experiment)
-    width = args.width
-    model = torch.nn.Sequential(
-        torch.nn.Linear(DIM, width), torch.nn.Dropout(0.2), torch.nn.Linear(width, DIM)
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
+    model, optimizer, scheduler = trained(args.width)
     dataset = Numbered(augment_from_rng=not args.no_augment)
     loader = DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=args.workers)
     evaluation = DataLoader(Numbered(augment_from_rng=False), batch_size=2 * BATCH)

@@ -13,7 +13,7 @@ import torch
 from accelerate import Accelerator
 
 from tests.accelerate.fsdp_on_cpu import fsdp2_plugin, keep_fsdp_on_cpu
-from tests.accelerate.job import DIM, full_state
+from tests.accelerate.job import full_state, trained
 from tests.gloo_exit import exit_without_teardown
 
 
@@ -21,10 +21,7 @@ def main() -> None:
     folder, out = sys.argv[1:3]
     keep_fsdp_on_cpu()
     accelerator = Accelerator(cpu=True, fsdp_plugin=fsdp2_plugin())
-    model = torch.nn.Sequential(torch.nn.Linear(DIM, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, DIM))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.9)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model, optimizer, scheduler = accelerator.prepare(*trained())
     accelerator.load_state(folder)
     state = full_state(model, optimizer)
     if accelerator.is_main_process:

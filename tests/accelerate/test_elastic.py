@@ -9,7 +9,6 @@ world size (Accelerate's even batches repeat a few samples there), and finishes.
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from collections import Counter
@@ -21,6 +20,7 @@ import torch
 from tests.accelerate.job import N_SAMPLES
 from tests.accelerate.runs import JOB, LAUNCH, run_job
 from tests.concurrent_jobs import finish, start
+from tests.sameness import records
 
 pytestmark = pytest.mark.slow
 SAVED_STEP = 5
@@ -35,17 +35,13 @@ def _command(workdir: Path, processes: int, *args: str) -> list[str]:
     return [*launch, JOB, str(workdir), *args]
 
 
-def _records(workdir: Path, rank: int) -> list[dict]:
-    return [json.loads(line) for line in (workdir / f"ids-rank{rank}.jsonl").read_text().splitlines()]
-
-
 def test_a_two_process_checkpoint_continues_on_one_and_three_processes_each_sample_once(tmp_path_factory):
     saved = tmp_path_factory.mktemp("two-processes")
     run_job(saved, "--every", str(SAVED_STEP), "--epochs", "1", processes=2)
     assert sorted(p.name for p in (saved / "ckpts").glob("step-*")) == [f"step-{SAVED_STEP:09d}"]
     weights = torch.load(saved / f"ckpts/step-{SAVED_STEP:09d}/pytorch_model.bin", weights_only=True)
     before = [
-        i for r in range(2) for rec in _records(saved, r) if rec["step"] < SAVED_STEP for i in rec["ids"]
+        i for r in range(2) for rec in records(saved, r) if rec["step"] < SAVED_STEP for i in rec["ids"]
     ]
     runs = {}
     for processes in (1, 3):  # both resume from their own copy of the root, at the same time
@@ -60,14 +56,14 @@ def test_a_two_process_checkpoint_continues_on_one_and_three_processes_each_samp
             assert all(torch.equal(loaded[k], weights[k]) for k in weights), (
                 f"process {rank} resumed with the saved weights"
             )
-        records = [_records(work, rank) for rank in range(processes)]
-        assert min(rec["step"] for rank in records for rec in rank) == SAVED_STEP, "resumed at the saved step"
-        rest = [i for rank in records for rec in rank if rec["epoch"] == 0 for i in rec["ids"]]
+        seen = [records(work, rank) for rank in range(processes)]
+        assert min(rec["step"] for rank in seen for rec in rank) == SAVED_STEP, "resumed at the saved step"
+        rest = [i for rank in seen for rec in rank if rec["epoch"] == 0 for i in rec["ids"]]
         assert Counter(before + rest) == Counter(range(N_SAMPLES)), (
             f"on {processes} process(es): every sample of the interrupted epoch exactly once"
         )
-        per_rank = {len([rec for rec in rank if rec["epoch"] == 0]) for rank in records}
+        per_rank = {len([rec for rec in rank if rec["epoch"] == 0]) for rank in seen}
         assert len(per_rank) == 1, f"every process ran as many steps of the interrupted epoch: {per_rank}"
-        next_epoch = [i for rank in records for rec in rank if rec["epoch"] == 1 for i in rec["ids"]]
+        next_epoch = [i for rank in seen for rec in rank if rec["epoch"] == 1 for i in rec["ids"]]
         assert set(next_epoch) == set(range(N_SAMPLES)), "the next epoch is whole"
         assert (work / "final.pt").exists(), "training completed"

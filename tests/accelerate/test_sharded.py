@@ -11,7 +11,6 @@ saved and every sample of the interrupted epoch once; the committed folder loads
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -27,7 +26,7 @@ from tests.accelerate.job import N_SAMPLES
 from tests.accelerate.runs import JOB, run_job, stats
 from tests.concurrent_jobs import finish, start
 from tests.conftest import REPO
-from tests.sameness import assert_same_run, assert_same_state
+from tests.sameness import assert_same_run, assert_same_state, records
 from tests.zygote import python
 
 pytestmark = pytest.mark.slow
@@ -64,7 +63,7 @@ def test_a_two_process_fsdp2_checkpoint_continues_on_one_and_three_processes(sav
     dcp.load(state, storage_reader=FileSystemReader(str(folder / "pytorch_model_fsdp_0")), no_dist=True)
     assert_same_state(full["model"], state["model"], "read by stock DCP")
     before = [
-        i for r in range(2) for rec in _records(saved, r) if rec["step"] < SAVED_STEP for i in rec["ids"]
+        i for r in range(2) for rec in records(saved, r) if rec["step"] < SAVED_STEP for i in rec["ids"]
     ]
     runs = {}
     for processes in (1, 3):  # torchrun, as `accelerate launch --multi_gpu` starts them (it refuses one)
@@ -84,9 +83,9 @@ def test_a_two_process_fsdp2_checkpoint_continues_on_one_and_three_processes(sav
     for processes, (work, _) in runs.items():
         loaded = torch.load(work / "loaded.pt", weights_only=False)
         assert_same_state(full, loaded, f"(model and optimizer) resharded to {processes} process(es)")
-        records = [_records(work, rank) for rank in range(processes)]
-        assert min(rec["step"] for rank in records for rec in rank) == SAVED_STEP, "resumed at the saved step"
-        rest = [i for rank in records for rec in rank if rec["epoch"] == 0 for i in rec["ids"]]
+        seen = [records(work, rank) for rank in range(processes)]
+        assert min(rec["step"] for rank in seen for rec in rank) == SAVED_STEP, "resumed at the saved step"
+        rest = [i for rank in seen for rec in rank if rec["epoch"] == 0 for i in rec["ids"]]
         assert Counter(before + rest) == Counter(range(N_SAMPLES)), (
             f"on {processes} process(es): every sample of the interrupted epoch exactly once"
         )
@@ -95,7 +94,3 @@ def test_a_two_process_fsdp2_checkpoint_continues_on_one_and_three_processes(sav
 
 def _torchrun(processes: int) -> list[str]:
     return [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
-
-
-def _records(workdir: Path, rank: int) -> list[dict]:
-    return [json.loads(line) for line in (workdir / f"ids-rank{rank}.jsonl").read_text().splitlines()]

@@ -50,6 +50,7 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FULL_FSDP1 = StateDictOptions(full_state_dict=True)
 """FSDP1's full state dict with ``cpu_offload`` crashes on a CPU model (torch 2.13); its tensors are on
 the CPU already."""
+QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
 
 
 class ShardedModel(Model):
@@ -107,10 +108,7 @@ def stock_resume(args: argparse.Namespace) -> None:
         strategy=ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1),
         callbacks=[FullWeights(args.workdir, FULL)],
         enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET,
     )
     trainer.fit(ShardedModel(args.workdir, 0), ckpt_path=args.stock_resume)
     torch.distributed.destroy_process_group()
@@ -179,10 +177,7 @@ def main() -> None:
             ),
             FullWeights(args.workdir, full_options),
         ],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **QUIET,
     )
     model = ShardedModel(args.workdir, 0)
     trainer.fit(model, ckpt_path=latest_checkpoint(root, storage_options=opts))

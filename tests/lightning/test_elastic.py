@@ -8,10 +8,8 @@ the checkpoint exactly once across its ranks, runs the next epoch at its own wor
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,14 +18,11 @@ from lightning_air import latest_checkpoint
 from tests.concurrent_jobs import finish, start
 from tests.lightning.model import N_SAMPLES
 from tests.lightning.test_crash_resume import JOB, run_job
+from tests.sameness import records
 from tests.zygote import python
 
 pytestmark = pytest.mark.slow
 SAVED_STEP = 5  # saves every 5 steps; an epoch is 8 steps on two ranks
-
-
-def _records(workdir: Path, rank: int) -> list[dict]:
-    return [json.loads(line) for line in (workdir / f"ids-rank{rank}.jsonl").read_text().splitlines()]
 
 
 def test_a_two_rank_checkpoint_continues_on_one_and_three_ranks_each_sample_once(tmp_path_factory):
@@ -37,7 +32,7 @@ def test_a_two_rank_checkpoint_continues_on_one_and_three_ranks_each_sample_once
     assert checkpoint is not None and checkpoint.endswith(f"step={SAVED_STEP}.ckpt"), checkpoint
     weights = torch.load(checkpoint, weights_only=True)["state_dict"]
     before = [
-        i for r in range(2) for rec in _records(saved, r) if rec["step"] < SAVED_STEP for i in rec["ids"]
+        i for r in range(2) for rec in records(saved, r) if rec["step"] < SAVED_STEP for i in rec["ids"]
     ]
 
     runs = {}
@@ -53,15 +48,15 @@ def test_a_two_rank_checkpoint_continues_on_one_and_three_ranks_each_sample_once
             assert all(torch.equal(loaded[k], weights[k]) for k in weights), (
                 f"rank {rank} loaded the saved weights"
             )
-        records = [_records(work, rank) for rank in range(devices)]
-        assert min(rec["step"] for rank in records for rec in rank) == SAVED_STEP, "resumed at the saved step"
-        rest = [i for rank in records for rec in rank if rec["epoch"] == 0 for i in rec["ids"]]
+        seen = [records(work, rank) for rank in range(devices)]
+        assert min(rec["step"] for rank in seen for rec in rank) == SAVED_STEP, "resumed at the saved step"
+        rest = [i for rank in seen for rec in rank if rec["epoch"] == 0 for i in rec["ids"]]
         assert Counter(before + rest) == Counter(range(N_SAMPLES)), (
             f"on {devices} rank(s): every sample of the interrupted epoch exactly once"
         )
-        per_rank = {len([rec for rec in rank if rec["epoch"] == 0]) for rank in records}
+        per_rank = {len([rec for rec in rank if rec["epoch"] == 0]) for rank in seen}
         assert len(per_rank) == 1, f"every rank ran as many steps of the interrupted epoch: {per_rank}"
-        next_epoch = [i for rank in records for rec in rank if rec["epoch"] == 1 for i in rec["ids"]]
+        next_epoch = [i for rank in seen for rec in rank if rec["epoch"] == 1 for i in rec["ids"]]
         padded = -(-N_SAMPLES // devices) * devices  # DistributedSampler pads to equal shares
         assert set(next_epoch) == set(range(N_SAMPLES)) and len(next_epoch) == padded, (
             "the next epoch is whole"

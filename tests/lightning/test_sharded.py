@@ -23,7 +23,7 @@ from tests.concurrent_jobs import finish, start
 from tests.conftest import REPO
 from tests.lightning.model import N_SAMPLES
 from tests.lightning.test_crash_resume import run_job
-from tests.sameness import assert_same_run
+from tests.sameness import assert_same_run, records
 from tests.zygote import python
 
 JOB = os.path.join(REPO, "tests/lightning/sharded_job.py")
@@ -192,7 +192,7 @@ def test_stock_lightning_resumes_from_a_committed_sharded_checkpoint(reference, 
     run_sharded(tmp_path, "--stock-resume", folder)
     loaded, saved = torch.load(tmp_path / "loaded.pt"), torch.load(reference / "saved-15.pt")
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())
-    resumed = [json.loads(line)["step"] for r in range(2) for line in open(tmp_path / f"ids-rank{r}.jsonl")]
+    resumed = [rec["step"] for r in range(2) for rec in records(tmp_path, r)]
     assert sorted(resumed) == [15, 15], "the stock fit continued at the saved step"
 
 
@@ -207,7 +207,7 @@ def test_a_two_rank_sharded_checkpoint_continues_on_one_and_three_ranks(tmp_path
         saved, "--epochs", "1", *strategy
     )  # 8 steps an epoch on two ranks: the newest commit is step 5
     weights = torch.load(saved / "saved-5.pt")
-    before = [i for r in range(2) for rec in _records(saved, r) if rec["step"] < 5 for i in rec["ids"]]
+    before = [i for r in range(2) for rec in records(saved, r) if rec["step"] < 5 for i in rec["ids"]]
     runs = {}
     for devices in (1, 3):
         work = tmp_path_factory.mktemp(f"{fsdp}-on-{devices}")
@@ -218,9 +218,9 @@ def test_a_two_rank_sharded_checkpoint_continues_on_one_and_three_ranks(tmp_path
     for devices, (work, _) in runs.items():
         loaded = torch.load(work / "loaded.pt")
         assert all(torch.equal(loaded[k], weights[k]) for k in weights), f"on {devices}: the saved weights"
-        records = [_records(work, rank) for rank in range(devices)]
-        assert min(rec["step"] for rank in records for rec in rank) == 5, "resumed at the saved step"
-        rest = [i for rank in records for rec in rank if rec["epoch"] == 0 for i in rec["ids"]]
+        seen = [records(work, rank) for rank in range(devices)]
+        assert min(rec["step"] for rank in seen for rec in rank) == 5, "resumed at the saved step"
+        rest = [i for rank in seen for rec in rank if rec["epoch"] == 0 for i in rec["ids"]]
         assert Counter(before + rest) == Counter(range(N_SAMPLES)), (
             f"on {devices} rank(s): every sample of the interrupted epoch exactly once"
         )
@@ -242,10 +242,6 @@ def test_top_k_and_save_last_keep_only_their_sharded_folders(tmp_path):
     assert sorted(os.listdir(root / "last.ckpt")) == [".metadata", "__0_0.distcp", "meta.pt"]
     assert torch.load(root / "last.ckpt" / "meta.pt", weights_only=False)["global_step"] == 30
     assert latest_checkpoint(str(root)).rsplit("/", 1)[1] in {"epoch=1-step=30.ckpt", "last.ckpt"}
-
-
-def _records(workdir: Path, rank: int) -> list[dict]:
-    return [json.loads(line) for line in (workdir / f"ids-rank{rank}.jsonl").read_text().splitlines()]
 
 
 def test_stock_sharded_strategies_are_refused_before_training(tmp_path):
