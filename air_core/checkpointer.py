@@ -32,7 +32,7 @@ from .lease import RootLease
 from .manifest import CheckpointInfo
 from .recovery import LocalCheckpoint, load_file, one_restore, restore, verify_with
 from .serializer import make_serializer
-from .snapshot import BufferPool, storage_pointers, take_snapshot
+from .snapshot import BufferPool, take_snapshot
 from .staging import choose_destination
 from .storage import Storage
 from .writer import DeleteJob, Finalize, SaveJob, Writer
@@ -209,7 +209,7 @@ class AsyncCheckpointer:
                 buffer,
                 spill_dir=self._dest.spill_dir,
                 spill_name=f"{name}-r{self.config.rank}-{uuid.uuid4().hex[:6]}.spill",
-                in_order=storage_pointers(in_order),
+                in_order=in_order,
             )
         except BaseException:
             self._pool.give_back(buffer)

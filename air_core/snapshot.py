@@ -203,7 +203,7 @@ class _RefUnpickler(pickle.Unpickler):
 
 def storage_pointers(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
     """The data pointers of ``tensors``' storages (a DTensor's: its local shard's, which is what a
-    sharded save copies), for ``take_snapshot(in_order=...)``."""
+    sharded save copies): the ones ``take_snapshot(in_order=...)`` copies first."""
     return frozenset(getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for t in tensors)
 
 
@@ -213,15 +213,16 @@ def take_snapshot(
     *,
     spill_dir: str,
     spill_name: str,
-    in_order: frozenset[int] = frozenset(),
+    in_order: Iterable[torch.Tensor] = (),
 ) -> Snapshot:
     """Copy ``state`` into ``buffer`` (and a spill file beyond its capacity).
 
     Called on the training thread. On return, CPU tensors are copied; GPU copies are queued and
-    ``Snapshot.wait_copied`` must return before the caller mutates them. ``in_order``: data pointers of
-    GPU storages that work queued right after this call mutates (module buffers: the next forward updates
-    BatchNorm statistics in place, long before the optimizer step's gate). Their copies are queued on the
-    current stream, ahead of that work; the others on a side stream, overlapping it.
+    ``Snapshot.wait_copied`` must return before the caller mutates them. ``in_order``: GPU tensors whose
+    storages work queued right after this call mutates (module buffers: the next forward updates
+    BatchNorm statistics in place, long before the optimizer step's gate); looked at only when ``state``
+    is on a GPU. Their copies are queued on the current stream, ahead of that work; the others on a side
+    stream, overlapping it.
     """
     found: list[torch.Tensor] = []
     skel = io.BytesIO()
@@ -271,7 +272,7 @@ def take_snapshot(
             pending_spill.append(s)
             spill_offset += _aligned(n)
 
-    ahead = in_order if on_gpu else frozenset()
+    ahead = storage_pointers(in_order) if on_gpu else frozenset()
 
     def copy(queued_ahead: bool) -> None:
         for s, placed in zip(sources, slots, strict=True):

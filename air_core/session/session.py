@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -256,8 +256,8 @@ class TrainingSession:
         if all(m is not model for m in self._models):
             self._models.append(model)
 
-    def _buffers(self) -> list[torch.Tensor]:
-        return [b for model in self._models for b in model.buffers()]
+    def _buffers(self) -> Iterator[torch.Tensor]:  # walked by the snapshot only for a GPU save
+        return (b for model in self._models for b in model.buffers())
 
     def state_file(self, name: str, *, rank: int | None = None) -> str:
         """Where this rank's (or saved rank ``rank``'s) ``rank_state`` goes in checkpoint ``name`` when
