@@ -18,6 +18,7 @@ cannot be resharded and are refused at resume.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -35,6 +36,8 @@ from torch.utils.data import (
 
 from ..errors import ConfigError
 from .sampling import loader_generators
+
+logger = logging.getLogger(__name__)
 
 Source = dict[str, Any]
 """How to rebuild an epoch's global order: plain values (a ``weights_only`` load accepts them)."""
@@ -330,3 +333,31 @@ def remainder(p: Plan, layout: Layout, *, samples: int, what: str) -> list[list[
             "resume with the same dataset."
         )
     return layout.split(layout.order(p.source, p.samples)[p.offset :])
+
+
+def pending(states: Sequence[dict[str, Any]], *, rank: int, world_size: int, what: str) -> dict[str, Any]:
+    """What this rank continues from when ``states`` (every saved rank's ``rank_state``, in rank order)
+    were written by another number of ranks: each loader's saved positions (``TrackedLoader.resume_elastic``
+    turns them into this rank's share of the epoch's rest) and saved rank ``rank``'s RNG where there was
+    one (``mine``: its index, or None). Rank 0 logs once which guarantee changes.
+    """
+    saved = len(states)
+    if rank == 0:
+        fresh = range(saved, world_size)
+        logger.warning(
+            "%s was written by %d rank(s) and continues on %d (elastic=True): the rest of each interrupted "
+            "epoch is split over this run's ranks, every sample once (padded to equal steps as the framework "
+            "pads an epoch), but batches are composed differently, so the run is no longer bitwise equal to "
+            "an uninterrupted one%s.",
+            what,
+            saved,
+            world_size,
+            f"; rank(s) {', '.join(map(str, fresh))} start from their own fresh RNG" if fresh else "",
+        )
+    mine = rank if rank < saved else None
+    loaders = {len(s["loaders"]) for s in states}.pop()
+    return {
+        "rng": states[mine]["rng"] if mine is not None else None,
+        "loaders": [[s["loaders"][i] for s in states] for i in range(loaders)],
+        "mine": mine,
+    }

@@ -32,6 +32,7 @@ from ..events import Listener
 from ..health.preflight import PreflightReport
 from ..health.stragglers import Stragglers
 from ..layout import rank_state_path
+from . import elastic
 from .config import SessionConfig
 from .elastic import Layout, layout_of
 from .goodput import Goodput, GoodputLog, goodput_of
@@ -372,7 +373,7 @@ class TrainingSession:
             raise AirError(f"{what}: the rank state of saved rank(s) {missing} was not loaded.")
         ordered = [states[r] for r in sorted(states)]
         counts = {len(s["loaders"]) for s in ordered}
-        if self._loaders and counts != {len(self._loaders)}:
+        if len(counts) != 1 or (self._loaders and counts != {len(self._loaders)}):
             raise ConfigError(
                 f"{what}: the checkpoint tracked {sorted(counts)} train loader(s), this run has "
                 f"{len(self._loaders)}; set up the same loaders before loading it."
@@ -381,24 +382,7 @@ class TrainingSession:
             mine = states[self.rank]
             self._pending = {"rng": mine["rng"], "loaders": mine["loaders"]}
         else:
-            if self.rank == 0:
-                fresh = range(saved, self.world_size)
-                logger.warning(
-                    "%s was written by %d rank(s) and continues on %d (elastic=True): the rest of each "
-                    "interrupted epoch is split over this run's ranks, every sample once (padded to equal "
-                    "steps as the framework pads an epoch), but batches are composed differently, so the run "
-                    "is no longer bitwise equal to an uninterrupted one%s.",
-                    what,
-                    saved,
-                    self.world_size,
-                    f"; rank(s) {', '.join(map(str, fresh))} start from their own fresh RNG" if fresh else "",
-                )
-            mine_index = self.rank if self.rank < saved else None
-            self._pending = {
-                "rng": ordered[mine_index]["rng"] if mine_index is not None else None,
-                "loaders": [[s["loaders"][i] for s in ordered] for i in range(counts.pop())],
-                "mine": mine_index,
-            }
+            self._pending = elastic.pending(ordered, rank=self.rank, world_size=self.world_size, what=what)
         for index, tracked in enumerate(self._loaders):  # none tracked yet: later
             self._resume(tracked, index)
         self._resumed_run = ordered[0].get("mlflow_run_id") or self._resumed_run

@@ -259,7 +259,7 @@ def test_an_elastic_session_resumes_loaders_tracked_later_and_warns_once_on_rank
     states = _states()
     seen = [i for r in range(2) for i in list(DistributedSampler(Ids(), 2, r, seed=7))[:BATCH]]
     rest = []
-    with caplog.at_level(logging.WARNING, logger="air_core.session.session"):
+    with caplog.at_level(logging.WARNING, logger="air_core.session.elastic"):
         for rank in range(3):
             session = _session(rank, 3, elastic=True)
             assert session.ranks_to_load(2) == [0, 1]
