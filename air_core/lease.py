@@ -5,7 +5,7 @@ counter) fresh from a daemon thread; a new launch takes the root only when the h
 its process on this host is gone, or (another host) its counter stops moving for ``lease_seconds``.
 Before each save, commit and retention delete, ``check`` raises ``StorageLost`` if the root was taken
 over. It does not make check-then-write atomic (two requests; the window is one small write), and no
-clocks are compared between hosts. ``docs/design.md`` ("One writing job per root") has the cases.
+clocks are compared between hosts. ``docs/core.md`` ("One writing job per root") has the cases.
 """
 
 from __future__ import annotations

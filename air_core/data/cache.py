@@ -5,7 +5,7 @@
 (``max_transfers`` at a time, in the training process); ``RemoteFiles`` is a map-style dataset over
 them. Per-file state and counters are shared-memory tensors, so loader workers' reads count. It keeps
 no position (that is in the checkpoint). Key decision, not fsspec's ``filecache``: that copies on
-open, never ahead, has no byte budget and a per-process index. ``docs/design.md`` has the details.
+open, never ahead, has no byte budget and a per-process index. ``docs/data-cache.md`` has the details.
 """
 
 from __future__ import annotations
