@@ -183,9 +183,10 @@ class AirAccelerator(Accelerator):
     @override
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Any = None) -> Any:
         prepared = super().prepare_optimizer(optimizer, device_placement)
+        # A save's copies overlap the next forward and backward; they land before any optimizer steps.
+        prepared.optimizer.register_step_pre_hook(lambda *_: self.air_session.before_optimizer_step())
+        self.air_session.track_optimizer(prepared.optimizer)
         if self._air_step_hook is None:  # the first optimizer's applied steps are the run's steps
-            # A save's device-to-host copy overlaps the next forward/backward; it lands before the step.
-            prepared.optimizer.register_step_pre_hook(lambda *_: self.air_session.before_optimizer_step())
             self._air_step_hook = prepared.optimizer.register_step_post_hook(self._air_count_step)
         return prepared
 

@@ -52,7 +52,7 @@ class AsyncCheckpointer:
             for step in range(start, steps):
                 ...
                 handle = ckpt.save({"model": model.state_dict(), "step": step}, step=step)
-                handle.wait_snapshot()  # only needed before mutating CUDA tensors
+                handle.wait_snapshot()  # before mutating CUDA (or gated) tensors
     """
 
     def __init__(
@@ -143,11 +143,13 @@ class AsyncCheckpointer:
         name: str | None = None,
         filename: str | None = None,
         in_order: Iterable[torch.Tensor] = (),
+        gated: Iterable[torch.Tensor] = (),
     ) -> SaveHandle:
         """Snapshot ``state`` and persist it in the background.
 
-        Returns once every CPU tensor is copied into staging buffers (GPU copies are queued: call
-        ``handle.wait_snapshot()`` before mutating those tensors). ``state`` may then change freely.
+        Returns once every CPU tensor but the ``gated`` ones is copied into staging buffers; GPU copies
+        are queued. Call ``handle.wait_snapshot()`` before mutating GPU or ``gated`` tensors (the
+        optimizer step); everything else in ``state`` may change freely.
 
         Args:
             state: nested dicts/lists/tuples of tensors and picklable objects.
@@ -157,6 +159,10 @@ class AsyncCheckpointer:
             in_order: GPU tensors of ``state`` that the next forward updates in place, before the
                 optimizer step's ``wait_snapshot`` (the model's buffers: BatchNorm statistics). Their
                 copies are queued on the current stream, ahead of that forward; the rest overlap it.
+            gated: CPU tensors of ``state`` that nothing mutates before the caller's
+                ``wait_snapshot`` (the trained parameters and the optimizer's state, when the caller
+                gates its optimizer steps): copied on a thread, overlapping the next forward and
+                backward, as GPU copies are.
 
         Raises:
             SaveError: an earlier save failed; raised once, carrying that save's step.
@@ -166,7 +172,7 @@ class AsyncCheckpointer:
         filename = check_filename(
             filename or layout.default_file(name, self.config.rank), call="save(filename=...)"
         )
-        return self.save_files({filename: state}, step=step, name=name, in_order=in_order)
+        return self.save_files({filename: state}, step=step, name=name, in_order=in_order, gated=gated)
 
     def save_files(
         self,
@@ -176,8 +182,10 @@ class AsyncCheckpointer:
         name: str | None = None,
         finalize: Finalize | None = None,
         in_order: Iterable[torch.Tensor] = (),
+        gated: Iterable[torch.Tensor] = (),
     ) -> SaveHandle:
-        """Like ``save`` (``in_order`` as there), for a rank that writes several files into one checkpoint.
+        """Like ``save`` (``in_order``, ``gated`` as there), for a rank that writes several files into one
+        checkpoint.
 
         ``files`` maps each path, relative to the root, to its state; every file is written in
         ``torch.save`` format (a ``Bundle``: its items one after another) and they commit together.
@@ -210,11 +218,12 @@ class AsyncCheckpointer:
                 spill_dir=self._dest.spill_dir,
                 spill_name=f"{name}-r{self.config.rank}-{uuid.uuid4().hex[:6]}.spill",
                 in_order=in_order,
+                gated=gated,
             )
         except BaseException:
             self._pool.give_back(buffer)
             raise
-        handle = SaveHandle(name, step, copy_event=snap.copy_event)
+        handle = SaveHandle(name, step, copies=snap.copies)
         blocking = time.monotonic() - called
         if snap.spilled_bytes and not self._warned_spill:
             self._warned_spill = True

@@ -383,16 +383,18 @@ def save(
     files_per_rank: int = 1,
     plans: SavePlans | None = None,
     in_order: Iterable[torch.Tensor] = (),
+    gated: Iterable[torch.Tensor] = (),
 ) -> SaveHandle:
     """``dcp.save`` of each state dict (DTensors, sharded or plain tensors, objects) into its folder
     (path under the root), all in one commit ``name`` with this rank's ``files``. Every rank calls it,
     as ``dcp.save`` (DCP's collectives run here, on the calling thread). ``plans``: the job's
     ``SavePlans``, to skip planning a save that repeats the last one (only with the default planner).
-    ``in_order``: as in ``AsyncCheckpointer.save`` (the model's buffers).
+    ``in_order``, ``gated``: as in ``AsyncCheckpointer.save`` (the model's buffers; its parameters and the
+    optimizer's state).
 
-    Returns once this rank's items are in host buffers (call ``handle.wait_snapshot()`` before mutating
-    GPU tensors), with the save's handle: it resolves when every rank's files and each folder's
-    ``.metadata`` are committed.
+    Returns once this rank's items are in host buffers or queued (call ``handle.wait_snapshot()`` before
+    mutating GPU or ``gated`` tensors), with the save's handle: it resolves when every rank's files and
+    each folder's ``.metadata`` are committed.
     """
     name = check_name(name if name is not None else layout.default_name(check_step(step)))
     if not folders:
@@ -413,7 +415,7 @@ def save(
     bundles = {path: bundle for w in writers for path, bundle in w.files.items()}
     finalize = Finalize(tuple(w.metadata_file for w in writers), make)
     return checkpointer.save_files(
-        {**bundles, **(files or {})}, step=step, name=name, finalize=finalize, in_order=in_order
+        {**bundles, **(files or {})}, step=step, name=name, finalize=finalize, in_order=in_order, gated=gated
     )
 
 

@@ -8,21 +8,21 @@ It does no work of its own: ``done`` never blocks; ``wait_snapshot`` and ``resul
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from .errors import SaveError
 from .manifest import CheckpointInfo
+from .snapshot import Copies
 
 
 class SaveHandle:
     """The future of one ``save``. ``done`` never blocks; ``wait_snapshot`` and ``result`` do."""
 
-    def __init__(self, name: str, step: int, *, copy_event: Any = None, skipped: bool = False) -> None:
+    def __init__(self, name: str, step: int, *, copies: Copies | None = None, skipped: bool = False) -> None:
         self.name = name
         self.step = step
         self.skipped = skipped
         """True when ``on_busy='skip'`` dropped this save; ``result()`` then returns None."""
-        self._copy_event = copy_event
+        self._copies = copies
         self._finished = threading.Event()
         self._info: CheckpointInfo | None = None
         self._error: SaveError | None = None
@@ -31,12 +31,13 @@ class SaveHandle:
             self._finished.set()
 
     def wait_snapshot(self) -> None:
-        """Block until the device-to-host copy is done: call before the optimizer mutates the weights.
+        """Block until the snapshot's copies landed: call before the optimizer mutates the weights.
 
-        Returns at once for CPU state, which ``save`` already copied.
+        Returns at once when ``save`` copied everything before returning (CPU state it was not told was
+        gated).
         """
-        if self._copy_event is not None:
-            self._copy_event.synchronize()
+        if self._copies is not None:
+            self._copies.wait()
 
     def done(self) -> bool:
         return self._finished.is_set()

@@ -4,6 +4,7 @@
 then, aliasing kept), then copies each tensor storage into a ``HostBuffer`` that lives across saves:
 pinned with ``cudaHostRegister`` and copied on a side stream for GPU tensors (never the caching
 allocator), plain or shared memory on CPU; what exceeds the budget spills to a staging-folder file.
+Copies that may land after it returns (GPU ones; CPU ones the caller gates) are its ``Copies``.
 ``materialize`` rebuilds the state as views of the buffer. It never writes the checkpoint itself.
 """
 
@@ -15,7 +16,7 @@ import logging
 import os
 import pickle
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +134,36 @@ class Slot:
     nbytes: int
 
 
+class Copies:
+    """A snapshot's copies still landing when ``take_snapshot`` returned: GPU ones on a side stream (a
+    CUDA event), gated CPU ones on a thread. ``wait`` is the caller's gate (before the optimizer step);
+    it never raises: a failed copy is the save's failure, which the writer raises (``error``)."""
+
+    def __init__(self) -> None:
+        self.event: Any = None
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def on_thread(self, copy: Callable[[], None]) -> None:
+        """Run ``copy`` on a thread of its own (tensor copies release the GIL)."""
+
+        def run() -> None:
+            try:
+                copy()
+            except BaseException as exc:  # the writer raises it as the save's failure
+                self.error = exc
+
+        self._thread = threading.Thread(target=run, name="air-copy", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until every copy landed; then the sources may change."""
+        if self.event is not None:
+            self.event.synchronize()
+        if self._thread is not None:
+            self._thread.join()
+
+
 @dataclass
 class Snapshot:
     """A copy of one state, detached from the caller's objects (once ``wait_copied`` returns)."""
@@ -144,14 +175,15 @@ class Snapshot:
     spill_path: str | None
     nbytes: int
     spilled_bytes: int
-    copy_event: Any = None
+    copies: Copies | None = None
     _sources: list[torch.UntypedStorage] = field(default_factory=list)
 
-    def wait_copied(self) -> None:
-        """Block until every device-to-host copy has landed; then the sources may change."""
-        if self.copy_event is not None:
-            self.copy_event.synchronize()
+    def wait_copied(self) -> BaseException | None:
+        """Block until every copy has landed (then the sources may change); return a copy's failure."""
+        if self.copies is not None:
+            self.copies.wait()
         self._sources.clear()
+        return self.copies.error if self.copies is not None else None
 
     def remove_spill(self) -> None:
         """Delete the spill file, if any (once the serializer no longer needs it)."""
@@ -201,9 +233,19 @@ class _RefUnpickler(pickle.Unpickler):
         return self._tensors[pid[1]]
 
 
+def stepped_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
+    """What the optimizers' steps mutate, and nothing else before them: their parameters and state
+    tensors (a caller that gates those steps passes these as ``take_snapshot(gated=...)``)."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            yield from group["params"]
+        for state in opt.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
 def storage_pointers(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
     """The data pointers of ``tensors``' storages (a DTensor's: its local shard's, which is what a
-    sharded save copies): the ones ``take_snapshot(in_order=...)`` copies first."""
+    sharded save copies): how ``take_snapshot`` finds its ``in_order`` and ``gated`` tensors."""
     return frozenset(getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for t in tensors)
 
 
@@ -214,15 +256,22 @@ def take_snapshot(
     spill_dir: str,
     spill_name: str,
     in_order: Iterable[torch.Tensor] = (),
+    gated: Iterable[torch.Tensor] = (),
 ) -> Snapshot:
     """Copy ``state`` into ``buffer`` (and a spill file beyond its capacity).
 
-    Called on the training thread. On return, CPU tensors are copied; GPU copies are queued and
-    ``Snapshot.wait_copied`` must return before the caller mutates them. ``in_order``: GPU tensors whose
-    storages work queued right after this call mutates (module buffers: the next forward updates
-    BatchNorm statistics in place, long before the optimizer step's gate); looked at only when ``state``
-    is on a GPU. Their copies are queued on the current stream, ahead of that work; the others on a side
-    stream, overlapping it.
+    Called on the training thread. On return, CPU tensors are copied except ``gated`` ones; GPU copies
+    are queued. Until ``Snapshot.copies`` waited, the caller may run its next forward and backward but
+    must not mutate the copied tensors otherwise (the optimizer step's gate).
+
+    Args:
+        in_order: GPU tensors whose storages work queued right after this call mutates (module
+            buffers: the next forward updates BatchNorm statistics in place, long before the gate);
+            looked at only when ``state`` is on a GPU. Their copies are queued on the current stream,
+            ahead of that work; the other GPU copies on a side stream, overlapping it.
+        gated: CPU tensors that only the optimizer step after the gate mutates (the trained
+            parameters, the optimizer's state): copied on a thread, overlapping the next forward and
+            backward as GPU copies do. Other CPU tensors are copied before this returns.
     """
     found: list[torch.Tensor] = []
     skel = io.BytesIO()
@@ -273,24 +322,31 @@ def take_snapshot(
             spill_offset += _aligned(n)
 
     ahead = storage_pointers(in_order) if on_gpu else frozenset()
+    later = storage_pointers(gated) if not all(s.device.type == "cuda" for s in sources) else frozenset()
 
-    def copy(queued_ahead: bool) -> None:
+    def copy(which: Callable[[torch.UntypedStorage], bool]) -> None:
         for s, placed in zip(sources, slots, strict=True):
-            if not placed.spilled and placed.nbytes and (s.data_ptr() in ahead) == queued_ahead:
+            if not placed.spilled and placed.nbytes and which(s):
                 dst = buffer.tensor[placed.offset : placed.offset + placed.nbytes]
                 dst.copy_(_bytes_view(s), non_blocking=s.device.type == "cuda")
 
-    event = None
+    def on_cpu(s: torch.UntypedStorage) -> bool:
+        return s.device.type != "cuda"
+
+    copies = Copies() if on_gpu or later else None
     if on_gpu:
-        copy(queued_ahead=True)  # on the current stream: before whatever the caller queues next
+        assert copies is not None
+        copy(lambda s: not on_cpu(s) and s.data_ptr() in ahead)  # current stream: before the caller's work
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())  # its event then covers those copies too
         with torch.cuda.stream(stream):
-            copy(queued_ahead=False)
-            event = torch.cuda.Event()
-            event.record(stream)
-    else:
-        copy(queued_ahead=False)
+            copy(lambda s: not on_cpu(s) and s.data_ptr() not in ahead)
+            copies.event = torch.cuda.Event()
+            copies.event.record(stream)
+    copy(lambda s: on_cpu(s) and s.data_ptr() not in later)
+    if later:
+        assert copies is not None
+        copies.on_thread(lambda: copy(lambda s: on_cpu(s) and s.data_ptr() in later))
 
     spill_path = None
     if pending_spill:
@@ -308,8 +364,8 @@ def take_snapshot(
         spill_path=spill_path,
         nbytes=sum(s.nbytes() for s in sources),
         spilled_bytes=spill_offset,
-        copy_event=event,
-        _sources=sources if event is not None else [],
+        copies=copies,
+        _sources=sources if copies is not None else [],
     )
     return snap
 

@@ -228,7 +228,9 @@ class Writer:
         """
         self._phase(job, "serialize_start")
         t0 = time.monotonic()
-        job.snapshot.wait_copied()
+        failed = job.snapshot.wait_copied()
+        if failed is not None:
+            raise failed
         temps = self._dest.temp_paths(job.files)
         run.leftovers = [*temps.values(), *self._dest.kept_locally(job.files)]
         priority = self._priority

@@ -14,12 +14,16 @@ method in turn (interleaved, so a drift in the machine's load bills every method
   ``FileSystemWriter``, fsynced), ``meta.pt`` from rank 0, then the Trainer's barrier;
 - ``dcp_async``: ``torch.distributed.checkpoint.async_save`` (thread mode, its default) to a
   ``FileSystemWriter``, on its own gloo group as torch advises (its thread runs collectives);
-- ``air``: ``air_core.dcp.save`` through one ``AsyncCheckpointer`` per rank, the root a local folder;
+- ``air``: ``air_core.dcp.save`` through one ``AsyncCheckpointer`` per rank, the root a local folder,
+  gating the parameters and AdamW state as the adapters' sessions do (``stepped_tensors``): they are
+  copied on a thread during the next forward and backward, and that step's optimizer step waits for them
+  (in the step slowdown, not in blocking);
 - ``air_staged``: the same with ``staging_dir`` set, so files are written there and copied to the root.
 
 Per method, the median over ``--saves`` saves after a warm-up round:
 
-- blocking s: from collecting the state dict until the training loop may go on (max over ranks);
+- blocking s: from collecting the state dict until the training loop may go on (max over ranks; for
+  ours, before the gated copies landed);
 - durable s: until the files are fsynced and committed: the stock call's return, the async_save
   future's result, ``handle.result()`` for ours (max over ranks);
 - step slowdown: median time of the training steps (forward, backward, AdamW) run while the save
@@ -90,8 +94,9 @@ def build(size_mib: int, device: str, rank: int):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(8, width, generator=torch.Generator().manual_seed(rank)).to(device)
 
-    def step() -> None:
+    def step(gate: Callable[[], None] = lambda: None) -> None:
         model(x).float().square().mean().backward()
+        gate()  # as the adapters' on_before_optimizer_step / step pre-hook: a save's copies land first
         opt.step()
         opt.zero_grad()
         if device.startswith("cuda"):
@@ -187,6 +192,7 @@ class Methods:
         from air_core import dcp as air_dcp
 
         self.model, self.opt, self.workdir, self.rank = model, opt, workdir, rank
+        self.ungated: Any = None  # our last save, whose copies the next optimizer step waits for
         # async_save's thread runs DCP's collectives: on a group of their own, never the training one's.
         self.async_group = dist.new_group(backend="gloo")
         self.phases = {m: Phases() for m in AIR}
@@ -242,6 +248,7 @@ class Methods:
             future.add_done_callback(lambda f: durable.resolve(f.exception()))
         else:
             from air_core import dcp as air_dcp
+            from air_core.snapshot import stepped_tensors
 
             folder = self.folder(i)
             handle = air_dcp.save(
@@ -251,8 +258,9 @@ class Methods:
                 name=folder,
                 files={f"{folder}/meta.pt": self.meta(i)} if self.rank == 0 else None,
                 plans=self.plans[method],
+                gated=stepped_tensors([self.opt]),  # as the adapters' sessions: copied in forward/backward
             )
-            handle.wait_snapshot()  # on CUDA, before the next optimizer step mutates the weights
+            self.ungated = handle  # the next optimizer step waits for its copies (``gate``)
 
             def wait() -> None:
                 try:
@@ -296,6 +304,12 @@ class Methods:
         if self.rank == 0:
             torch.save(checkpoint, path / _METADATA_FILENAME)
         dist.barrier()  # Trainer.save_checkpoint: strategy.barrier("Trainer.save_checkpoint")
+
+    def gate(self) -> None:
+        """Before an optimizer step: the last save's copies land (as ``before_optimizer_step``)."""
+        if self.ungated is not None:
+            self.ungated.wait_snapshot()
+            self.ungated = None
 
     def folder(self, i: int) -> str:
         return f"step-{i}"
@@ -366,7 +380,7 @@ def rank_main(args: argparse.Namespace) -> None:
             if until is not None and all_ranks(until.done() or time.monotonic() > deadline):
                 break  # every rank's save is durable: steps stop together (they run collectives)
             t = time.perf_counter()
-            step()
+            step(methods.gate)
             out.append(time.perf_counter() - t)
         return out
 

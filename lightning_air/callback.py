@@ -155,6 +155,9 @@ class AirCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.session is not None, "AirCallback.setup did not run"
         _count_from_the_share(trainer)
+        if pl_module.automatic_optimization:  # every step passes on_before_optimizer_step (manual ones
+            for optimizer in trainer.optimizers:  # may step a raw optimizer, ungated)
+                self.session.track_optimizer(optimizer)
         mlf = next((lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)), None)
         run_id = None
         if mlf is not None:

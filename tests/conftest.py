@@ -97,6 +97,33 @@ def own_environment() -> Iterator[None]:
         os.environ.update(saved)
 
 
+@pytest.fixture
+def slow_copies(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Every gated copy (``Copies.on_thread``) starts 0.3 s late, long after the next forward and backward:
+    an optimizer step that did not wait at the gate would change what the copy reads. Returns the list of
+    when each such copy was started, so a test can tell that copies went through the thread."""
+    import threading
+    import time
+
+    from air_core.snapshot import Copies
+
+    started: list[float] = []
+    on_thread = Copies.on_thread
+
+    def late(self: Copies, copy: Any) -> None:
+        started.append(time.monotonic())
+        done = threading.Event()  # the copy may not begin before the delay, whatever the scheduler does
+
+        def delayed() -> None:
+            done.wait(0.3)
+            copy()
+
+        on_thread(self, delayed)
+
+    monkeypatch.setattr(Copies, "on_thread", late)
+    return started
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """moto's threaded S3 server on 127.0.0.1, started once per test run."""

@@ -2,8 +2,9 @@
 
 Framework-free. An adapter creates one per rank when training starts and translates the framework's
 events into its calls: ``open`` (the checkpoint root), ``track`` (each train loader), ``track_model``
-(each trained model), ``start`` (the first step is next), ``record_fetch``/``before_backward``/
-``record_step`` (timings, straggler sections), ``before_optimizer_step`` (the snapshot gate),
+(each trained model), ``track_optimizer`` (each optimizer whose steps it gates), ``start`` (the first
+step is next), ``record_fetch``/``before_backward``/``record_step`` (timings, straggler sections),
+``before_optimizer_step`` (the snapshot gate),
 ``save``/``rank_state``/``restore_rank_state`` and ``close``. The session owns the checkpointer, the
 ``Recorder``, rank 0's goodput log and MLflow sink (it ends the run it started), the SIGTERM flush, the
 launch id, the node health (``health.py``: the pre-flight, run by ``preflight`` before the root is
@@ -32,6 +33,7 @@ from ..events import Listener
 from ..health.preflight import PreflightReport
 from ..health.stragglers import Stragglers
 from ..layout import rank_state_path
+from ..snapshot import stepped_tensors
 from . import elastic
 from .config import SessionConfig
 from .elastic import Layout, layout_of
@@ -106,6 +108,8 @@ class TrainingSession:
         self._resumed_run: str | None = None
         self._loaders: list[TrackedLoader] = []
         self._models: list[torch.nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._ungated: list[SaveHandle] = []
         self._pending: dict[str, Any] | None = None
         self._failed: BaseException | None = None
         self._closed = False
@@ -225,9 +229,10 @@ class TrainingSession:
         if ckpt is None:
             raise AirError(f"{self.config.owner}: save() before the checkpoint root was opened.")
         with self.health.saving():
-            self.last_handle = ckpt.save_files(files, step=step, name=name, in_order=self._buffers())
-        self.returned_at = time.monotonic()
-        return self.last_handle
+            handle = ckpt.save_files(
+                files, step=step, name=name, in_order=self._buffers(), gated=stepped_tensors(self._optimizers)
+            )
+        return self._saved(handle)
 
     def save_sharded(
         self,
@@ -245,11 +250,24 @@ class TrainingSession:
         if ckpt is None:
             raise AirError(f"{self.config.owner}: save_sharded() before the checkpoint root was opened.")
         with self.health.saving():
-            self.last_handle = dcp.save(
-                ckpt, folders, step=step, name=name, files=files, plans=self._plans, in_order=self._buffers()
+            handle = dcp.save(
+                ckpt,
+                folders,
+                step=step,
+                name=name,
+                files=files,
+                plans=self._plans,
+                in_order=self._buffers(),
+                gated=stepped_tensors(self._optimizers),
             )
+        return self._saved(handle)
+
+    def _saved(self, handle: SaveHandle) -> SaveHandle:
+        self.last_handle = handle
+        self._ungated = [h for h in self._ungated if not h.done()]  # a finished save's copies landed
+        self._ungated.append(handle)
         self.returned_at = time.monotonic()
-        return self.last_handle
+        return handle
 
     def track_model(self, model: torch.nn.Module) -> None:
         """``model`` is trained: its buffers (BatchNorm statistics) change in the next forward, before the
@@ -260,16 +278,27 @@ class TrainingSession:
     def _buffers(self) -> Iterator[torch.Tensor]:  # walked by the snapshot only for a GPU save
         return (b for model in self._models for b in model.buffers())
 
+    def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The adapter calls ``before_optimizer_step`` before each of ``optimizer``'s steps, so a save may
+        copy the parameters it updates and its state on a thread, overlapping the next forward and
+        backward (``gated``), as GPU copies overlap them. Call it only for optimizers so gated."""
+        if all(o is not optimizer for o in self._optimizers):
+            self._optimizers.append(optimizer)
+
+
     def state_file(self, name: str, *, rank: int | None = None) -> str:
         """Where this rank's (or saved rank ``rank``'s) ``rank_state`` goes in checkpoint ``name`` when
         the framework's own files do not carry it (a path under the root)."""
         return rank_state_path(name, self.rank if rank is None else rank)
 
     def before_optimizer_step(self) -> None:
-        """Block until the last save's device-to-host copy landed (the optimizer mutates the weights)."""
-        if self.last_handle is not None:
+        """The snapshot gate: block until the copies of every save since the last gate landed (GPU
+        copies, gated CPU copies), since the optimizer mutates what they read."""
+        if self._ungated:
             with self.watchdog_paused():
-                self.last_handle.wait_snapshot()
+                for handle in self._ungated:
+                    handle.wait_snapshot()
+            self._ungated.clear()
 
     def watchdog_paused(self) -> contextlib.AbstractContextManager[None]:
         """Time inside is not a hang: checkpoint I/O the training thread waits on (an adapter's load, a wait

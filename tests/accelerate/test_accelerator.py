@@ -218,3 +218,32 @@ def test_a_0_1_rank_file_resumes_the_same_batches_through_the_migration():
     again = TrackedLoader(loader(), epoch=lambda: 0)
     again.resume(state["loaders"][0], state["rng"])
     assert [b.tolist() for b in again] == rest, "the 0.1 position resumes the same batches"
+
+
+def test_each_save_holds_its_steps_state_though_it_is_copied_after_save_state_returns(tmp_path, slow_copies):
+    """The prepared models' parameters and the optimizer's state are copied on a thread, overlapping the
+    next forward and backward; the prepared optimizer's step waits for them. With every such copy slowed
+    past the next backward, each checkpoint holds exactly its own step's weights and optimizer state."""
+    accelerator = air(str(tmp_path / "air"), keep_last=3)
+    model, optimizer, loader, scheduler, counter = setup(accelerator)
+    saved = {}
+    for _ in range(3):
+        train(accelerator, model, optimizer, loader, scheduler, counter, steps=2)
+        url = accelerator.save_state()  # nothing but the next optimizer step may change them: capture now
+        state = optimizer.state_dict()["state"]
+        saved[url] = (
+            {k: v.clone() for k, v in model.state_dict().items()},
+            {i: {k: v.clone() for k, v in s.items()} for i, s in state.items()},
+        )
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=1)
+    accelerator.wait_for_checkpoints()
+    accelerator.end_training()
+    assert len(saved) == 3 and len(slow_copies) == 3, "every save's copies went through the thread"
+    for url, (weights, state) in saved.items():
+        got = torch.load(f"{url}/pytorch_model.bin", weights_only=True)
+        got_state = torch.load(f"{url}/optimizer.bin", weights_only=True)["state"]
+        for key, value in weights.items():
+            assert torch.equal(got[key], value), f"{url}: {key} is another step's"
+        for i, s in state.items():
+            for key, value in s.items():
+                assert torch.equal(got_state[i][key], value), f"{url}: optimizer {i} {key}"

@@ -25,6 +25,42 @@ def _state(seed: int = 0) -> dict:
     }
 
 
+def test_gated_tensors_land_after_save_returns_and_hold_their_values_at_save_time(tmp_path, slow_copies):
+    """``gated`` tensors (what only the optimizer step after the gate mutates) are copied on a thread: the
+    caller may run on, mutating anything else at once; after ``wait_snapshot`` the gated ones too."""
+    state = _state()
+    expected = {k: v.clone() for k, v in state["model"].items()}
+    with AsyncCheckpointer(str(tmp_path)) as ckpt:
+        handle = ckpt.save(state, step=1, gated=[state["model"]["w"], state["opt"]["state"][0]["exp_avg"]])
+        state["model"]["b"].zero_()  # not gated: copied before save() returned
+        handle.wait_snapshot()  # the gate
+        state["model"]["w"].add_(100.0)
+        state["opt"]["state"][0]["exp_avg"].zero_()
+        handle.result(timeout=60)
+        loaded = ckpt.load()
+    assert len(slow_copies) == 1, "the gated tensors are copied on the copy thread"
+    assert torch.equal(loaded["model"]["w"], expected["w"])
+    assert torch.equal(loaded["model"]["b"], expected["b"])
+    assert torch.equal(loaded["opt"]["state"][0]["exp_avg"], _state()["opt"]["state"][0]["exp_avg"])
+
+
+def test_a_gated_copy_that_fails_fails_its_save_not_the_gate(tmp_path, monkeypatch):
+    from air_core import SaveError
+    from air_core.snapshot import Copies
+
+    def broken(self: Copies, copy) -> None:
+        self.error = RuntimeError("copy failed")  # as the thread records a copy that raised
+
+    monkeypatch.setattr(Copies, "on_thread", broken)
+    state = _state()
+    with AsyncCheckpointer(str(tmp_path)) as ckpt:
+        handle = ckpt.save(state, step=1, gated=[state["model"]["w"]])
+        handle.wait_snapshot()  # returns: training goes on
+        with pytest.raises(SaveError, match="copy failed"):
+            handle.result(timeout=60)
+        assert ckpt.latest() is None, "nothing was committed"
+
+
 def test_save_is_isolated_from_inplace_mutation(tmp_path):
     state = _state()
     expected = {k: v.clone() for k, v in state["model"].items()}

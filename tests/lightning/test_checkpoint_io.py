@@ -170,3 +170,31 @@ def test_dirpath_on_s3_crash_and_resume_exactly(tmp_path_factory, s3_root, monke
     run_job(resumed, *s3, "--kill", "20:upload_start", expect_kill=True)
     run_job(resumed, *s3)
     assert_same_run(resumed, reference)
+
+
+def test_each_checkpoint_holds_its_steps_weights_though_they_are_copied_after_the_save(tmp_path, slow_copies):
+    """The trained parameters and AdamW state are copied on a thread, overlapping the next forward and
+    backward; ``AirCallback`` holds the optimizer step until they land. With every such copy slowed past
+    the next step's backward, each checkpoint still holds exactly its own step's weights and optimizer state
+    (without the gate the optimizer would have changed them first)."""
+    saved: dict[int, tuple[dict, dict]] = {}
+
+    class Capture(pl.Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            opt = checkpoint["optimizer_states"][0]["state"]
+            saved[trainer.global_step] = (
+                {k: v.clone() for k, v in checkpoint["state_dict"].items()},
+                {i: {k: v.clone() for k, v in s.items()} for i, s in opt.items()},
+            )
+
+    dirpath = str(tmp_path / "ckpts")
+    mc = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=3, save_top_k=-1)
+    _trainer(tmp_path, callbacks=[AirCallback(), mc, Capture()], max_steps=10).fit(Model(str(tmp_path), 0))
+    assert sorted(saved) == [3, 6, 9] and len(slow_copies) == 3, "every save's copies went through the thread"
+    for step, (weights, optimizer) in saved.items():
+        ckpt = torch.load(f"{dirpath}/epoch=0-step={step}.ckpt", weights_only=True)
+        for key, value in weights.items():
+            assert torch.equal(ckpt["state_dict"][key], value), f"step {step}: {key} is another step's"
+        for i, state in optimizer.items():
+            for key, value in state.items():
+                assert torch.equal(ckpt["optimizer_states"][0]["state"][i][key], value), f"step {step}: {key}"
