@@ -28,6 +28,11 @@ class AirPlugin:
         keep_last: how many committed checkpoints the root keeps (default 2). With Accelerate's
             ``ProjectConfiguration(automatic_checkpoint_naming=True)`` the retention is its
             ``total_limit`` (None: all), and a different ``keep_last`` is refused.
+        overlap_copies: copy the prepared models' parameters and the optimizers' state on a thread during
+            the next forward and backward (the next ``optimizer.step()`` waits for it) instead of before
+            ``save_state`` returns, as GPU copies always overlap. Only for a loop in which nothing but the
+            prepared optimizers changes the weights in place after ``save_state`` (no EMA weights copied
+            in for an evaluation right after it, no ``Embedding(max_norm=...)``). Off by default.
         elastic: resume a checkpoint written by another number of processes: the rest of the interrupted
             epoch is split over this run's processes, every sample once, but the run is no longer bitwise
             equal to an uninterrupted one (and the global batch changes). Off: such a resume is refused.
@@ -71,6 +76,7 @@ class AirPlugin:
         log_every_n_steps: int = 50,
         mlflow: bool | None = None,
         mlflow_experiment: str = "air-plugins",
+        overlap_copies: bool = False,
         elastic: bool = False,
         straggler_threshold: float | None = 0.75,
         stop_on_straggler: bool = False,
@@ -99,6 +105,7 @@ class AirPlugin:
             flush_timeout_seconds=flush_timeout_seconds,
             mlflow=mlflow,
             mlflow_experiment=mlflow_experiment,
+            overlap_copies=overlap_copies,
             elastic=elastic,
             straggler_threshold=straggler_threshold,
             stop_on_straggler=stop_on_straggler,

@@ -14,11 +14,11 @@ method in turn (interleaved, so a drift in the machine's load bills every method
   ``FileSystemWriter``, fsynced), ``meta.pt`` from rank 0, then the Trainer's barrier;
 - ``dcp_async``: ``torch.distributed.checkpoint.async_save`` (thread mode, its default) to a
   ``FileSystemWriter``, on its own gloo group as torch advises (its thread runs collectives);
-- ``air``: ``air_core.dcp.save`` through one ``AsyncCheckpointer`` per rank, the root a local folder,
-  gating the parameters and AdamW state as the adapters' sessions do (``stepped_tensors``): they are
-  copied on a thread during the next forward and backward, and that step's optimizer step waits for them
-  (in the step slowdown, not in blocking);
-- ``air_staged``: the same with ``staging_dir`` set, so files are written there and copied to the root.
+- ``air``: ``air_core.dcp.save`` through one ``AsyncCheckpointer`` per rank, the root a local folder;
+- ``air_staged``: the same with ``staging_dir`` set, so files are written there and copied to the root;
+- ``air_overlap``: ``air`` with the parameters and AdamW state gated, as the adapters' sessions do with
+  ``overlap_copies=True`` (``stepped_tensors``): copied on a thread during the next forward and backward,
+  whose optimizer step waits for them (in the step slowdown, not in blocking).
 
 Per method, the median over ``--saves`` saves after a warm-up round:
 
@@ -56,14 +56,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-METHODS = ["stock", "dcp_async", "air", "air_staged"]
+METHODS = ["stock", "dcp_async", "air", "air_staged", "air_overlap"]
 LABELS = {
     "stock": "Lightning ModelParallel (dcp.save)",
     "dcp_async": "DCP async_save (thread)",
     "air": "air_core.dcp (direct)",
     "air_staged": "air_core.dcp (staged)",
+    "air_overlap": "air_core.dcp (direct, overlap)",
 }
-AIR = ("air", "air_staged")
+AIR = ("air", "air_staged", "air_overlap")
 IDLE_STEPS = 1
 """Steps with no save in flight, timed right before every timed save (pooled over methods and ranks:
 a step of the default model takes seconds here, its all-gathers run over gloo)."""
@@ -212,6 +213,7 @@ class Methods:
         self.ckpt = {
             "air": checkpointer("air", "air"),
             "air_staged": checkpointer("air_staged", "air-root", "air-staging"),
+            "air_overlap": checkpointer("air_overlap", "air-overlap"),
         }
         self.plans = {method: air_dcp.SavePlans() for method in self.ckpt}  # as TrainingSession keeps them
 
@@ -258,7 +260,7 @@ class Methods:
                 name=folder,
                 files={f"{folder}/meta.pt": self.meta(i)} if self.rank == 0 else None,
                 plans=self.plans[method],
-                gated=stepped_tensors([self.opt]),  # as the adapters' sessions: copied in forward/backward
+                gated=stepped_tensors([self.opt] if method == "air_overlap" else []),
             )
             self.ungated = handle  # the next optimizer step waits for its copies (``gate``)
 

@@ -45,6 +45,12 @@ class AirCallback(Callback):
             ``mlflow_experiment`` at ``MLFLOW_TRACKING_URI`` (default ``./mlflow.db``, sqlite). A resumed
             job continues the checkpoint's run. None: when MLflow is installed.
         mlflow_experiment: experiment of a new run.
+        overlap_copies: copy the trained parameters and the optimizer's state on a thread during the next
+            training step's forward and backward (``on_before_optimizer_step`` and validation's start wait
+            for it) instead of before the save returns, as GPU copies always overlap. Only for a job in
+            which nothing but the optimizer changes the weights in place between a save and the next
+            optimizer step or validation (automatic optimization only; not with
+            ``Embedding(max_norm=...)``). Off by default.
         elastic: resume a checkpoint written by another number of processes: the rest of the interrupted
             epoch is split over this run's ranks, every sample once, but the run is no longer bitwise equal
             to an uninterrupted one (and the global batch changes with the world size). Off: refused.
@@ -72,6 +78,7 @@ class AirCallback(Callback):
         flush_timeout_seconds: float = 600.0,
         mlflow: bool | None = None,
         mlflow_experiment: str = "air-plugins",
+        overlap_copies: bool = False,
         elastic: bool = False,
         straggler_threshold: float | None = 0.75,
         stop_on_straggler: bool = False,
@@ -85,6 +92,7 @@ class AirCallback(Callback):
             flush_timeout_seconds=flush_timeout_seconds,
             mlflow=mlflow,
             mlflow_experiment=mlflow_experiment,
+            overlap_copies=overlap_copies,
             elastic=elastic,
             straggler_threshold=straggler_threshold,
             stop_on_straggler=stop_on_straggler,
@@ -125,6 +133,8 @@ class AirCallback(Callback):
             )
         strategy = trainer.strategy
         _check_sharded_saves_reach_the_plugin(strategy)
+        if self.config.overlap_copies:
+            _check_nothing_swaps_weights(trainer)
 
         def gather(values: list[float]) -> list[list[float]]:
             gathered = strategy.all_gather(torch.tensor(values, dtype=torch.float64))
@@ -178,6 +188,19 @@ class AirCallback(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
+        if self.session is not None:
+            self.session.before_optimizer_step()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The snapshot gate too: a module may swap averaged weights in for validation in its hooks, which
+        run after every callback's."""
+        if self.session is not None:
+            self.session.before_optimizer_step()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The snapshot gate too: a module's ``on_train_end`` (run after this) may write other weights."""
         if self.session is not None:
             self.session.before_optimizer_step()
 
@@ -285,6 +308,24 @@ class AirCallback(Callback):
             # says so to the plugin, but not ModelParallelStrategy's (Lightning 2.6): its saves after the
             # fit stayed asynchronous, and were lost when the process ended.
             plugin.teardown()
+
+
+def _check_nothing_swaps_weights(trainer: pl.Trainer) -> None:
+    """``overlap_copies`` copies the weights while the next step runs: refuse the callbacks that write other
+    weights into the model between steps (after a save, before the copy may have landed)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+
+    swapping = [
+        type(c).__name__
+        for c in trainer.callbacks
+        if isinstance(c, (WeightAveraging, StochasticWeightAveraging))
+    ]
+    if swapping:
+        raise ConfigError(
+            f"AirCallback(overlap_copies=True) cannot run with {', '.join(swapping)}: it writes averaged "
+            "weights into the model between steps, while a save's copy of them may still be running. Drop "
+            "overlap_copies (saves then copy the weights before they return)."
+        )
 
 
 def _check_sharded_saves_reach_the_plugin(strategy: Any) -> None:

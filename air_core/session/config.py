@@ -24,6 +24,12 @@ class SessionConfig:
     """Send the metrics to MLflow (rank 0, from a background thread). None: when MLflow is installed."""
     mlflow_experiment: str = "air-plugins"
     """Experiment of a new MLflow run."""
+    overlap_copies: bool = False
+    """Copy the trained parameters and the optimizer's state on a thread during the next forward and
+    backward (the optimizer step waits for it), as GPU copies always overlap, instead of before ``save``
+    returns. Only for a job in which nothing but the optimizer step changes them in place after a save
+    (no averaged-weights swap right after it, no ``Embedding(max_norm=...)``): the copy could read them
+    half changed. Off by default for that reason."""
     elastic: bool = False
     """Resume a checkpoint written by another number of ranks: the rest of the interrupted epoch is split
     over this run's ranks, each sample once, but not bitwise equal to an uninterrupted run. Off by
@@ -67,8 +73,9 @@ class SessionConfig:
             raise bad("flush_timeout_seconds", t, "must be a number of seconds > 0.")
         if self.mlflow is not None and not isinstance(self.mlflow, bool):
             raise bad("mlflow", self.mlflow, "must be True, False or None (None: when MLflow is installed).")
-        if not isinstance(self.elastic, bool):
-            raise bad("elastic", self.elastic, "must be True or False.")
+        for flag in ("elastic", "overlap_copies"):
+            if not isinstance(getattr(self, flag), bool):
+                raise bad(flag, getattr(self, flag), "must be True or False.")
         s = self.straggler_threshold
         if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < 1):
             why = "must be a score in [0, 1) (0.75: a third slower), or 0 or None: off."

@@ -230,7 +230,7 @@ class TrainingSession:
             raise AirError(f"{self.config.owner}: save() before the checkpoint root was opened.")
         with self.health.saving():
             handle = ckpt.save_files(
-                files, step=step, name=name, in_order=self._buffers(), gated=stepped_tensors(self._optimizers)
+                files, step=step, name=name, in_order=self._buffers(), gated=self._gated()
             )
         return self._saved(handle)
 
@@ -258,7 +258,7 @@ class TrainingSession:
                 files=files,
                 plans=self._plans,
                 in_order=self._buffers(),
-                gated=stepped_tensors(self._optimizers),
+                gated=self._gated(),
             )
         return self._saved(handle)
 
@@ -279,12 +279,15 @@ class TrainingSession:
         return (b for model in self._models for b in model.buffers())
 
     def track_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """The adapter calls ``before_optimizer_step`` before each of ``optimizer``'s steps, so a save may
-        copy the parameters it updates and its state on a thread, overlapping the next forward and
-        backward (``gated``), as GPU copies overlap them. Call it only for optimizers so gated."""
+        """The adapter calls ``before_optimizer_step`` before each of ``optimizer``'s steps, so with
+        ``overlap_copies`` a save copies the parameters it updates and its state on a thread, overlapping
+        the next forward and backward (``gated``), as GPU copies overlap them. Only for optimizers so
+        gated."""
         if all(o is not optimizer for o in self._optimizers):
             self._optimizers.append(optimizer)
 
+    def _gated(self) -> Iterator[torch.Tensor]:
+        return stepped_tensors(self._optimizers if self.config.overlap_copies else ())
 
     def state_file(self, name: str, *, rank: int | None = None) -> str:
         """Where this rank's (or saved rank ``rank``'s) ``rank_state`` goes in checkpoint ``name`` when

@@ -253,6 +253,8 @@ def test_another_world_size_is_refused_unless_elastic_naming_the_setting():
         session.restore_rank_states(_states(), what="the checkpoint")
     with pytest.raises(ConfigError, match="elastic"):
         SessionConfig(elastic="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"overlap_copies='yes'\): must be True or False"):
+        SessionConfig(overlap_copies="yes")  # type: ignore[arg-type]
 
 
 def test_an_elastic_session_resumes_loaders_tracked_later_and_warns_once_on_rank_0(caplog):

@@ -161,6 +161,15 @@ def test_callback_without_the_plugin_fails_before_any_step(tmp_path):
     assert not (tmp_path / "ids-rank0.jsonl").exists(), "no training step may run"
 
 
+def test_overlapped_copies_are_refused_beside_a_callback_that_swaps_weights_in(tmp_path):
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    trainer = _trainer(tmp_path, callbacks=[AirCallback(overlap_copies=True), WeightAveraging()])
+    with pytest.raises(ConfigError, match=r"overlap_copies=True\) cannot run with WeightAveraging.*Drop"):
+        trainer.fit(Model(str(tmp_path), 0))
+    assert not (tmp_path / "ids-rank0.jsonl").exists(), "no training step may run"
+
+
 @pytest.mark.slow
 def test_dirpath_on_s3_crash_and_resume_exactly(tmp_path_factory, s3_root, monkeypatch):
     reference = tmp_path_factory.mktemp("s3-reference")
@@ -172,11 +181,15 @@ def test_dirpath_on_s3_crash_and_resume_exactly(tmp_path_factory, s3_root, monke
     assert_same_run(resumed, reference)
 
 
-def test_each_checkpoint_holds_its_steps_weights_though_they_are_copied_after_the_save(tmp_path, slow_copies):
-    """The trained parameters and AdamW state are copied on a thread, overlapping the next forward and
-    backward; ``AirCallback`` holds the optimizer step until they land. With every such copy slowed past
-    the next step's backward, each checkpoint still holds exactly its own step's weights and optimizer state
-    (without the gate the optimizer would have changed them first)."""
+@pytest.mark.parametrize("overlap", [True, False])
+def test_each_checkpoint_holds_its_steps_weights_with_or_without_overlapped_copies(
+    tmp_path, slow_copies, overlap
+):
+    """With ``overlap_copies`` the trained parameters and AdamW state are copied on a thread, overlapping
+    the next forward and backward, and ``AirCallback`` holds the optimizer step until they land. With every
+    such copy slowed past the next step's backward, each checkpoint still holds exactly its own step's
+    weights and optimizer state (without the gate the optimizer would have changed them first). Without
+    the setting nothing is copied after the save returns."""
     saved: dict[int, tuple[dict, dict]] = {}
 
     class Capture(pl.Callback):
@@ -189,8 +202,10 @@ def test_each_checkpoint_holds_its_steps_weights_though_they_are_copied_after_th
 
     dirpath = str(tmp_path / "ckpts")
     mc = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=3, save_top_k=-1)
-    _trainer(tmp_path, callbacks=[AirCallback(), mc, Capture()], max_steps=10).fit(Model(str(tmp_path), 0))
-    assert sorted(saved) == [3, 6, 9] and len(slow_copies) == 3, "every save's copies went through the thread"
+    callback = AirCallback(overlap_copies=overlap)
+    _trainer(tmp_path, callbacks=[callback, mc, Capture()], max_steps=10).fit(Model(str(tmp_path), 0))
+    assert sorted(saved) == [3, 6, 9]
+    assert len(slow_copies) == (3 if overlap else 0), "with overlap_copies, every save's copies on the thread"
     for step, (weights, optimizer) in saved.items():
         ckpt = torch.load(f"{dirpath}/epoch=0-step={step}.ckpt", weights_only=True)
         for key, value in weights.items():
