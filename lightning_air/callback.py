@@ -315,11 +315,9 @@ def _check_nothing_swaps_weights(trainer: pl.Trainer) -> None:
     weights into the model between steps (after a save, before the copy may have landed)."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
-    swapping = [
-        type(c).__name__
-        for c in trainer.callbacks
-        if isinstance(c, (WeightAveraging, StochasticWeightAveraging))
-    ]
+    averaging = (WeightAveraging, StochasticWeightAveraging)
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    swapping = [type(c).__name__ for c in callbacks if isinstance(c, averaging)]
     if swapping:
         raise ConfigError(
             f"AirCallback(overlap_copies=True) cannot run with {', '.join(swapping)}: it writes averaged "
