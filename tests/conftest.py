@@ -99,9 +99,11 @@ def own_environment() -> Iterator[None]:
 
 @pytest.fixture
 def slow_copies(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Every gated copy (``Copies.on_thread``) starts 0.3 s late, long after the next forward and backward:
-    an optimizer step that did not wait at the gate would change what the copy reads. Returns the list of
-    when each such copy was started, so a test can tell that copies went through the thread."""
+    """Every gated copy (``Copies.on_thread``) starts late, long after the next forward and backward: an
+    optimizer step that did not wait at the gate would change what the copy reads. The first, third, ...
+    copy waits 0.6 s, the others 0.3 s, so a later save's copy lands first and a gate that waited only for
+    the last save would let the step run. Returns when each copy was started (a test can tell that copies
+    went through the thread)."""
     import threading
     import time
 
@@ -112,10 +114,11 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
     def late(self: Copies, copy: Any) -> None:
         started.append(time.monotonic())
-        done = threading.Event()  # the copy may not begin before the delay, whatever the scheduler does
+        delay = 0.6 if len(started) % 2 else 0.3
+        never = threading.Event()  # waited on for the delay: the copy cannot begin earlier
 
         def delayed() -> None:
-            done.wait(0.3)
+            never.wait(delay)
             copy()
 
         on_thread(self, delayed)

@@ -250,3 +250,31 @@ def test_each_save_holds_its_steps_state_with_or_without_overlapped_copies(tmp_p
         for i, s in state.items():
             for key, value in s.items():
                 assert torch.equal(got_state[i][key], value), f"{url}: optimizer {i} {key}"
+
+
+def test_every_prepared_optimizer_waits_for_the_overlapped_copies(tmp_path, slow_copies):
+    """Two models, two prepared optimizers (a GAN's pair): whichever steps first after ``save_state`` waits
+    for the copies, so the second model's checkpoint holds its weights at the save."""
+    accelerator = air(str(tmp_path / "air"), overlap_copies=True)
+    torch.manual_seed(0)
+    nets = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
+    opts = [torch.optim.AdamW(n.parameters(), lr=1e-2) for n in nets]
+    *nets, opt_a, opt_b = accelerator.prepare(*nets, *opts)
+    x = torch.randn(4, 8)
+
+    def step(order) -> None:
+        accelerator.backward(sum(n(x).pow(2).mean() for n in nets))
+        for opt in order:
+            opt.step()
+            opt.zero_grad()
+
+    step([opt_a, opt_b])
+    url = accelerator.save_state()
+    want = [{k: v.clone() for k, v in n.state_dict().items()} for n in nets]
+    step([opt_b, opt_a])  # the second optimizer steps first
+    accelerator.wait_for_checkpoints()
+    accelerator.end_training()
+    assert len(slow_copies) == 1
+    for i, name in enumerate(["pytorch_model.bin", "pytorch_model_1.bin"]):
+        got = torch.load(f"{url}/{name}", weights_only=True)
+        assert all(torch.equal(got[k], v) for k, v in want[i].items()), f"{name} holds another step's weights"

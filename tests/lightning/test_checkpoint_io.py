@@ -188,8 +188,9 @@ def test_each_checkpoint_holds_its_steps_weights_with_or_without_overlapped_copi
     """With ``overlap_copies`` the trained parameters and AdamW state are copied on a thread, overlapping
     the next forward and backward, and ``AirCallback`` holds the optimizer step until they land. With every
     such copy slowed past the next step's backward, each checkpoint still holds exactly its own step's
-    weights and optimizer state (without the gate the optimizer would have changed them first). Without
-    the setting nothing is copied after the save returns."""
+    weights and optimizer state (without the gate the optimizer would have changed them first), though two
+    ``ModelCheckpoint``s save at each of those steps (two buffers, so the second save need not wait for the
+    first). Without the setting nothing is copied after the save returns."""
     saved: dict[int, tuple[dict, dict]] = {}
 
     class Capture(pl.Callback):
@@ -202,14 +203,20 @@ def test_each_checkpoint_holds_its_steps_weights_with_or_without_overlapped_copi
 
     dirpath = str(tmp_path / "ckpts")
     mc = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=3, save_top_k=-1)
+    other = ModelCheckpoint(
+        dirpath, "b-{step}", monitor="step", mode="max", every_n_train_steps=3, save_top_k=-1
+    )
     callback = AirCallback(overlap_copies=overlap)
-    _trainer(tmp_path, callbacks=[callback, mc, Capture()], max_steps=10).fit(Model(str(tmp_path), 0))
+    plugin = AirCheckpointIO(max_in_flight=2)
+    trainer = _trainer(tmp_path, plugin, callbacks=[callback, mc, other, Capture()], max_steps=10)
+    trainer.fit(Model(str(tmp_path), 0))
     assert sorted(saved) == [3, 6, 9]
-    assert len(slow_copies) == (3 if overlap else 0), "with overlap_copies, every save's copies on the thread"
+    assert len(slow_copies) == (6 if overlap else 0), "with overlap_copies, every save's copies on the thread"
     for step, (weights, optimizer) in saved.items():
-        ckpt = torch.load(f"{dirpath}/epoch=0-step={step}.ckpt", weights_only=True)
-        for key, value in weights.items():
-            assert torch.equal(ckpt["state_dict"][key], value), f"step {step}: {key} is another step's"
-        for i, state in optimizer.items():
-            for key, value in state.items():
-                assert torch.equal(ckpt["optimizer_states"][0]["state"][i][key], value), f"step {step}: {key}"
+        for name in (f"epoch=0-step={step}.ckpt", f"b-step={step}.ckpt"):
+            ckpt = torch.load(f"{dirpath}/{name}", weights_only=True)
+            for key, value in weights.items():
+                assert torch.equal(ckpt["state_dict"][key], value), f"{name}: {key} is another step's"
+            for i, state in optimizer.items():
+                for key, value in state.items():
+                    assert torch.equal(ckpt["optimizer_states"][0]["state"][i][key], value), f"{name}: {key}"
