@@ -321,32 +321,36 @@ def take_snapshot(
             pending_spill.append(s)
             spill_offset += _aligned(n)
 
+    # When each storage is copied: GPU ones queued "ahead" on the current stream or on a side "stream";
+    # CPU ones "now", or on a "thread" when gated.
     ahead = storage_pointers(in_order) if on_gpu else frozenset()
     later = storage_pointers(gated) if not all(s.device.type == "cuda" for s in sources) else frozenset()
+    when = [
+        ("ahead" if s.data_ptr() in ahead else "stream")
+        if s.device.type == "cuda"
+        else ("thread" if s.data_ptr() in later else "now")
+        for s in sources
+    ]
 
-    def copy(which: Callable[[torch.UntypedStorage], bool]) -> None:
-        for s, placed in zip(sources, slots, strict=True):
-            if not placed.spilled and placed.nbytes and which(s):
+    def copy(kind: str) -> None:
+        for s, placed, k in zip(sources, slots, when, strict=True):
+            if k == kind and not placed.spilled and placed.nbytes:
                 dst = buffer.tensor[placed.offset : placed.offset + placed.nbytes]
                 dst.copy_(_bytes_view(s), non_blocking=s.device.type == "cuda")
 
-    def on_cpu(s: torch.UntypedStorage) -> bool:
-        return s.device.type != "cuda"
-
-    copies = Copies() if on_gpu or later else None
+    copies = Copies() if on_gpu or "thread" in when else None
     if on_gpu:
         assert copies is not None
-        copy(lambda s: not on_cpu(s) and s.data_ptr() in ahead)  # current stream: before the caller's work
+        copy("ahead")  # before whatever the caller queues next
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())  # its event then covers those copies too
         with torch.cuda.stream(stream):
-            copy(lambda s: not on_cpu(s) and s.data_ptr() not in ahead)
+            copy("stream")
             copies.event = torch.cuda.Event()
             copies.event.record(stream)
-    copy(lambda s: on_cpu(s) and s.data_ptr() not in later)
-    if later:
-        assert copies is not None
-        copies.on_thread(lambda: copy(lambda s: on_cpu(s) and s.data_ptr() in later))
+    copy("now")
+    if copies is not None and "thread" in when:
+        copies.on_thread(lambda: copy("thread"))
 
     spill_path = None
     if pending_spill:

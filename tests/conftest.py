@@ -104,7 +104,6 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     copy waits 0.6 s, the others 0.3 s, so a later save's copy lands first and a gate that waited only for
     the last save would let the step run. Returns when each copy was started (a test can tell that copies
     went through the thread)."""
-    import threading
     import time
 
     from air_core.snapshot import Copies
@@ -115,10 +114,9 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     def late(self: Copies, copy: Any) -> None:
         started.append(time.monotonic())
         delay = 0.6 if len(started) % 2 else 0.3
-        never = threading.Event()  # waited on for the delay: the copy cannot begin earlier
 
         def delayed() -> None:
-            never.wait(delay)
+            time.sleep(delay)
             copy()
 
         on_thread(self, delayed)
