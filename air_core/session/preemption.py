@@ -1,8 +1,12 @@
 """Preemption: on SIGTERM, commit the saves in flight (bounded), then let the previous handler act.
 
-Schedulers (SLURM, Kubernetes, spot reclaim) send SIGTERM some seconds before SIGKILL. The adapters
-install one ``FlushOnSigterm`` on the main thread; it flushes the checkpointer, logs the outcome (never
-raises from a signal handler) and then runs whatever handler was there before, or the default action.
+Schedulers (SLURM, Kubernetes, spot reclaim) send SIGTERM some seconds before SIGKILL. The session
+installs one ``FlushOnSigterm`` on the main thread when training starts; it flushes the checkpointer, logs
+the outcome (never raises from a signal handler) and then runs whatever handler was there before, or the
+default action. Installed at the start, not when the session is built, so that a framework which saves
+and restores the handlers around its run (Lightning's signal connector) restores the one from before the
+run, never ours; and taken off only while it is still the installed one, so that a handler put in after
+it (or restored by the framework) is never replaced by a stale one.
 """
 
 from __future__ import annotations
@@ -41,9 +45,13 @@ class FlushOnSigterm:
         self._who = who
         self._log = log
         self._previous: Any = None
-        self._installed = threading.current_thread() is threading.main_thread()
-        if self._installed:
+        self._installed = False
+
+    def install(self) -> None:
+        """Handle SIGTERM from now on (idempotent; only the main thread can install a handler)."""
+        if not self._installed and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._installed = True
 
     def flush(self, why: str) -> None:
         """Commit what is in flight; failures are logged, not raised (the caller is already failing)."""
@@ -66,7 +74,9 @@ class FlushOnSigterm:
             signal.raise_signal(signal.SIGTERM)
 
     def uninstall(self) -> None:
-        """Put the previous SIGTERM handler back (idempotent; main thread only)."""
+        """Put the previous SIGTERM handler back if this one is still installed (idempotent; main thread
+        only). A handler installed after this one, or one the framework restored, is left in place."""
         if self._installed and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous)
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, self._previous)
             self._installed = False

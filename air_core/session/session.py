@@ -439,7 +439,7 @@ class TrainingSession:
     # -- measurement ---------------------------------------------------------------------------------
     def start(self, *, mlflow_run_id: str | None = None, run_is_ours: bool = True) -> None:
         """The first training step of this launch is next: restore a pending RNG no loader took, and
-        start the MLflow sink (rank 0) and the hang watchdog (``hang_watchdog``). ``mlflow_run_id``: the
+        start the MLflow sink (rank 0), the SIGTERM flush and the hang watchdog (``hang_watchdog``). ``mlflow_run_id``: the
         framework logger's run (None: the checkpoint's run, else a new one); ``run_is_ours``: the session
         ends the run at ``close``."""
         if self._pending is not None and not self._loaders and self._pending["rng"] is not None:
@@ -453,6 +453,7 @@ class TrainingSession:
             self.records.attach(self._sink.log, self._sink.tag)
             self.health.log_preflight(self._sink)
         if not self._closed:
+            self._preemption.install()
             self.health.arm(write=self._write_hang, record=self._record_hang)
 
     def _write_hang(self, path: str, data: bytes) -> None:  # the watchdog's thread: no flush, no lock

@@ -7,6 +7,7 @@ import copy
 import logging
 import os
 import pickle
+import signal
 
 import lightning.pytorch as pl
 import pytest
@@ -295,3 +296,32 @@ def test_train_loader_workers_start_and_stop_as_often_as_stock_with_air_callback
         return {kind: [epoch for k, epoch in events if k == kind] for kind in ("start", "stop")}
 
     assert by_kind(ours) == by_kind(stock)
+
+
+class _FailsAtStep2(BoringModel):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise RuntimeError("the user's step failed")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_fit_leaves_the_sigterm_handler_it_found_even_when_it_fails(tmp_path, fails):
+    """A notebook whose fit failed must not keep the job's preemption handler, bound to a closed session
+    (the flush on SIGTERM during a fit: ``test_crash_resume.py``)."""
+
+    def mine(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        trainer = _trainer(tmp_path, AirCheckpointIO(), [AirCallback(mlflow=False)])
+        model = _FailsAtStep2() if fails else BoringModel()
+        if fails:
+            with pytest.raises(RuntimeError, match="the user's step failed"):
+                trainer.fit(model)
+        else:
+            trainer.fit(model)
+        assert signal.getsignal(signal.SIGTERM) is mine, "the fit did not put the user's SIGTERM handler back"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
