@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import layout, open_roots
-from .catalog import scan
+from .catalog import Catalog, read_catalog
 from .config import BusyPolicy, CheckpointerConfig, WriterKind, check_filename, check_name, check_step
 from .errors import AirError, ConfigError
 from .events import Emitter, Listener, PhaseEvent, RestoreRecord
@@ -266,9 +266,13 @@ class AsyncCheckpointer:
         Like every read, it first waits for the saves this process has in flight to the root, so a save
         that returned is listed committed (``settle=False``: list now; those show as partial).
         """
+        return builtins.list(self.catalog(settle=settle).infos)
+
+    def catalog(self, *, settle: bool = True) -> Catalog:
+        """``list()`` with the files each unfinished checkpoint's part records name (what it was writing)."""
         if settle:
             open_roots.settle(self._root_key, self._storage.url, "listing")
-        return scan(self._storage)
+        return read_catalog(self._storage)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint whose files are all present at their recorded sizes."""

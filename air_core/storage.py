@@ -64,6 +64,20 @@ def is_transient(exc: BaseException) -> bool:
     }
 
 
+def location(url: str) -> str:
+    """One spelling per location, fsspec's: a local path absolute with its links resolved (``file://``,
+    ``~`` and a relative path included), any other URL as its backend strips it, with its scheme and no
+    trailing slash. For telling whether two paths a framework gave name the same folder; no I/O."""
+    protocol, _ = fsspec.core.split_protocol(url)
+    if protocol in (None, "file", "local"):
+        return os.path.realpath(os.path.expanduser(LocalFileSystem._strip_protocol(url)))
+    try:
+        stripped = fsspec.get_filesystem_class(protocol)._strip_protocol(url)
+    except (ImportError, ValueError):  # no backend: the Storage that opens it says so
+        return url.rstrip("/")
+    return f"{protocol}://{str(stripped).rstrip('/')}"
+
+
 class Storage:
     """Files under one root URL, addressed by relative POSIX paths.
 

@@ -13,14 +13,10 @@ in a notebook) and to another folder than the fit's, they return once committed.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import re
-import threading
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
@@ -31,11 +27,11 @@ from air_core import (
     CheckpointerConfig,
     CheckpointInfo,
     ConfigError,
-    CorruptCheckpointError,
     Listener,
     dcp,
 )
-from air_core.session import SessionConfig, TrainingSession
+from air_core.session import Owner, Place, SessionConfig, TrainingSession, entry_of, safe_name
+from air_core.session import split as split_place
 
 logger = logging.getLogger(__name__)
 
@@ -46,19 +42,17 @@ _NEVER_BY_COUNT = 1 << 30  # ModelCheckpoint decides retention; the core only cl
 
 def split_path(path: str) -> tuple[str, str]:
     """``dirpath/file.ckpt`` (any URL) -> (dirpath, file.ckpt); a bare file name is in the working folder."""
-    path = str(path).rstrip("/")
-    head, sep, tail = path.rpartition("/")
-    if not tail or tail in (".", ".."):
-        raise ConfigError(f"AirCheckpointIO: {path!r} names no file; give a path such as 'run/last.ckpt'.")
-    return head or (sep or "."), tail
+    try:
+        return split_place(path)
+    except ValueError as exc:
+        raise ConfigError(f"AirCheckpointIO: {exc}.") from exc
 
 
 def commit_name(filename: str, step: int, unique: str = "") -> str:
     """The commit name of a save of ``filename`` at ``step``: unique, since Lightning may write the same file
     at the same step again (a rerun with ``enable_version_counter=False``) while the older commit exists.
     ``unique``: what makes it so (default: random); the ranks of one sharded save pass the same."""
-    stem = re.sub(r"[^A-Za-z0-9._=+-]", "_", filename.removesuffix(".ckpt")).lstrip(".") or "ckpt"
-    return f"{stem}.s{step:09d}.{unique or uuid.uuid4().hex[:6]}"
+    return f"{safe_name(filename.removesuffix('.ckpt'))}.s{step:09d}.{unique or uuid.uuid4().hex[:6]}"
 
 
 class AirCheckpointIO(CheckpointIO):
@@ -103,13 +97,6 @@ class AirCheckpointIO(CheckpointIO):
         self._module: Any = None
         self._listeners: list[Listener] = []
         self._session: TrainingSession | None = None
-        self.loaded_rank_state: Any = None
-        """This rank's own part of the checkpoint the last ``load_checkpoint`` read (ranks > 0)."""
-        self.loaded_rank_states: dict[int, Any] = {}
-        """The parts of saved ranks > 0 the last ``load_checkpoint`` read: this rank's, or every saved
-        rank's for an elastic resume at another world size (``TrainingSession.ranks_to_load``)."""
-        self._owners: dict[str, dict[str, list[_Owner]]] = {}
-        """Per root: the commit names of each file or folder this plugin saved or found there."""
         self._unnamed_sharded = 0
         """Sharded saves named by this plugin (every rank counts alike: each rank makes every one)."""
         self._asynchronous = False
@@ -121,7 +108,7 @@ class AirCheckpointIO(CheckpointIO):
         """A copy (``ddp_spawn``'s workers, ``deepcopy(trainer)``) starts without the runtime parts: the
         session's threads, buffers and lease stay with the original."""
         state = self.__dict__.copy()
-        state.update(_session=None, _module=None, _owners={}, loaded_rank_state=None, loaded_rank_states={})
+        state.update(_session=None, _module=None)
         return state
 
     def add_listener(self, listener: Listener) -> None:
@@ -176,32 +163,21 @@ class AirCheckpointIO(CheckpointIO):
             current.close(0)  # a one-rank session of an earlier full save: its writer is closed
         self._session = self._own_session(rank=rank, world_size=world_size, broadcast=broadcast)
 
-    def checkpointer(self, root: str) -> AsyncCheckpointer:
-        """The core checkpointer for ``root`` (one per session; created on first use)."""
-        return self.session.open(root)
+    def _place(self, path: str) -> Place:
+        """Where ``path`` (a file, or a sharded save's folder) lives: an entry of its parent folder."""
+        split_path(path)  # a path naming no file is the user's mistake: ConfigError
+        return self.session.paths.place(path, own_root=False)
 
-    @contextlib.contextmanager
-    def _writing(self, root: str) -> Iterator[tuple[AsyncCheckpointer, bool]]:
-        """The writer of ``root`` and whether a save must return only once committed (its writer is then
-        closed after it): the session's, or a one-off writer for another root than the session's."""
+    def _settle(self, handle: Any, ckpt: AsyncCheckpointer) -> None:
+        """After a save: unless asynchronous, wait for its commit and close the writers; a save to another
+        folder than the session's root returns once committed too (``ModelCheckpoint`` and the user see
+        only what returned)."""
         session = self.session
-        ckpt = session.checkpointer
-        if ckpt is not None and not ckpt.closed and not _same_root(ckpt.config.root, root):
-            with AsyncCheckpointer(root, listeners=self._listeners, **self._settings) as elsewhere:
-                yield elsewhere, True
-            return
-        ckpt = self.checkpointer(root)
-        try:
-            yield ckpt, not self._asynchronous
-        finally:
-            if not self._asynchronous:
-                session.close_checkpointer()
-
-    def _settle(self, handle: Any) -> None:
-        """After a save through the session: unless asynchronous, wait for its commit and close the writer."""
         if not self._asynchronous:
             handle.result()
-            self.session.close_checkpointer()
+            session.close_checkpointer()
+        elif ckpt is not session.checkpointer:
+            handle.result()
 
     def latest_checkpoint(self, dirpath: str) -> str | None:
         """``latest_checkpoint(dirpath)`` with this plugin's ``storage_options`` and ``staging_dir`` (the
@@ -222,17 +198,13 @@ class AirCheckpointIO(CheckpointIO):
                 "AirCheckpointIO.save_checkpoint(storage_options=...) is not supported: pass "
                 "storage_options to AirCheckpointIO(storage_options=...) instead."
             )
-        root, filename = split_path(str(path))
+        place = self._place(str(path))
         step = int(checkpoint.get("global_step", 0))
-        name = checkpoint.get(AIR_KEY, {}).get("name") or commit_name(filename, step)
-        with self._writing(root) as (ckpt, committed):
-            self._retire(ckpt, filename, _Owner(name, step, folder=False))
-            if ckpt is self.session.checkpointer:
-                handle = self.session.save({filename: checkpoint}, step=step, name=name)
-            else:
-                handle = ckpt.save_files({filename: checkpoint}, step=step, name=name)
-            if committed:
-                handle.result()
+        name = checkpoint.get(AIR_KEY, {}).get("name") or commit_name(place.entry, step)
+        session = self.session
+        ckpt = session.paths.writer(place)
+        session.paths.claim(ckpt, place, Owner(name, step, folder=False))
+        self._settle(session.save({place.entry: checkpoint}, step=step, name=name, checkpointer=ckpt), ckpt)
 
     def save_sharded(
         self, sharded: dict[str, Any], checkpoint: dict[str, Any], path: str, *, meta_file: str
@@ -240,35 +212,39 @@ class AirCheckpointIO(CheckpointIO):
         """Every rank (``AirModelParallelStrategy``, ``AirFSDPStrategy``): commit the DCP ``sharded`` state
         into the folder ``path``, with rank 0's ``checkpoint`` (the rest) as ``<path>/<meta_file>`` and
         every other rank's part (``AirCallback``'s) beside the commit records."""
-        root, folder = split_path(path)
+        place = self._place(path)
         step = int(checkpoint.get("global_step", 0))
         air = checkpoint.get(AIR_KEY) or {}
         session = self.session
         name = air.get("name")
         if not name:  # no AirCallback in this fit, or a save after it: a name every rank derives alike
             self._unnamed_sharded += 1
-            name = commit_name(folder, step, f"{session.launch_id[:6]}{self._unnamed_sharded}")
-        ckpt = self.checkpointer(root)
+            name = commit_name(place.entry, step, f"{session.launch_id[:6]}{self._unnamed_sharded}")
+        ckpt = session.paths.writer(place)
+        # Every rank writes into the folder: a full file of that name must be gone before the others write
+        # (the save's collectives hold them until rank 0 arrives).
+        for ran in session.paths.claim(ckpt, place, Owner(name, step, folder=True)):
+            with session.watchdog_paused():
+                ran.wait(ckpt.config.close_timeout_seconds)
         files: dict[str, Any] = {}
         if session.rank == 0:
-            # Every rank writes into the folder: a full file of that name must be gone before the others
-            # write (the save's collectives hold them until this rank arrives).
-            for ran in self._retire(ckpt, folder, _Owner(name, step, folder=True)):
-                with session.watchdog_paused():
-                    ran.wait(ckpt.config.close_timeout_seconds)
-            files[f"{folder}/{meta_file}"] = checkpoint
+            files[place.join(meta_file)] = checkpoint
         elif "rank_state" in air:
             files[session.state_file(name)] = air["rank_state"]
-        self._settle(session.save_sharded({folder: sharded}, step=step, name=name, files=files))
+        handle = session.save_sharded(
+            {place.entry: sharded}, step=step, name=name, files=files, checkpointer=ckpt
+        )
+        self._settle(handle, ckpt)
 
     def wait_for(self, path: str) -> None:
         """Rank 0: wait for a save of ``path`` still in flight, so that an existence check sees it."""
-        ckpt = self._session.checkpointer if self._session is not None else None
-        root, filename = split_path(path)
-        if ckpt is None or ckpt.closed or not _same_root(ckpt.config.root, root):
+        session = self._session
+        if session is None or session.closed:
             return
-        if {o.name for o in self._owners.get(ckpt.config.root, {}).get(filename, ())} & set(ckpt.in_flight()):
-            with self.session.watchdog_paused():  # waiting for a commit is no hang
+        place = session.paths.place(path, own_root=False)
+        ckpt = session.paths.open_writer(place)
+        if ckpt is not None and session.paths.in_flight(ckpt, place):
+            with session.watchdog_paused():  # waiting for a commit is no hang
                 ckpt.wait_in_flight()
 
     def commit_of(self, path: str) -> CheckpointInfo | None:
@@ -276,11 +252,14 @@ class AirCheckpointIO(CheckpointIO):
         checkpoint from elsewhere.
 
         Raises:
-            CorruptCheckpointError: no commit names it, but saves under its root did not finish.
+            CorruptCheckpointError: no commit holds it, but a save that was writing it did not finish.
         """
-        root, _ = split_path(path)
-        with self.session.reader(root) as ckpt:
-            return self._commit_of(ckpt, path)
+        place = self._place(path)
+        with self.session.reader(place.root) as ckpt:
+            return self._commit_of(ckpt, place, path)
+
+    def _commit_of(self, ckpt: AsyncCheckpointer, place: Place, path: str) -> CheckpointInfo | None:
+        return self.session.paths.committed(ckpt, place, what=f"AirCheckpointIO.load_checkpoint({path!r})")
 
     @staticmethod
     def is_sharded(info: CheckpointInfo | None, path: str) -> bool:
@@ -299,19 +278,19 @@ class AirCheckpointIO(CheckpointIO):
         """Every rank: load the committed sharded checkpoint ``info`` (its folder ``path``) into ``state`` in
         place (resharded at this world size by DCP; each rank fetches only the files it needs); return rank
         0's rest."""
-        root, folder = split_path(path)
-        with self.session.reader(root) as ckpt, ckpt.restoring():
-            dcp.load(ckpt, state, info, folder=folder)
-            meta = f"{folder}/{meta_file}"
+        place = self._place(path)
+        with self.session.reader(place.root) as ckpt, ckpt.restoring():
+            dcp.load(ckpt, state, info, folder=place.entry)
+            meta = place.join(meta_file)
             local = ckpt.fetch(info, paths=[meta])
             self._load_rank_states(ckpt, info, weights_only)
             return torch.load(local.paths[meta], map_location="cpu", weights_only=weights_only)
 
     def save_rank_part(self, root: str, state: Any, *, step: int, name: str) -> None:
         """Ranks > 0: add this rank's part to the commit rank 0 makes of ``name``."""
-        self.checkpointer(root)
         session = self.session
-        self._settle(session.save({session.state_file(name): state}, step=step, name=name))
+        ckpt = session.paths.writer(Place(root, ""))
+        self._settle(session.save({session.state_file(name): state}, step=step, name=name), ckpt)
 
     @override
     def load_checkpoint(
@@ -326,9 +305,9 @@ class AirCheckpointIO(CheckpointIO):
         path = str(path)
         if path.startswith(("http://", "https://")):
             return self._load_unverified(path, map_location, weights_only, why="a URL")
-        root, filename = split_path(path)
-        with self.session.reader(root) as ckpt, ckpt.restoring():
-            info = self._commit_of(ckpt, path)
+        place = self._place(path)
+        with self.session.reader(place.root) as ckpt, ckpt.restoring():
+            info = self._commit_of(ckpt, place, path)
             if info is None:
                 return self._load_unverified(path, map_location, weights_only, why="named by no commit")
             location = map_location if map_location is not None else "cpu"
@@ -337,7 +316,7 @@ class AirCheckpointIO(CheckpointIO):
                 self.session.check_model(
                     self._module.state_dict(),
                     checkpoint.get("state_dict", {}),
-                    what=f"checkpoint {info.name} under {root}",
+                    what=f"checkpoint {info.name} under {place.root}",
                     fix="Resume with the model it was saved from, or give this run its own ModelCheckpoint "
                     "dirpath (set LightningModule.strict_loading = False to load a partial match on "
                     "purpose).",
@@ -351,35 +330,13 @@ class AirCheckpointIO(CheckpointIO):
         committed, with the saved ranks' states read for the callback; ``path`` itself if ``info`` is None
         (a file from elsewhere)."""
         if info is None:
-            self.loaded_rank_state, self.loaded_rank_states = None, {}
+            self.session.loaded_rank_states = {}
             return path
-        root, filename = split_path(path)
-        with self.session.reader(root) as ckpt, ckpt.restoring():
-            local = ckpt.fetch(info, paths=[filename])
+        place = self._place(path)
+        with self.session.reader(place.root) as ckpt, ckpt.restoring():
+            local = ckpt.fetch(info, paths=[place.entry])
             self._load_rank_states(ckpt, info, weights_only)
-            return local.paths[filename]
-
-    def _commit_of(self, ckpt: AsyncCheckpointer, path: str) -> CheckpointInfo | None:
-        """The newest commit whose rank-0 file is ``path``; None for a file from elsewhere.
-
-        Raises:
-            CorruptCheckpointError: no commit names it, but saves under its root did not finish.
-        """
-        infos = ckpt.list()
-        root, filename = split_path(path)
-        commits = self._commits_of(infos, filename)
-        if commits:
-            return commits[-1]
-        unfinished = [f"{i.name}: {i.status} {i.reason}" for i in infos if i.status != "committed"]
-        if not unfinished or not ckpt.storage.exists(filename):
-            return None
-        raise CorruptCheckpointError(
-            f"AirCheckpointIO.load_checkpoint({path!r}): no committed checkpoint holds this file, and saves "
-            f"under {root!r} did not finish ({'; '.join(unfinished)}): it may be one of them. Resume from "
-            "lightning_air.latest_checkpoint(dirpath): it returns committed ones only.",
-            path=path,
-            reason="not committed",
-        )
+            return local.paths[place.entry]
 
     def _load_unverified(
         self, path: str, map_location: Any, weights_only: bool | None, *, why: str
@@ -389,121 +346,45 @@ class AirCheckpointIO(CheckpointIO):
             path, map_location=map_location, weights_only=weights_only
         )
         logger.info("AirCheckpointIO: loaded %s as Lightning does, not verified (%s)", path, why)
-        self.loaded_rank_state, self.loaded_rank_states = None, {}
+        self.session.loaded_rank_states = {}
         return checkpoint
 
     def _load_rank_states(
         self, ckpt: AsyncCheckpointer, info: CheckpointInfo, weights_only: bool | None
     ) -> None:
-        """The parts of saved ranks > 0 this rank restores from (rank 0's is in its checkpoint dict)."""
-        self.loaded_rank_state, self.loaded_rank_states = None, {}
-        manifest = info.manifest
-        assert manifest is not None  # committed
-        parts = {
-            r: self.session.state_file(info.name, rank=r)
-            for r in self.session.ranks_to_load(manifest.world_size)
-        }
-        present = {f.path for f in manifest.files}
-        parts = {r: path for r, path in parts.items() if r != 0 and path in present}
-        if parts:
-            local = ckpt.fetch(info, paths=parts.values())
-            for r, path in parts.items():
-                self.loaded_rank_states[r] = torch.load(
-                    local.paths[path], map_location="cpu", weights_only=weights_only
-                )
-            self.loaded_rank_state = self.loaded_rank_states.get(self.session.rank)
+        """The parts of saved ranks > 0 this rank restores from (rank 0's is in its checkpoint dict), kept
+        on the session for ``AirCallback.on_load_checkpoint``."""
+        session = self.session
+        session.loaded_rank_states = session.paths.rank_states(
+            ckpt,
+            info,
+            lambda rank: session.state_file(info.name, rank=rank) if rank else None,
+            weights_only=weights_only,
+        )
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` after any save queued before. While saves are asynchronous the
         newest committed one is kept until a newer one commits; otherwise it goes at once, as asked."""
-        root, filename = split_path(str(path))
-        with self._writing(root) as (ckpt, now):  # synchronous saves: every newer one has committed
-            owners = self._owners_of(ckpt, filename)
-            if not owners:  # not ours: a link (save_last="link") or a stock file, removed as Lightning does
+        place = self._place(str(path))
+        session = self.session
+        ckpt = session.paths.writer(place)
+        now = not self._asynchronous  # synchronous saves: every newer one has committed
+        try:
+            if not session.paths.release(ckpt, place, now=now):
+                # not ours: a link (save_last="link") or a stock file, removed as Lightning does
                 TorchCheckpointIO().remove_checkpoint(path)
-            for owner in owners:  # in flight or committed: queued behind its save
-                ckpt.delete(owner.name, even_newest=now)
-            owners.clear()
+        finally:
+            if now:
+                session.close_checkpointer()
 
     @override
     def teardown(self) -> None:
         """The fit ended: commit what is in flight and close (releasing the root); a failed save is raised,
         unless another exception is already propagating. Later saves return once committed."""
-        self._owners = {}
         self._asynchronous = False
         if self._session is not None:
             self._session.close_checkpointer()
-
-    def _retire(self, ckpt: AsyncCheckpointer, filename: str, new: _Owner) -> list[threading.Event]:
-        """Lightning rewrites files in place (``last.ckpt``; a rerun into the same folder): the commits that
-        named ``filename`` are retired and the save ``new`` owns it. One whose step is not below the new
-        step (a new run rewriting an older run's folder) goes at once, since its file is being replaced,
-        and so does one of the other kind (a full file where a sharded folder of the same name was, or the
-        reverse: Lightning removes the old one before it saves, and a local root cannot hold both);
-        otherwise the newest commit is kept until this one commits. Returns the deletes of the other kind
-        (they run on this rank's writer thread, before the new save's writes)."""
-        owners = self._owners_of(ckpt, filename)
-        other_kind = []
-        for older in owners:
-            switch = older.folder != new.folder
-            ran = ckpt.delete(older.name, even_newest=older.step >= new.step or switch)
-            if switch:
-                other_kind.append(ran)
-        owners[:] = [new]
-        return other_kind
-
-    def _owners_of(self, ckpt: AsyncCheckpointer, filename: str) -> list[_Owner]:
-        """The checkpoints under ``ckpt``'s root whose rank-0 file (or folder) is ``filename`` (a live list;
-        rank 0 only).
-
-        A root is listed once, at its first save or removal; after that this plugin's own saves keep the map,
-        so no listing runs on the training thread per save and a removal also finds a save in flight.
-        """
-        owners = self._owners.get(ckpt.config.root)
-        if owners is None:
-            owners = self._owners[ckpt.config.root] = {}
-            for info in self._commits_of(ckpt.list()):
-                paths = [f.path for f in info.manifest.files_of(0)] if info.manifest else []
-                for top in {_top(path) for path in paths}:
-                    folder = any(path != top for path in paths if _top(path) == top)
-                    owners.setdefault(top, []).append(_Owner(info.name, info.step, folder))
-        return owners.setdefault(filename, [])
-
-    @staticmethod
-    def _commits_of(infos: list[CheckpointInfo], filename: str | None = None) -> list[CheckpointInfo]:
-        """Committed checkpoints, oldest step first; those whose rank-0 file or folder is ``filename`` (if
-        given) oldest write first."""
-        found = [
-            info
-            for info in infos
-            if info.status == "committed"
-            and info.manifest is not None
-            and (filename is None or any(_top(f.path) == filename for f in info.manifest.files_of(0)))
-        ]
-        # A file rewritten in place is the last write's, whatever its step (a rerun restarts the steps).
-        return found if filename is None else sorted(found, key=lambda i: i.time or 0.0)
-
-
-class _Owner(NamedTuple):
-    """A checkpoint that owns a file (or folder) Lightning named under the root."""
-
-    name: str
-    step: int
-    folder: bool
-    """A sharded save's folder, not one file."""
-
-
-def _same_root(a: str, b: str) -> bool:
-    """Whether two roots are one folder (Lightning resolves ``dirpath``; a ``ckpt_path`` may be relative)."""
-    if "://" in a or "://" in b:
-        return a.rstrip("/") == b.rstrip("/")
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-def _top(path: str) -> str:
-    """The file or folder directly under the root that ``path`` is (in): what Lightning named."""
-    return path.split("/", 1)[0]
 
 
 def latest_checkpoint(
@@ -527,6 +408,6 @@ def latest_checkpoint(
                 continue
             problem = ckpt.verify(info)
             if not problem:  # the .ckpt file, or the folder of a sharded checkpoint
-                return f"{dirpath.rstrip('/')}/{_top(rank0[0].path)}"
+                return f"{dirpath.rstrip('/')}/{entry_of(rank0[0].path)}"
             logger.warning("skipping checkpoint %s: %s", info.name, problem)
     return None

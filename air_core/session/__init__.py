@@ -12,6 +12,7 @@ from .goodput import Goodput, GoodputLog, goodput_of
 from .loader import TrackedLoader
 from .metrics import Recorder
 from .mlflow_sink import MlflowSink
+from .paths import Owner, Paths, Place, entry_of, safe_name, split
 from .preemption import FlushOnSigterm
 from .rng import capture_rng, raw_from_safe, restore_rng
 from .session import TrainingSession
@@ -22,12 +23,18 @@ __all__ = [
     "Goodput",
     "GoodputLog",
     "MlflowSink",
+    "Owner",
+    "Paths",
+    "Place",
     "Recorder",
     "SessionConfig",
     "TrackedLoader",
     "TrainingSession",
     "capture_rng",
+    "entry_of",
     "goodput_of",
     "raw_from_safe",
     "restore_rng",
+    "safe_name",
+    "split",
 ]

@@ -3,10 +3,11 @@
 Schedulers (SLURM, Kubernetes, spot reclaim) send SIGTERM some seconds before SIGKILL. The session
 installs one ``FlushOnSigterm`` on the main thread when training starts; it flushes the checkpointer, logs
 the outcome (never raises from a signal handler) and then runs whatever handler was there before, or the
-default action. Installed at the start, not when the session is built, so that a framework which saves
-and restores the handlers around its run (Lightning's signal connector) restores the one from before the
-run, never ours; and taken off only while it is still the installed one, so that a handler put in after
-it (or restored by the framework) is never replaced by a stale one.
+default action. Installed when training starts, after the framework's own handler, so that a framework
+which saves and restores the handlers around its run (Lightning's signal connector) restores the one from
+before the run, never ours, and its own SIGTERM handling runs after the flush (Lightning stops the fit
+with ``SIGTERMException``); taken off only while it is still the installed one, so that a handler put in
+after it (or restored by the framework) is never replaced by a stale one.
 """
 
 from __future__ import annotations

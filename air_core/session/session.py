@@ -34,6 +34,7 @@ from ..health.preflight import PreflightReport
 from ..health.stragglers import Stragglers
 from ..layout import rank_state_path
 from ..snapshot import stepped_tensors
+from ..storage import location
 from . import elastic
 from .config import SessionConfig
 from .elastic import Layout, layout_of
@@ -42,6 +43,7 @@ from .health import SessionHealth
 from .loader import LoaderState, TrackedLoader
 from .metrics import Gather, Recorder
 from .mlflow_sink import MlflowSink
+from .paths import Paths
 from .preemption import FlushOnSigterm
 from .rng import capture_rng, restore_rng
 
@@ -102,6 +104,11 @@ class TrainingSession:
         self._ckpt: AsyncCheckpointer | None = None
         self._others: list[AsyncCheckpointer] = []
         self._plans = dcp.SavePlans()  # sharded saves of the same model repeat their plan
+        self.paths = Paths(self)
+        """Which commit owns each file or folder the framework names (``paths.py``)."""
+        self.loaded_rank_states: dict[int, Any] = {}
+        """The saved ranks' ``rank_state`` parts the last load read besides the framework's own files
+        (the adapter's IO reads them, its callback restores them)."""
         """Checkpointers of further roots (``open_another``), flushed and closed with the main one."""
         self._goodput_log: GoodputLog | None = None
         self._sink: MlflowSink | None = None
@@ -160,7 +167,7 @@ class TrainingSession:
                 if report is not None:  # it ran before the root was opened: log it now
                     problems = [r.as_dict() for r in report.problems()]
                     self._goodput_log.preflight(report.seconds, report.status, problems)
-        elif self._ckpt.config.root.rstrip("/") != str(root).rstrip("/"):
+        elif location(self._ckpt.config.root) != location(str(root)):
             raise ConfigError(
                 f"{self.config.owner} writes under one root: got {root!r} after {self._ckpt.config.root!r}. "
                 "Give every save the same destination folder."
@@ -189,12 +196,16 @@ class TrainingSession:
     def open_another(self, root: str) -> AsyncCheckpointer:
         """A checkpointer of ``root`` besides the main one (``open``), with the same settings and
         listeners: for a framework that saves some checkpoints outside the job's root (Accelerate's
-        ``save_state(output_dir)``). The session flushes it at SIGTERM and closes it at ``close``; the
-        adapter may close it earlier (``close()`` on it), and a later call opens the root again."""
-        self._others = [c for c in self._others if not c.closed]
+        ``save_state(output_dir)``, Lightning's ``save_checkpoint`` to another folder). One at a time: a
+        script saving to ever new folders holds one staging buffer, not one per folder, so opening another
+        closes the previous one (committing its save in flight, the backpressure a save waits for
+        anyway). The session flushes it at SIGTERM and closes it at ``close``."""
         for ckpt in self._others:
-            if ckpt.config.root.rstrip("/") == str(root).rstrip("/"):
+            if not ckpt.closed and location(ckpt.config.root) == location(str(root)):
                 return ckpt
+        others, self._others = self._others, []
+        for other in others:
+            self._close_one(other)
         ckpt = AsyncCheckpointer(
             root,
             rank=self.rank,
@@ -206,8 +217,12 @@ class TrainingSession:
         self._others.append(ckpt)
         return ckpt
 
+    def open_checkpointers(self) -> list[AsyncCheckpointer]:
+        """The checkpointers saving now: the main one and ``open_another``'s."""
+        return [c for c in (self._ckpt, *self._others) if c is not None and not c.closed]
+
     def _flushable(self) -> Any:  # FlushOnSigterm only calls flush(timeout) on it
-        open_ = [c for c in (self._ckpt, *self._others) if c is not None and not c.closed]
+        open_ = self.open_checkpointers()
         return _Flush(open_, self.watchdog_paused) if open_ else None
 
     @property
@@ -321,7 +336,8 @@ class TrainingSession:
         layout: Layout | None = None,
     ) -> TrackedLoader:
         """Track a train loader's position; the returned proxy replaces ``loader``. Fetch times go to
-        ``records`` (or to ``on_fetch``, for an adapter that keeps only some of them). ``layout``: how the
+        ``records`` (or to ``on_fetch``, for an adapter that keeps only some of them), and so do a data
+        cache's counters (``TrackedLoader.counters``). ``layout``: how the
         framework shards it over ranks, if the core cannot tell (``elastic.layout_of``: a
         ``DistributedSampler``, or a plain sampler on one rank). The other arguments are ``TrackedLoader``'s.
 
@@ -338,6 +354,8 @@ class TrainingSession:
             layout=layout or layout_of(loader, world_size=self.world_size),
         )
         self._loaders.append(tracked)
+        if tracked.counters is not None and tracked.counters not in self.records.counters:
+            self.records.counters.append(tracked.counters)  # a data cache's hits, misses, wait, bytes
         if self._pending is not None:
             self._resume(tracked, len(self._loaders) - 1)
         return tracked
@@ -439,9 +457,9 @@ class TrainingSession:
     # -- measurement ---------------------------------------------------------------------------------
     def start(self, *, mlflow_run_id: str | None = None, run_is_ours: bool = True) -> None:
         """The first training step of this launch is next: restore a pending RNG no loader took, and
-        start the MLflow sink (rank 0), the SIGTERM flush and the hang watchdog (``hang_watchdog``). ``mlflow_run_id``: the
-        framework logger's run (None: the checkpoint's run, else a new one); ``run_is_ours``: the session
-        ends the run at ``close``."""
+        start the MLflow sink (rank 0), the SIGTERM flush and the hang watchdog (``hang_watchdog``).
+        ``mlflow_run_id``: the framework logger's run (None: the checkpoint's run, else a new one);
+        ``run_is_ours``: the session ends the run at ``close``."""
         if self._pending is not None and not self._loaders and self._pending["rng"] is not None:
             restore_rng(self._pending["rng"])
         self._pending = None
