@@ -6,25 +6,17 @@ a synchronous ``FileSystemWriter``. Here the same folders, with the same keys, a
 core (``air_core.dcp``: snapshot into host buffers, background persist, all ranks' files committed
 together), so a downloaded checkpoint still loads with a stock ``Accelerator.load_state``; loads go
 through the core's reader, so each rank fetches only the files it needs, at any world size.
-No CPU copy is asked of ``get_*_state_dict``: the snapshot is the one copy.
+Getting, loading and setting the sharded state is ``air_core.dcp``'s (no CPU copy: the snapshot is the
+one copy); here only Accelerate's folders and keys, and its optimizer wrapper.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from air_core import AsyncCheckpointer, CheckpointInfo, dcp
-
-OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 
 def fsdp2_sharded(accelerator: Any) -> bool:
@@ -50,17 +42,18 @@ def _raw(optimizer: Any) -> Any:
     return getattr(optimizer, "optimizer", optimizer)  # an AcceleratedOptimizer wraps the torch one
 
 
-def sharded_folders(folder: str, models: list[Any], optimizers: list[Any]) -> dict[str, dict[str, Any]]:
-    """Folder -> state dict of every model and optimizer (optimizer ``i`` belongs to model ``i``, as
-    Accelerate pairs them), DTensor shards as they live on the device."""
-    folders = {
-        model_folder(folder, i): {"model": get_model_state_dict(m, options=OPTIONS)}
-        for i, m in enumerate(models)
-    }
+def _folders(folder: str, models: list[Any], optimizers: list[Any]) -> dict[str, dcp.ShardedState]:
+    """Folder -> what it holds: ``{"model": ...}`` per model, then ``{"optimizer": ...}`` per optimizer
+    (optimizer ``i`` belongs to model ``i``, as Accelerate pairs them)."""
+    folders = {model_folder(folder, i): dcp.ShardedState(m, "model") for i, m in enumerate(models)}
     for i, opt in enumerate(optimizers):
-        state: Any = get_optimizer_state_dict(models[i], _raw(opt), options=OPTIONS)
-        folders[optimizer_folder(folder, i)] = {"optimizer": state}
+        folders[optimizer_folder(folder, i)] = dcp.ShardedState(models[i], None, {"optimizer": _raw(opt)})
     return folders
+
+
+def sharded_folders(folder: str, models: list[Any], optimizers: list[Any]) -> dict[str, dict[str, Any]]:
+    """Folder -> state dict of every model and optimizer, DTensor shards as they live on the device."""
+    return {path: target.state_dict() for path, target in _folders(folder, models, optimizers).items()}
 
 
 def load_sharded(
@@ -74,11 +67,5 @@ def load_sharded(
     """Load every model's and optimizer's shards of ``info`` in place (every rank; DCP reshards).
     ``folder``: the checkpoint's folder under the root (default: its name)."""
     folder = info.name if folder is None else folder
-    for i, model in enumerate(models):
-        state: dict[str, Any] = {"model": get_model_state_dict(model, options=OPTIONS)}
-        dcp.load(checkpointer, state, info, folder=model_folder(folder, i))
-        set_model_state_dict(model, state["model"], options=OPTIONS)
-    for i, opt in enumerate(optimizers):
-        optim: dict[str, Any] = {"optimizer": get_optimizer_state_dict(models[i], _raw(opt), options=OPTIONS)}
-        dcp.load(checkpointer, optim, info, folder=optimizer_folder(folder, i))
-        set_optimizer_state_dict(models[i], _raw(opt), cast(Any, optim["optimizer"]), options=OPTIONS)
+    for path, target in _folders(folder, models, optimizers).items():  # models first, as Accelerate
+        dcp.load_into(checkpointer, info, target, folder=path)

@@ -23,6 +23,12 @@ A job saves the same model again and again, and DCP plans each save anew: four o
 slowest rank dominates the blocking time on a busy host. ``SavePlans`` keeps each rank's last plan: a
 save whose plan repeats on every rank (agreed in one all-reduce) reuses the last global plan and
 metadata and skips ``dcp.save``'s exchanges; any difference on any rank plans in full.
+
+A framework's sharded model and optimizers are got and set here too, once for every adapter:
+``model_state``/``optimizer_state`` (each rank's shards as they live: no gather, no CPU copy, the
+snapshot is the one copy) and ``ShardedState`` (which key of a DCP folder holds the model and which
+each optimizer; ``load_into`` fills them from a commit). An adapter only names its keys and folders and
+passes the raw torch objects (its optimizer wrapper unwrapped).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import os
 import pickle
 import uuid
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -49,6 +55,13 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
     WriteItem,
 )
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -61,7 +74,20 @@ from .manifest import CheckpointInfo, PartRecord
 from .serializer import Bundle
 from .writer import Finalize
 
-__all__ = ["DcpReader", "DcpWriter", "SavePlans", "dcp_folders", "load", "load_newest", "save"]
+__all__ = [
+    "SHARDED_OPTIONS",
+    "DcpReader",
+    "DcpWriter",
+    "SavePlans",
+    "ShardedState",
+    "dcp_folders",
+    "load",
+    "load_into",
+    "load_newest",
+    "model_state",
+    "optimizer_state",
+    "save",
+]
 logger = logging.getLogger(__name__)
 METADATA = ".metadata"
 """DCP's metadata file, in the checkpoint's folder (``<name>/.metadata``)."""
@@ -486,3 +512,84 @@ def dcp_folders(info: CheckpointInfo) -> list[str]:
     return sorted(
         f.path.rpartition("/")[0] for f in info.manifest.files if f.path.rpartition("/")[2] == METADATA
     )
+
+
+SHARDED_OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
+"""How sharded state dicts are got and set: each rank's own shards (DTensors of FSDP2 ``fully_shard``,
+``ShardedTensor``s of FSDP1), no full gather and no CPU copy (the snapshot is the one copy)."""
+
+
+def model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """``model``'s sharded state dict: references to this rank's shards of its parameters and buffers."""
+    return get_model_state_dict(model, options=SHARDED_OPTIONS)
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer``'s sharded state dict (keyed by ``model``'s parameter names), references to this
+    rank's shards. ``optimizer`` is the torch one (a framework's wrapper unwrapped by its adapter)."""
+    return cast(dict[str, Any], get_optimizer_state_dict(model, optimizer, options=SHARDED_OPTIONS))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedState:
+    """What one DCP folder's state dict holds, as a framework lays it out: ``model``'s sharded state under
+    ``model_key`` (None: the folder holds no model state) and each optimizer's under its key.
+
+    Lightning's folder: ``ShardedState(model, "state_dict", {"optimizer_0": opt})``; Accelerate's
+    ``pytorch_model_fsdp_0``: ``ShardedState(model)``, its ``optimizer_0``:
+    ``ShardedState(model, None, {"optimizer": opt})`` (optimizer state is keyed by the model's names).
+
+    Args:
+        model: the sharded (FSDP2 or FSDP1) module.
+        model_key: the key of its state in the folder.
+        optimizers: key -> torch optimizer over ``model``'s parameters.
+        strict: whether the model's keys must match the loaded ones exactly (``load_state_dict``).
+    """
+
+    model: torch.nn.Module
+    model_key: str | None = "model"
+    optimizers: Mapping[str, torch.optim.Optimizer] = dataclasses.field(default_factory=dict)
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        if self.model_key is None and not self.optimizers:
+            raise ConfigError("ShardedState(model_key=None, optimizers={}): the folder would hold nothing.")
+        if self.model_key in self.optimizers:
+            raise ConfigError(
+                f"ShardedState(model_key={self.model_key!r}): the key also names an optimizer "
+                f"({sorted(self.optimizers)})."
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The folder's state dict, each value a fresh sharded state dict of the live shards (save it, or
+        load into it in place and pass it to ``load_state_dict``)."""
+        state: dict[str, Any] = {} if self.model_key is None else {self.model_key: model_state(self.model)}
+        state.update({key: optimizer_state(self.model, o) for key, o in self.optimizers.items()})
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Set the model (``strict`` as given), then each optimizer, from ``state`` (``state_dict``'s
+        layout, loaded)."""
+        if self.model_key is not None:
+            options = dataclasses.replace(SHARDED_OPTIONS, strict=self.strict)
+            set_model_state_dict(self.model, state[self.model_key], options=options)
+        for key, optimizer in self.optimizers.items():
+            set_optimizer_state_dict(
+                self.model, optimizer, optim_state_dict=cast(Any, state[key]), options=SHARDED_OPTIONS
+            )
+
+
+def load_into(
+    checkpointer: AsyncCheckpointer,
+    info: CheckpointInfo,
+    target: ShardedState,
+    *,
+    folder: str | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Every rank: load ``info``'s DCP folder ``folder`` (default: its only one) into ``target``'s model
+    and optimizers in place, resharded to this run's world size (``load`` between
+    ``target.state_dict()`` and ``target.load_state_dict``)."""
+    state = target.state_dict()
+    load(checkpointer, state, info, folder=folder, process_group=process_group)
+    target.load_state_dict(state)

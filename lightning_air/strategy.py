@@ -10,39 +10,42 @@ hand the sharded state to ``AirCheckpointIO`` (``air_core.dcp``): asynchronous, 
 ranks, to any fsspec ``dirpath``. The folder Lightning chose holds the stock layout (DCP files +
 ``meta.pt``), so stock Lightning and stock DCP read a downloaded copy. ``ModelCheckpoint`` top-k,
 ``save_last`` and removal work as for unsharded models: removal already goes through the
-``CheckpointIO``. Both use torch's ``get_*_state_dict``/``set_*_state_dict``, which handle FSDP2
-(DTensor) and FSDP1 (``FullyShardedDataParallel``) modules alike.
+``CheckpointIO``. Getting and setting the sharded state is ``air_core.dcp``'s (``model_state``,
+``optimizer_state``, ``ShardedState``: FSDP2 DTensors and FSDP1 ``ShardedTensor``s alike); here only
+Lightning's keys (``state_dict``/``model``, ``optimizer_<i>``) and its optimizer wrapper.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, ParallelStrategy
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from air_core import ConfigError
+from air_core import dcp as air_dcp
 
 from .checkpoint_io import AirCheckpointIO
-
-_SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
 if TYPE_CHECKING:
     _Strategy = ParallelStrategy  # what the mixin is mixed into, for the type checker
 else:
     _Strategy = object
+
+
+def _torch_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The torch optimizer a ``LightningOptimizer`` wraps (``optimizer`` itself otherwise)."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _optimizer_key(i: int) -> str:
+    """Optimizer ``i``'s key in Lightning's sharded folder (stock ``ModelParallelStrategy``'s and
+    ``FSDPStrategy``'s)."""
+    return f"optimizer_{i}"
 
 
 class _AirShardedSaves(_Strategy):
@@ -89,16 +92,14 @@ class _AirShardedSaves(_Strategy):
         if not self._air_sharded:
             return super().lightning_module_state_dict()
         assert self.model is not None
-        return get_model_state_dict(self.model, options=_SHARDED)
+        return air_dcp.model_state(self.model)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._air_sharded:
             return super().optimizer_state(optimizer)
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
         assert self.model is not None
-        return get_optimizer_state_dict(self.model, optimizer, options=_SHARDED)
+        return air_dcp.optimizer_state(self.model, _torch_optimizer(optimizer))
 
     @override
     def save_checkpoint(
@@ -118,7 +119,7 @@ class _AirShardedSaves(_Strategy):
                 "storage_options to AirCheckpointIO(storage_options=...) instead."
             )
         sharded = {self._air_model_key: checkpoint.pop("state_dict")}
-        sharded.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        sharded.update({_optimizer_key(i): s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         self._air_span_ranks().save_sharded(
             sharded, checkpoint, str(self.broadcast(str(filepath))), meta_file=_METADATA_FILENAME
         )
@@ -136,20 +137,17 @@ class _AirShardedSaves(_Strategy):
             return super().load_checkpoint(self.air_io.local_copy(path, info, weights_only), weights_only)
         assert info is not None
         assert self.model is not None and self.lightning_module is not None
-        key = self._air_model_key
-        state: dict[str, Any] = {key: get_model_state_dict(self.model, options=_SHARDED)}
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        for i, optimizer in enumerate(optimizers):
-            state[f"optimizer_{i}"] = get_optimizer_state_dict(self.model, optimizer, options=_SHARDED)
+        target = air_dcp.ShardedState(
+            self.model,
+            self._air_model_key,
+            {_optimizer_key(i): _torch_optimizer(o) for i, o in enumerate(self.optimizers)},
+            strict=self.lightning_module.strict_loading,
+        )
+        state = target.state_dict()
         checkpoint = self.air_io.load_sharded(
             path, info, state, meta_file=_METADATA_FILENAME, weights_only=weights_only
         )
-        strict = replace(_SHARDED, strict=self.lightning_module.strict_loading)
-        set_model_state_dict(self.model, state[key], options=strict)
-        for i, optimizer in enumerate(optimizers):
-            set_optimizer_state_dict(
-                self.model, optimizer, optim_state_dict=state[f"optimizer_{i}"], options=_SHARDED
-            )
+        target.load_state_dict(state)
         return checkpoint
 
 

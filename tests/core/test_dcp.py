@@ -1,7 +1,9 @@
 """Sharded checkpoints through ``air_core.dcp``: an FSDP2 model + AdamW saved by 2 gloo processes loads
 at world size 1, 2 and 4 with every tensor equal to the full reference; a rank killed while writing
 leaves the previous checkpoint the newest; a damaged shard is skipped; a stock DCP reader reads the
-committed folder."""
+committed folder. The adapters' shared layer (``model_state``, ``optimizer_state``, ``ShardedState``,
+``load_into``) refers to the live shards, lays out Lightning's and Accelerate's folders, and loads either
+into a fresh FSDP2 model and optimizer at world size 1 and 2."""
 
 from __future__ import annotations
 
@@ -229,3 +231,199 @@ def test_a_save_of_several_folders_replays_each_folders_plan(tmp_path):
             air_dcp.load(ckpt, fresh, info, folder=folder)
             for k, v in state[key].items():
                 assert torch.equal(fresh[key][k], v) if isinstance(v, torch.Tensor) else fresh[key][k] == v
+
+
+# -- model_state / optimizer_state / ShardedState / load_into: what both adapters' sharded saves use ----
+
+_API_WORKER = """
+import os, sys, uuid
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from air_core import AsyncCheckpointer
+from air_core import dcp as air_dcp
+from tests.gloo_exit import exit_without_teardown
+
+rank, world, root, init, mode = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6]
+out = os.path.dirname(root)
+dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=world)
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def build(seed):  # a fresh model (seed 1) has other weights and another lr, both set by a load
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1 if seed == 0 else 0.5)
+
+
+def step(model, opt):
+    model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def full(model, opt, name):
+    model_sd, optim_sd = get_state_dict(model, opt, options=FULL)  # every rank: a collective
+    if rank == 0:
+        torch.save({"model": model_sd, "optim": optim_sd}, os.path.join(out, name))
+
+
+launch = [uuid.uuid4().hex if rank == 0 else None]
+dist.broadcast_object_list(launch, src=0)
+ckpt = AsyncCheckpointer(root, rank=rank, world_size=world, launch_id=launch[0])
+model, opt = build(0)
+step(model, opt)
+if mode == "live":
+    assert not air_dcp.SHARDED_OPTIONS.full_state_dict and not air_dcp.SHARDED_OPTIONS.cpu_offload
+    params = dict(model.named_parameters())
+    model_sd, optim_sd = air_dcp.model_state(model), air_dcp.optimizer_state(model, opt)
+    assert model_sd.keys() == params.keys(), model_sd.keys()
+    assert optim_sd["state"].keys() == params.keys(), optim_sd["state"].keys()
+    with torch.no_grad():
+        for key, param in params.items():
+            moments = [optim_sd["state"][key][m] for m in ("exp_avg", "exp_avg_sq")]
+            assert all(isinstance(v, DTensor) for v in [model_sd[key], *moments]), key
+            for value in (param, *opt.state[param].values()):
+                if isinstance(value, DTensor):
+                    value.to_local().add_(1.0)  # the live shard changes: the state dict sees it (no copy)
+            assert torch.equal(model_sd[key].to_local(), param.to_local()), key
+            for m, moment in zip(("exp_avg", "exp_avg_sq"), moments):
+                assert torch.equal(moment.to_local(), opt.state[param][m].to_local()), (key, m)
+    print(f"rank {rank} live", flush=True)
+elif mode == "save":
+    folders = {  # one commit: Lightning's folder, then Accelerate's model and optimizer folders
+        "ckpt/lightning": air_dcp.ShardedState(model, "state_dict", {"optimizer_0": opt}).state_dict(),
+        "ckpt/model": air_dcp.ShardedState(model).state_dict(),
+        "ckpt/optimizer": air_dcp.ShardedState(model, None, {"optimizer": opt}).state_dict(),
+    }
+    air_dcp.save(ckpt, folders, step=1, name="ckpt").result(timeout=60)
+    full(model, opt, "reference.pt")
+    full(*build(1), "fresh.pt")
+else:  # load: into fresh models and optimizers at this world size
+    info = ckpt.latest()
+    lightning_model, lightning_opt = build(1)
+    target = air_dcp.ShardedState(lightning_model, "state_dict", {"optimizer_0": lightning_opt})
+    air_dcp.load_into(ckpt, info, target, folder="ckpt/lightning")
+    full(lightning_model, lightning_opt, f"lightning-{world}.pt")
+    accelerate_model, accelerate_opt = build(1)
+    air_dcp.load_into(ckpt, info, air_dcp.ShardedState(accelerate_model), folder="ckpt/model")
+    only_optimizer = air_dcp.ShardedState(accelerate_model, None, {"optimizer": accelerate_opt})
+    air_dcp.load_into(ckpt, info, only_optimizer, folder="ckpt/optimizer")
+    full(accelerate_model, accelerate_opt, f"accelerate-{world}.pt")
+    # strict: a loaded state lacking a key is refused, unless strict=False (the rest is set)
+    partial_model, partial_opt = build(1)
+    lenient = air_dcp.ShardedState(partial_model, strict=False)
+    state = lenient.state_dict()
+    del state["model"]["0.bias"]  # before the load: DCP loads into the live shards in place
+    air_dcp.load(ckpt, state, info, folder="ckpt/model")
+    try:
+        air_dcp.ShardedState(partial_model).load_state_dict(state)
+    except RuntimeError as exc:
+        assert "0.bias" in str(exc), exc
+    else:
+        raise AssertionError("strict=True set a state lacking 0.bias")
+    lenient.load_state_dict(state)
+    full(partial_model, partial_opt, f"partial-{world}.pt")
+    print(f"rank {rank} loaded", flush=True)
+ckpt.close()
+dist.destroy_process_group()
+exit_without_teardown()
+"""
+
+
+def _run_api(world: int, root: str, mode: str) -> None:
+    init = os.path.join(os.path.dirname(root), f"init-api-{mode}-{world}-{os.urandom(4).hex()}")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    procs = [
+        subprocess.Popen(
+            [python(), "-c", _API_WORKER, str(r), str(world), root, init, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(world)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        outs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    _ok(outs)
+
+
+@pytest.fixture(scope="module")
+def saved_layouts(tmp_path_factory) -> str:
+    """One commit of 2 FSDP2 processes holding Lightning's folder and Accelerate's two; the root."""
+    root = str(tmp_path_factory.mktemp("dcp-api") / "root")
+    _run_api(2, root, "save")
+    return root
+
+
+@pytest.mark.slow
+def test_model_and_optimizer_state_are_the_live_shards_not_copies(tmp_path):
+    """``model_state``/``optimizer_state``: DTensors over the very shards training updates (a change to
+    a parameter's or a moment's local shard is seen through the state dict): the snapshot is the one copy."""
+    _run_api(2, str(tmp_path / "root"), "live")
+
+
+@pytest.mark.slow
+def test_sharded_state_saves_each_frameworks_keys(saved_layouts):
+    """``ShardedState.state_dict`` lays each folder out as its framework does, so stock loaders find it."""
+    info = AsyncCheckpointer(saved_layouts, read_only=True).latest()
+    assert info is not None
+    assert air_dcp.dcp_folders(info) == ["ckpt/lightning", "ckpt/model", "ckpt/optimizer"]
+    tops = {
+        folder: {
+            k.split(".")[0]
+            for k in FileSystemReader(os.path.join(saved_layouts, folder)).read_metadata().state_dict_metadata
+        }
+        for folder in air_dcp.dcp_folders(info)
+    }
+    assert tops == {
+        "ckpt/lightning": {"state_dict", "optimizer_0"},
+        "ckpt/model": {"model"},
+        "ckpt/optimizer": {"optimizer"},
+    }
+    reference = torch.load(os.path.join(os.path.dirname(saved_layouts), "reference.pt"), weights_only=False)
+    state = {"model": {k: torch.zeros_like(v) for k, v in reference["model"].items()}}
+    reader = FileSystemReader(os.path.join(saved_layouts, "ckpt/model"))
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    assert_same_state(reference["model"], state["model"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_load_into_sets_model_and_optimizer_of_either_layout_at_any_world_size(
+    saved_layouts, world, tmp_path
+):
+    """``load_into`` a fresh model and optimizer (other values), Lightning's one folder or Accelerate's
+    two, at world size 1 and 2: every tensor equals the saved one; ``strict=False`` sets what is there."""
+    root = str(tmp_path / "root")
+    shutil.copytree(saved_layouts, root)
+    _run_api(world, root, "load")
+    reference = torch.load(os.path.join(os.path.dirname(saved_layouts), "reference.pt"), weights_only=False)
+    for layout in ("lightning", "accelerate"):
+        loaded = torch.load(tmp_path / f"{layout}-{world}.pt", weights_only=False)
+        assert_same_state(reference, loaded, f"({layout}'s layout at world size {world})")
+    fresh = torch.load(os.path.join(os.path.dirname(saved_layouts), "fresh.pt"), weights_only=False)
+    partial = torch.load(tmp_path / f"partial-{world}.pt", weights_only=False)["model"]
+    assert not torch.equal(fresh["model"]["0.bias"], reference["model"]["0.bias"])
+    assert torch.equal(partial["0.bias"], fresh["model"]["0.bias"])  # left as it was
+    assert_same_state(
+        {k: v for k, v in reference["model"].items() if k != "0.bias"},
+        {k: v for k, v in partial.items() if k != "0.bias"},
+    )
+
+
+def test_a_sharded_state_that_holds_nothing_or_a_key_twice_is_refused():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="nothing"):
+        air_dcp.ShardedState(model, None)
+    with pytest.raises(ConfigError, match="also names an optimizer"):
+        air_dcp.ShardedState(model, "model", {"model": opt})
