@@ -35,9 +35,8 @@ from air_core import (
     LocalCheckpoint,
     dcp,
 )
-from air_core.session import TrainingSession
+from air_core.session import TrainingSession, entry_of_commit
 
-from . import places
 from .folders import Folders, retention
 from .layout import (
     accelerate_files,
@@ -243,17 +242,12 @@ class AirAccelerator(Accelerator):
         the copy finishes by the next optimizer step.
         """
         self._air_check_live("save_state")
-        place, folder, name = self._air_folders.save_target(
+        ckpt, place, name = self._air_folders.save_target(
             output_dir,
             automatic=self.project_configuration.automatic_checkpoint_naming,
             iteration=self.save_iteration,
             step=self.completed_steps,
         )
-        if self.process_index == 0:
-            for older in place.claim(folder, name):
-                place.ckpt.delete(older)  # deferred by the core until this save commits
-        else:
-            place.claim(folder, name)
         for model in self._models:  # a GPU save copies their buffers ahead of the next forward
             self.air_session.track_model(model)
         rank_state = self.air_session.rank_state()
@@ -264,16 +258,16 @@ class AirAccelerator(Accelerator):
             "completed_steps": self.completed_steps,
             "rank_state": rank_state,
         }
-        files = {places.join(folder, f): state for f, state in files.items()}
+        files = {place.join(f): state for f, state in files.items()}
         if self._air_sharded:  # every process: its shards, in Accelerate's DCP folders, one commit
-            shards = sharded_folders(folder, self._models, self._optimizers)
+            shards = sharded_folders(place.entry, self._models, self._optimizers)
             self.air_session.save_sharded(
-                shards, step=self.completed_steps, name=name, files=files, checkpointer=place.ckpt
+                shards, step=self.completed_steps, name=name, files=files, checkpointer=ckpt
             )
         else:
-            self.air_session.save(files, step=self.completed_steps, name=name, checkpointer=place.ckpt)
-        where = places.join(place.ckpt.config.root.rstrip("/"), folder).rstrip("/")
-        if not places.is_url(where):  # as after a stock save, the folder exists (a script may add files)
+            self.air_session.save(files, step=self.completed_steps, name=name, checkpointer=ckpt)
+        where = place.url
+        if "://" not in where:  # as after a stock save, the folder exists (a script may add files)
             os.makedirs(where, exist_ok=True)
         self.project_configuration.iteration += 1
         return where
@@ -309,7 +303,7 @@ class AirAccelerator(Accelerator):
                 return
             stack.enter_context(ckpt.restoring())  # every file and shard it reads: one restore
             local = self._air_fetch(ckpt, info)
-            folder = places.top_folder(local.info) if self._air_folders.is_main(ckpt) else ""
+            folder = entry_of_commit(local.info) if self._air_folders.is_main(ckpt) else ""
             view = stack.enter_context(folder_view(local.paths, folder))
             self._air_load_folder(view, ckpt, local.info, folder, load_kwargs, load_model_func_kwargs)
 

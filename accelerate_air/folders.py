@@ -1,9 +1,11 @@
-"""Which core checkpointer a ``save_state``/``load_state`` folder goes through, and what is in it.
+"""Which core checkpointer a ``save_state``/``load_state`` folder goes through (``air_core.session.paths``).
 
-``places.py`` maps folders to a root and a folder in it; this module opens and lists those roots for
-``AirAccelerator``: the plugin's root (the session's main checkpointer), the one folder outside it that
-is being saved to (its own root, through ``TrainingSession.open_another``), and read-only checkpointers
-for folders saved elsewhere (no lease, no probe). A folder no commit names is left to stock loading.
+Accelerate names *folders* (``save_state(output_dir)``, ``checkpoint_<i>``); the core commits
+*checkpoints* under a *root*. A folder directly under the plugin's root is an entry of that root; any
+other folder is a root of its own, its files at the top (its parent, ``/tmp`` or the working directory, is
+never listed or leased). The session's map (``TrainingSession.paths``) owns which commit holds a folder
+and retires the older one when a folder is saved again; this module only says what Accelerate's names
+and errors are. A folder no commit names is left to stock loading.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import logging
 import os
 from typing import Any
 
-from air_core import AsyncCheckpointer, CheckpointInfo, ConfigError, CorruptCheckpointError
-from air_core.session import TrainingSession
+from air_core import AsyncCheckpointer, CheckpointInfo, ConfigError
+from air_core.layout import META_DIR
+from air_core.session import Owner, Place, TrainingSession
+from air_core.storage import location
 
-from . import places
 from .plugin import AirPlugin
 
 logger = logging.getLogger(__name__)
@@ -41,9 +44,9 @@ def retention(accelerator: Any, plugin: AirPlugin) -> int:
     wanted = (
         None
         if accelerator.project_dir is None
-        else places.norm(os.path.join(accelerator.project_dir, "checkpoints"))
+        else location(os.path.join(accelerator.project_dir, "checkpoints"))
     )
-    if wanted != places.norm(plugin.root):
+    if wanted != location(plugin.root):
         raise ConfigError(
             f"AirAccelerator: ProjectConfiguration(automatic_checkpoint_naming=True) saves checkpoint_<i> "
             f"under project_dir/checkpoints ({wanted}), but AirPlugin(root={plugin.root!r}) is elsewhere. "
@@ -60,14 +63,11 @@ def retention(accelerator: Any, plugin: AirPlugin) -> int:
 
 
 class Folders:
-    """The roots one ``AirAccelerator`` saves to and loads from (training thread, every process)."""
+    """The folders one ``AirAccelerator`` saves to and loads from (training thread, every process)."""
 
     def __init__(self, session: TrainingSession, main: AsyncCheckpointer, plugin: AirPlugin) -> None:
         self._session, self._main, self._plugin = session, main, plugin
-        self._root = places.norm(plugin.root)
-        self._flat: AsyncCheckpointer | None = None
-        """The writer of the last folder saved outside the root (``save_state(output_dir)``)."""
-        self._places: dict[int, places.Place] = {}
+        self._root = location(plugin.root)
 
     def is_main(self, ckpt: AsyncCheckpointer) -> bool:
         """Whether ``ckpt`` is the plugin root's (folders in it) rather than a folder's own (flat)."""
@@ -75,8 +75,9 @@ class Folders:
 
     def save_target(
         self, output_dir: str | None, *, automatic: bool, iteration: int, step: int
-    ) -> tuple[places.Place, str, str]:
-        """The place, folder and commit name of ``save_state(output_dir)`` (every process alike).
+    ) -> tuple[AsyncCheckpointer, Place, str]:
+        """The checkpointer, place and commit name of ``save_state(output_dir)`` (every process alike), with
+        the folder claimed for the new save (rank 0 retires the commits that held it).
 
         ``automatic``: Accelerate's automatic naming (``checkpoint_<iteration>``; it ignores
         ``output_dir`` then); ``step``: ``completed_steps``, in the default name ``step-<n>``.
@@ -85,82 +86,53 @@ class Folders:
             ValueError: automatic naming's folder exists already (as stock Accelerate raises).
             ConfigError: ``output_dir`` is the root itself.
         """
+        paths = self._session.paths
         if automatic:  # Accelerate ignores output_dir then
-            place = self._place(self._main)
-            folder = f"checkpoint_{iteration}"
-            local = os.path.join(self._root, folder)
-            if folder in place.owned or (not places.is_url(local) and os.path.exists(local)):
+            place = Place(self._main.config.root, f"checkpoint_{iteration}")
+            local = os.path.join(self._root, place.entry)
+            if paths.is_saved(self._main, place) or ("://" not in local and os.path.exists(local)):
                 raise ValueError(
                     f"Checkpoint directory {local} ({iteration}) already exists. Please manually "
                     "override `self.save_iteration` with what iteration to start with."
                 )
-            return place, folder, place.fresh(folder)
-        if output_dir is None:
-            place = self._place(self._main)
-            name = place.fresh(f"step-{step:09d}")
-            return place, name, name
-        target = places.norm(output_dir)
-        if target == self._root:
-            raise ConfigError(
-                f"AirAccelerator.save_state({output_dir!r}): that is the plugin's root, which holds "
-                "checkpoint folders; pass a folder inside it, another folder, or nothing (an automatic name)."
-            )
-        base = places.safe_name(target.rsplit("/", 1)[-1])
-        if places.parent(target) == self._root:
-            place = self._place(self._main)
-            folder = target.rsplit("/", 1)[-1]
-            return place, folder, place.fresh(base)
-        place = self._place(self._open_flat(target))
-        return place, "", place.fresh(base)
-
-    def _place(self, ckpt: AsyncCheckpointer) -> places.Place:
-        place = self._places.get(id(ckpt))
-        if place is None or place.ckpt is not ckpt:
-            place = places.Place.listed(ckpt, flat=ckpt is not self._main)
-            self._places[id(ckpt)] = place
-        return place
-
-    def _open_flat(self, target: str) -> AsyncCheckpointer:
-        """The writer of a folder outside the plugin's root (its own root); one such is open at a time,
-        so a script saving to ever new folders holds one staging buffer, not one per folder."""
-        current = self._flat
-        if current is not None and not current.closed and places.norm(current.config.root) == target:
-            return current
-        if current is not None:
-            self._places.pop(id(current), None)
-            current.close()  # commits its save in flight: the backpressure a save waits for anyway
-        self._flat = self._session.open_another(target)
-        return self._flat
+            ckpt = self._main
+        elif output_dir is None:
+            ckpt = self._main
+            place = Place(ckpt.config.root, paths.fresh(ckpt, f"step-{step:09d}"))
+        else:
+            if location(os.fspath(output_dir)) == self._root:
+                raise ConfigError(
+                    f"AirAccelerator.save_state({output_dir!r}): that is the plugin's root, which holds "
+                    "checkpoint folders; pass a folder inside it, another folder, or nothing (an automatic "
+                    "name)."
+                )
+            place = paths.place(os.fspath(output_dir), own_root=True)
+            ckpt = paths.writer(place)
+        base = place.entry or location(place.root).rsplit("/", 1)[-1]
+        name = place.entry if output_dir is None and not automatic else paths.fresh(ckpt, base, place=place)
+        paths.claim(ckpt, place, Owner(name, step, folder=True))
+        return ckpt, place, name
 
     def load_source(
         self, input_dir: str | None, stack: contextlib.ExitStack
     ) -> tuple[AsyncCheckpointer | None, CheckpointInfo | None, str]:
         """Where ``load_state(input_dir)`` reads: (checkpointer, commit or None for the newest, folder),
-        or (None, None, local folder) for a folder no commit names."""
-        if input_dir is None:
+        or (None, None, local folder) for a folder no commit names.
+
+        Raises:
+            CorruptCheckpointError: ``input_dir`` is a checkpoint that never committed or is damaged.
+            CheckpointNotFoundError: nothing committed there and no such folder.
+        """
+        if input_dir is None or location(os.fspath(input_dir)) == self._root:
             return self._main, None, ""
-        target = places.norm(input_dir)
-        if target == self._root:
-            return self._main, None, ""
-        ckpt: AsyncCheckpointer | None
-        if places.parent(target) == self._root:
-            ckpt, folder = self._main, target.rsplit("/", 1)[-1]
-        else:
-            ckpt, folder = self._reader(target, stack), ""
-        infos = ckpt.list() if ckpt is not None else []  # waits for this process's saves to it
-        found = places.owners(infos, folder)
-        if found:
-            return ckpt, found[-1], folder
-        damaged = places.mentioned(infos, folder)
-        if damaged:
-            why = "; ".join(f"{i.name}: {i.status} {i.reason}".strip() for i in damaged)
-            raise CorruptCheckpointError(
-                f"AirAccelerator.load_state({input_dir!r}): {target} is a checkpoint that did not commit or "
-                f"is damaged ({why}); load another one (load_state() takes the newest committed).",
-                path=target,
-                reason=why,
-            )
-        if not places.is_url(target) and os.path.isdir(target):
+        paths = self._session.paths
+        what = f"AirAccelerator.load_state({input_dir!r})"
+        place = paths.place(os.fspath(input_dir), own_root=True)
+        ckpt = self._main if place.entry else self._reader(place, stack)
+        if ckpt is not None and (info := paths.committed(ckpt, place, what=what)) is not None:
+            return ckpt, info, place.entry
+        target = location(os.fspath(input_dir))
+        if "://" not in target and os.path.isdir(target):
             logger.info(
                 "AirAccelerator.load_state: %s is not a committed checkpoint: loading it as stock Accelerate "
                 "does, without verifying it",
@@ -169,20 +141,20 @@ class Folders:
             return None, None, target
         text = os.fspath(input_dir)
         if "/" not in text and os.sep not in text:  # a checkpoint's name under the root
-            found = places.owners(self._main.list(), text)
-            if found:
-                return self._main, found[-1], text
+            named = Place(self._main.config.root, text)
+            if (info := paths.committed(self._main, named, what=what)) is not None:
+                return self._main, info, text
         raise CheckpointNotFoundError(
-            f"AirAccelerator.load_state({input_dir!r}): no checkpoint at {target} (nothing committed there "
-            f"and no such folder); the plugin's root is {self._plugin.root}."
+            f"{what}: no checkpoint at {target} (nothing committed there and no such folder); the plugin's "
+            f"root is {self._plugin.root}."
         )
 
-    def _reader(self, target: str, stack: contextlib.ExitStack) -> AsyncCheckpointer | None:
-        """A checkpointer to read ``target`` as a root: ours if this process saves there, else a read-only
-        one (no lease, no probe write); None for a local folder without commit records."""
-        for ckpt in (self._flat,):
-            if ckpt is not None and not ckpt.closed and places.norm(ckpt.config.root) == target:
-                return ckpt
-        if not places.is_url(target) and not os.path.isdir(os.path.join(target, ".air")):
+    def _reader(self, place: Place, stack: contextlib.ExitStack) -> AsyncCheckpointer | None:
+        """A checkpointer to read a folder saved as a root of its own: ours if this process saves there,
+        else a read-only one (no lease, no probe write); None for a local folder without commit records."""
+        writing = self._session.paths.open_writer(place)
+        if writing is not None:
+            return writing
+        if "://" not in place.root and not os.path.isdir(os.path.join(place.root, META_DIR)):
             return None
-        return stack.enter_context(self._session.reader(target))
+        return stack.enter_context(self._session.reader(place.root))

@@ -75,6 +75,20 @@ class Place:
         """``rel`` inside the entry, relative to the root."""
         return f"{self.entry}/{rel}" if self.entry else rel
 
+    @property
+    def url(self) -> str:
+        """The path or URL of the entry itself."""
+        root = self.root.rstrip("/")
+        return f"{root}/{self.entry}" if self.entry else root
+
+
+def entry_of_commit(info: CheckpointInfo) -> str:
+    """The entry under the root that committed checkpoint ``info``'s rank-0 files are in (its name when
+    they are at the root's top)."""
+    assert info.manifest is not None  # committed
+    tops = {entry_of(f.path) for f in info.manifest.files_of(0)} - set(RESERVED_DIRS)
+    return min(tops) if tops else info.name
+
 
 def _entries(info: CheckpointInfo, files: tuple[str, ...] | list[str], *, flat: bool) -> dict[str, bool]:
     """Entry -> whether it is a folder, for the data files of ``info`` (records excluded)."""
@@ -163,15 +177,17 @@ class Paths:
             None,
         )
 
-    def _root(self, ckpt: AsyncCheckpointer, place: Place) -> _Root:
+    def _root(self, ckpt: AsyncCheckpointer, place: Place | None) -> _Root:
         root = self._roots.get(id(ckpt))
         if root is None or root.ckpt is not ckpt:
-            root = self._roots[id(ckpt)] = _Root.listed(ckpt, flat=not place.entry)
+            flat = place is not None and not place.entry
+            root = self._roots[id(ckpt)] = _Root.listed(ckpt, flat=flat)
         return root
 
-    def fresh(self, ckpt: AsyncCheckpointer, place: Place, base: str) -> str:
-        """``base`` made safe, or with ``-1``, ``-2`` ... appended: a name no checkpoint of the root has
-        had. Every rank picks the same name (the same listing, the same saves)."""
+    def fresh(self, ckpt: AsyncCheckpointer, base: str, *, place: Place | None = None) -> str:
+        """``base`` made safe, or with ``-1``, ``-2`` ... appended: a name no checkpoint of ``ckpt``'s root
+        has had (``place``: the entry it will write, when known). Every rank picks the same name (the same
+        listing, the same saves)."""
         root = self._root(ckpt, place)
         name = base = safe_name(base)
         n = 0
