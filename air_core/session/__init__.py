@@ -12,7 +12,7 @@ from .goodput import Goodput, GoodputLog, goodput_of
 from .loader import TrackedLoader
 from .metrics import Recorder
 from .mlflow_sink import MlflowSink
-from .paths import Owner, Paths, Place, entry_of, safe_name, split
+from .paths import Owner, Paths, Place, entry_of, entry_of_commit, safe_name, split
 from .preemption import FlushOnSigterm
 from .rng import capture_rng, raw_from_safe, restore_rng
 from .session import TrainingSession
@@ -32,6 +32,7 @@ __all__ = [
     "TrainingSession",
     "capture_rng",
     "entry_of",
+    "entry_of_commit",
     "goodput_of",
     "raw_from_safe",
     "restore_rng",
