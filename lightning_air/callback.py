@@ -254,11 +254,7 @@ class AirCallback(Callback):
         air = checkpoint.get(AIR_KEY)
         states: dict[int, Any] = {}
         if air is not None:  # rank 0's part is in the .ckpt; the plugin loaded the other ones needed
-            plugin = trainer.strategy.checkpoint_io
-            states = {0: air["rank_state"], **getattr(plugin, "loaded_rank_states", {})}
-            own = getattr(plugin, "loaded_rank_state", None)
-            if own is not None and not trainer.is_global_zero:
-                states.setdefault(trainer.global_rank, own)
+            states = {0: air["rank_state"], **self.session.loaded_rank_states}
         saved = states[0].get("world_size", trainer.world_size) if states else trainer.world_size
         part = states.get(trainer.global_rank)
         if any("loaders" not in s for s in states.values()) or (part is None and saved == trainer.world_size):
