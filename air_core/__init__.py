@@ -2,7 +2,7 @@
 
 The public names are exactly ``__all__``: the checkpointer, its handle, settings, records, events and
 errors. ``air_core.session`` holds what runs a training session (used by the adapters and by loops
-that use the core directly); ``air_core.data`` the resumable sampler and the remote-data cache.
+that use the core directly); ``air_core.data`` the remote-data cache.
 ``docs/design.md`` walks through the save pipeline.
 """
 

@@ -6,7 +6,8 @@ Serves shards from moto's S3 server on 127.0.0.1 behind a proxy that delays ever
 ``--latency-ms`` (a cold object-store read), then runs the same loop over them side by side:
 
 - ``direct``: the dataset reads each shard from S3 when the loader asks (``fsspec`` ``cat_file``);
-- ``air cache``: ``FileCache`` + ``PrefetchingSampler`` download the next ``--depth`` shards ahead
+- ``air cache``: ``RemoteFiles`` over a ``FileCache``, in a loader read through ``TrackedLoader`` (as the
+  adapters read it): the cache downloads ``--depth`` shards ahead of the ones the loader takes
   (``--transfers`` at a time) and the dataset reads local copies.
 
 Each step is a real forward/backward of a small MLP on the shard's tensor. Prints per-step
@@ -29,8 +30,8 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from air_core.data import FileCache, PrefetchingSampler, RemoteFiles, ResumableSampler  # noqa: E402
-from air_core.session import Recorder  # noqa: E402
+from air_core.data import FileCache, RemoteFiles  # noqa: E402
+from air_core.session import Recorder, TrackedLoader  # noqa: E402
 from air_core.session.metrics import summarize  # noqa: E402
 from tests.faults.s3proxy import FaultProxy  # noqa: E402
 
@@ -67,7 +68,12 @@ class Direct(Dataset):
         return load(self._fs.cat_file(f"{self.url}/{self.files[i]}"))
 
 
-def train(loader: DataLoader, model: torch.nn.Module, recorder: Recorder) -> float:
+def order() -> torch.Generator:
+    """The shuffle of both variants: the same order."""
+    return torch.Generator().manual_seed(1)
+
+
+def train(loader: DataLoader | TrackedLoader, model: torch.nn.Module, recorder: Recorder) -> float:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     started = time.monotonic()
     it = iter(loader)
@@ -140,8 +146,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 if variant == "direct":
                     dataset: Dataset = Direct(url, files, options)
-                    sampler = ResumableSampler(dataset, seed=1)  # type: ignore[arg-type]
-                    loader = DataLoader(dataset, sampler=sampler, num_workers=workers)
+                    loader = DataLoader(dataset, shuffle=True, generator=order(), num_workers=workers)
                     wall = train(loader, model, recorder)
                 else:
                     cache = FileCache(
@@ -151,10 +156,10 @@ def main() -> None:
                         max_transfers=args.transfers,
                         storage_options=options,
                     )
-                    remote = RemoteFiles(cache, files, lambda path: load(open(path, "rb").read()))
-                    sampler = PrefetchingSampler(ResumableSampler(remote, seed=1), remote, depth=args.depth)
-                    loader = DataLoader(remote, sampler=sampler, num_workers=workers)
-                    wall = train(loader, model, recorder)
+                    read = lambda path: load(open(path, "rb").read())  # noqa: E731
+                    remote = RemoteFiles(cache, files, read, prefetch_depth=args.depth)
+                    plain = DataLoader(remote, shuffle=True, generator=order(), num_workers=workers)
+                    wall = train(TrackedLoader(plain, epoch=lambda: 0), model, recorder)
                     cache.close()
                     stats = cache.stats()
             s = summarize(recorder.fetch_seconds)

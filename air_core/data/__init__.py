@@ -1,6 +1,5 @@
-"""Training data: a resumable sampler and a local NVMe cache that prefetches remote files in order."""
+"""Training data: a local NVMe cache that prefetches remote files in the order the loader reads them."""
 
-from .cache import FileCache, PrefetchingSampler, RemoteFiles
-from .sampler import ResumableSampler
+from .cache import FileCache, RemoteFiles
 
-__all__ = ["FileCache", "PrefetchingSampler", "RemoteFiles", "ResumableSampler"]
+__all__ = ["FileCache", "RemoteFiles"]

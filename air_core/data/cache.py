@@ -1,11 +1,12 @@
 """Remote training files on local disk before the loader asks for them.
 
-``FileCache`` keeps local copies of a remote root's files in ``cache_dir`` within ``budget_bytes``;
-``PrefetchingSampler`` schedules the files of the next ``depth`` indices as it hands each one out
-(``max_transfers`` at a time, in the training process); ``RemoteFiles`` is a map-style dataset over
-them. Per-file state and counters are shared-memory tensors, so loader workers' reads count. It keeps
-no position (that is in the checkpoint). Key decision, not fsspec's ``filecache``: that copies on
-open, never ahead, has no byte budget and a per-process index. ``docs/data-cache.md`` has the details.
+``FileCache`` keeps local copies of a remote root's files in ``cache_dir`` within ``budget_bytes``,
+downloading ``max_transfers`` at a time in the training process; ``RemoteFiles`` is a map-style dataset
+over them that a ``TrackedLoader`` (the adapters' loaders) tells which samples the loader reads next, so
+the cache fetches them ahead in that order, after a resume too. Per-file state and counters are
+shared-memory tensors, so loader workers' reads count. It keeps no position (the ``TrackedLoader``'s
+is in the checkpoint). Key decision, not fsspec's ``filecache``: that copies on open, never ahead, has no
+byte budget and a per-process index. ``docs/data-cache.md`` has the details.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, Sampler, get_worker_info
+from torch.utils.data import Dataset, get_worker_info
 
 from ..errors import ConfigError, StorageError
 from ..storage import TEMP_TAG, Storage
@@ -181,7 +182,7 @@ class FileCache:
                     self._pool.submit(self._prefetch_one, rel, local)
 
     def close(self) -> None:
-        """Finish the downloads already scheduled (at most ``depth`` files) and stop; the files stay."""
+        """Finish the downloads already scheduled (a prefetch depth or so) and stop; the files stay."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
@@ -276,15 +277,29 @@ def _claim(marker: str) -> bool:
 
 
 class RemoteFiles(Dataset):
-    """Item ``i`` is ``read(local path of files[i])``, the file served by ``cache``."""
+    """Item ``i`` is ``read(local path of files[i])``, the file served by ``cache``.
 
-    def __init__(self, cache: FileCache, files: Sequence[str], read: Callable[[str], Any]) -> None:
+    Given to a ``DataLoader`` that an adapter (or a ``TrackedLoader``) tracks, its files are fetched
+    ahead of the loader's reads, in the order the loader takes them: ``prefetch_depth`` samples beyond
+    the ones it has taken (its workers' read-ahead included), from the resume point after a resume. The
+    session's metrics get the cache's counters.
+
+    Raises:
+        ConfigError: a file that is not under the cache's root, or a bad ``prefetch_depth``.
+    """
+
+    def __init__(
+        self, cache: FileCache, files: Sequence[str], read: Callable[[str], Any], *, prefetch_depth: int = 16
+    ) -> None:
         missing = [f for f in files if f not in cache.sizes]
         if missing:
             raise ConfigError(f"RemoteFiles(files=...): not under the cache's root: {missing[:5]}")
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+            raise ConfigError(f"RemoteFiles(prefetch_depth={prefetch_depth!r}): must be an integer >= 1.")
         self.cache = cache
         self.files = list(files)
         self.read = read
+        self.prefetch_depth = prefetch_depth
 
     def __len__(self) -> int:
         return len(self.files)
@@ -301,36 +316,11 @@ class RemoteFiles(Dataset):
         self.cache.done(rel)
         return item
 
+    def prefetch(self, indices: list[int]) -> None:
+        """The loader reads these items next, in this order: fetch their files (the training process)."""
+        self.cache.prefetch([self.files[i] for i in indices])
 
-class PrefetchingSampler(Sampler[int]):
-    """Yields ``sampler``'s indices; keeps the next ``depth`` items' files downloading ahead.
-
-    ``sampler`` may be a ``ResumableSampler`` (or any sampler with ``set_epoch``/``resume``); each epoch's
-    order is taken from it when the epoch starts, so the cache knows what comes next. Set ``depth`` to
-    cover the loader's own read-ahead (``num_workers`` x ``prefetch_factor`` x batch size, in items): a
-    reader that outruns the prefetch downloads its file itself (a miss).
-    """
-
-    def __init__(self, sampler: Sampler[int], dataset: RemoteFiles, *, depth: int = 16) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ConfigError(f"PrefetchingSampler(depth={depth!r}): depth must be an integer >= 1.")
-        self.sampler = sampler
-        self.dataset = dataset
-        self.depth = depth
-
-    def __len__(self) -> int:
-        return len(self.sampler)  # type: ignore[arg-type]
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-
-    def resume(self, epoch: int, consumed: int) -> None:
-        """Continue epoch ``epoch`` after its first ``consumed`` indices (prefetch starts there)."""
-        self.sampler.resume(epoch, consumed)  # type: ignore[attr-defined]
-
-    def __iter__(self) -> Iterator[int]:
-        order = list(self.sampler)
-        files, cache = self.dataset.files, self.dataset.cache
-        for k, index in enumerate(order):
-            cache.prefetch([files[i] for i in order[k : k + self.depth + 1]])
-            yield index
+    @property
+    def counters(self) -> Callable[[], dict[str, float]]:
+        """The cache's ``stats`` (one source per cache, however many datasets share it)."""
+        return self.cache.stats

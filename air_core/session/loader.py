@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from ..errors import ConfigError
 from .elastic import Layout, Plan, plan, remainder
 from .rng import raw_from_safe, raw_rng, restore_rng, safe_rng
-from .sampling import Batches, Skip, has_state, loader_generators
+from .sampling import Ahead, Batches, Prefetching, Skip, has_state, loader_generators
 from .workers import ApplyRng, Carried, CarryRng, Entry, Seeded, entry_from_state, entry_to_state
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,20 @@ class TrackedLoader:
         self._exact_state = exact_state
         map_style = isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
         self.mode: Mode = "state" if exact_state is not None else "skip" if map_style else "reread"
+        dataset = getattr(loader, "dataset", None)
+        prefetching = dataset if isinstance(dataset, Prefetching) else None
+        self.counters: Callable[[], dict[str, float]] | None = (
+            prefetching.counters if prefetching is not None else None
+        )
+        """The dataset's counts for the session's metrics (a ``RemoteFiles``' cache), if it has them."""
+        self._prefetch = prefetching if self.mode == "skip" else None
+        if prefetching is not None and self._prefetch is None:
+            logger.warning(
+                "TrackedLoader: %s's samples are fetched ahead only through a plain DataLoader's index "
+                "sampler; through this %s each is fetched when read.",
+                type(prefetching).__name__,
+                type(loader).__name__,
+            )
         self._workers = loader.num_workers if isinstance(loader, DataLoader) else 0
         self._apply: ApplyRng | None = None
         if self._workers and self.mode != "reread":
@@ -363,7 +377,7 @@ class TrackedLoader:
             self._epoch_start["loader"] = self._loader.state_dict()
         source = self._layout.source() if self._layout is not None else None
         before = getattr(self._loader, "_iterator", None)
-        iterator = iter(self._loader)
+        iterator = self._iter_over(None)
         # Persistent workers: the same iterator again, which draws no new base seed.
         self._reused = iterator is before and bool(getattr(self._loader, "persistent_workers", False))
         self._workers_start(iterator, fresh=not self._reused)
@@ -401,12 +415,7 @@ class TrackedLoader:
             "rng": raw_rng(),
             "generators": {k: g.get_state() for k, g in loader_generators(self._loader).items()},
         }
-        loader, inner = self._loader, self._loader.batch_sampler
-        object.__setattr__(loader, "batch_sampler", Batches(batches))  # for this one iterator
-        try:
-            iterator = iter(loader)
-        finally:
-            object.__setattr__(loader, "batch_sampler", inner)
+        iterator = self._iter_over(Batches(batches))
         self._reused = False
         self._workers_start(iterator, fresh=True)
         p: Plan = pending["plan"]
@@ -454,18 +463,41 @@ class TrackedLoader:
         seed; this new one draws it from a generator of its own, leaving the sampler's draws as they were.
         """
         loader = self._loader
-        attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
-        inner, generator = getattr(loader, attr), loader.generator
-        skip = Skip(inner, count)
-        object.__setattr__(loader, attr, skip)  # DataLoader refuses the attribute once built
+        generator = loader.generator
+        skip = Skip(_index_sampler(loader), count)
         if not fresh_seed:
             loader.generator = torch.Generator()
+        try:
+            iterator = self._iter_over(skip)
+        finally:
+            loader.generator = generator
+        skip.prime()
+        return iterator
+
+    def _iter_over(self, index: Any | None) -> Any:
+        """``iter(loader)`` (skip mode: a ``DataLoader``), its indices from ``index`` for this pass (None:
+        the loader's own index sampler), announced to a prefetching dataset as the loader takes them.
+
+        Persistent workers' iterator keeps the loader's own index sampler for its later passes (it
+        re-iterates the one it was built with at each ``iter``)."""
+        loader = self._loader
+        if index is None and self._prefetch is None:
+            return iter(loader)
+        attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+        inner = getattr(loader, attr)
+        used = inner if index is None else index
+        if self._prefetch is not None:
+            used = Ahead(used, self._prefetch.prefetch, self._prefetch.prefetch_depth)
+        persistent = loader.persistent_workers and loader.num_workers > 0
+        if persistent and loader._iterator is not None:  # iter() resets it over its own index sampler
+            loader._iterator._index_sampler = used
+        object.__setattr__(loader, attr, used)  # DataLoader refuses the attribute once built
         try:
             iterator = iter(loader)
         finally:
             object.__setattr__(loader, attr, inner)
-            loader.generator = generator
-        skip.prime()
+            if persistent and loader._iterator is not None:
+                loader._iterator._index_sampler = inner
         return iterator
 
     def _took_from_worker(self, carried: Carried) -> Any:
@@ -500,6 +532,10 @@ class TrackedLoader:
             if time.monotonic() - last_log > 10:
                 logger.info("resume: re-read %d/%d batches", i + 1, count)
                 last_log = time.monotonic()
+
+
+def _index_sampler(loader: DataLoader) -> Any:
+    return loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
 
 
 def _length(loader: Any) -> int | None:

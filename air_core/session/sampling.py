@@ -1,15 +1,17 @@
-"""What a loader's order depends on, and an index sampler that skips what a checkpoint consumed.
+"""What a loader's order depends on, and the index samplers a ``TrackedLoader`` puts in for one pass.
 
 ``loader_generators`` finds the ``torch.Generator`` objects of a loader and its (batch) samplers, so
 a position can keep and restore them. ``Skip`` drops the first indices of one iteration while still
 drawing them, so the sampler's RNG use, and the order of every later draw, is what it was. ``Batches``
-hands out a precomputed list of batches (an elastic resume's share of an epoch).
+hands out a precomputed list of batches (an elastic resume's share of an epoch). ``Ahead`` tells a
+``Prefetching`` dataset (``air_core.data.RemoteFiles``) which samples the loader reads next.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -79,6 +81,63 @@ class Batches:
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches)
+
+
+@runtime_checkable
+class Prefetching(Protocol):
+    """A map-style dataset that fetches samples ahead when told which the loader reads next
+    (``air_core.data.RemoteFiles``). A ``TrackedLoader`` over it tells it (``Ahead``), and the session
+    adds its ``counters`` to the ``Recorder``'s."""
+
+    prefetch_depth: int
+    """Samples to announce ahead of the one the loader takes from its index sampler."""
+
+    def prefetch(self, indices: list[Any]) -> None:
+        """The loader reads these samples next, in this order (called in the training process)."""
+
+    @property
+    def counters(self) -> Callable[[], dict[str, float]]:
+        """Cumulative counts for the session's metrics (e.g. ``FileCache.stats``)."""
+
+
+class Ahead:
+    """An index sampler that, as it hands each item (an index or a batch of them) to the loader, tells
+    ``prefetch`` the samples of that item and of the items after it, ``depth`` samples at least (pulled
+    from ``inner`` early, in its order). The loader takes items when it dispatches them (ahead of the
+    training loop by its workers' read-ahead), so the prefetch runs ``depth`` samples ahead of that.
+    ``inner`` is iterated as soon as this is (a ``Skip`` inside can be primed)."""
+
+    def __init__(self, inner: Any, prefetch: Callable[[list[Any]], None], depth: int) -> None:
+        self.inner, self.prefetch, self.depth = inner, prefetch, depth
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._announcing(iter(self.inner))
+
+    def _announcing(self, items: Iterator[Any]) -> Iterator[Any]:
+        window: deque[tuple[Any, list[Any]]] = deque()  # (item, its samples), in order
+        held = 0  # samples in the window
+        for item in items:
+            samples = _samples(item)
+            window.append((item, samples))
+            held += len(samples)
+            if held - len(window[0][1]) >= self.depth:
+                held -= len(window[0][1])
+                yield self._announce(window)
+        while window:
+            yield self._announce(window)
+
+    def _announce(self, window: deque[tuple[Any, list[Any]]]) -> Any:
+        self.prefetch([i for _, samples in window for i in samples])
+        return window.popleft()[0]
+
+
+def _samples(item: Any) -> list[Any]:
+    if isinstance(item, torch.Tensor):
+        return item.flatten().tolist()
+    return list(item) if isinstance(item, (list, tuple)) else [item]
 
 
 class _Primed:

@@ -1,17 +1,17 @@
-"""Training over files on s3:// through air_core's prefetching NVMe cache, with exact resume.
+"""Training over files on s3:// through air_core's prefetching NVMe cache, with exact resume (Accelerate).
 
     python examples/data/train_s3.py                     # starts moto's S3 server on 127.0.0.1 itself
     python examples/data/train_s3.py --endpoint http://127.0.0.1:9000 --data s3://bucket/shards
     torchrun --standalone --nproc-per-node 2 examples/data/train_s3.py --endpoint URL --data s3://...
 
-The dataset is a plain map-style dataset: item ``i`` is the file ``shard-<i>.pt`` (a tensor and its
-id). ``FileCache`` keeps the next ``--depth`` files downloading ahead of the sampler's order on the
-local disk (``--cache-dir``), within ``--budget-mib``; loader workers read the local copies. Each
-rank reads its own shard of every epoch (``ResumableSampler``), so each rank prefetches what it will
-read. Every ``--every`` steps the model, optimizer, RNG and the position in the epoch are saved with
-``AsyncCheckpointer``; a relaunch resumes there and prefetches from there. Per step ``fetch_seconds``
-and, per window, the cache's hits, misses, wait and bytes are logged (and sent to MLflow with
-``--mlflow``). Sample ids of every step go to ``<workdir>/ids-rank<R>.jsonl``.
+The dataset is ``RemoteFiles``: item ``i`` is the file ``shard-<i>.pt`` (a tensor and its id), read from
+the local copy ``FileCache`` keeps (``--cache-dir``, within ``--budget-mib``). It goes into a plain
+shuffled ``DataLoader``, and the rest is ``AirAccelerator``'s: each process reads its share of every
+epoch, its cache fetches the files ``--depth`` samples ahead of what its loader takes, in the loader's
+own order; every ``--every`` steps ``save_state`` checkpoints the model, optimizer, RNG and the loader's
+position; a relaunch resumes there (``resume()``), and its prefetch starts there. The cache's hits,
+misses, wait and bytes go with ``fetch_seconds`` to the log (and MLflow with ``--mlflow``). Nothing
+is wired for the cache. Sample ids of every step go to ``<workdir>/ids-rank<R>.jsonl``.
 """
 
 from __future__ import annotations
@@ -23,15 +23,12 @@ import logging
 import os
 import signal
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from air_core import AsyncCheckpointer
-from air_core.data import FileCache, PrefetchingSampler, RemoteFiles, ResumableSampler
-from air_core.session import MlflowSink, Recorder, capture_rng, restore_rng
+from accelerate_air import AirAccelerator, AirPlugin
+from air_core.data import FileCache, RemoteFiles
 
 DIM = 64
 
@@ -63,8 +60,7 @@ def upload_shards(endpoint: str, url: str, files: int) -> None:
 
 
 def read(path: str) -> tuple[int, torch.Tensor]:
-    """One sample from its local copy. (Augmentation drawn from a loader worker's RNG would need the
-    loader's position tracking of the Lightning or Accelerate adapters to resume exactly.)"""
+    """One sample from its local copy (augmentation drawn here from the RNG would resume exactly too)."""
     item = torch.load(path, weights_only=True)
     return item["id"], item["x"]
 
@@ -77,7 +73,7 @@ def main() -> None:
     p.add_argument("--files", type=int, default=96, help="shards to create when this starts moto")
     p.add_argument("--cache-dir", default="", help="local NVMe folder (default <workdir>/cache)")
     p.add_argument("--budget-mib", type=int, default=64)
-    p.add_argument("--depth", type=int, default=16)
+    p.add_argument("--depth", type=int, default=16, help="samples fetched ahead of the loader's reads")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--epochs", type=int, default=2)
@@ -87,110 +83,48 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s", level=logging.WARNING)
     logging.getLogger("air_core").setLevel(logging.INFO)
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    if world > 1:
-        dist.init_process_group("gloo")
     if not args.endpoint:
         args.endpoint, args.data = serve_moto(args.files)
-    options = {"client_kwargs": {"endpoint_url": args.endpoint}}
     os.makedirs(args.workdir, exist_ok=True)
 
     cache = FileCache(
         args.data,
         cache_dir=args.cache_dir or os.path.join(args.workdir, "cache"),
         budget_bytes=args.budget_mib << 20,
-        storage_options=options,
+        storage_options={"client_kwargs": {"endpoint_url": args.endpoint}},
     )
-    dataset = RemoteFiles(cache, sorted(cache.sizes), read)
-    order = ResumableSampler(dataset, num_replicas=world, rank=rank, seed=11)
-    sampler = PrefetchingSampler(order, dataset, depth=args.depth)
-    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=args.workers)
+    dataset = RemoteFiles(cache, sorted(cache.sizes), read, prefetch_depth=args.depth)
+    loader = DataLoader(dataset, batch_size=args.batch, shuffle=True, num_workers=args.workers)
 
+    plugin = AirPlugin(os.path.join(args.workdir, "ckpts"), log_every_n_steps=10, mlflow=args.mlflow)
+    accelerator = AirAccelerator(air_plugin=plugin, cpu=not torch.cuda.is_available())
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(DIM, 128), torch.nn.ReLU(), torch.nn.Linear(128, DIM))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    recorder = Recorder(log_every_n_steps=10, rank=rank)
-    recorder.counters.append(cache.stats)
-    if world > 1:
-        recorder.gather = lambda values: _all_gather(values, world)
-    sink = MlflowSink(experiment="air-data-example") if args.mlflow and rank == 0 else None
-    if sink is not None:
-        recorder.attach(sink.log)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
 
-    ckpt = AsyncCheckpointer(
-        os.path.join(args.workdir, "ckpts"),
-        rank=rank,
-        world_size=world,
-        launch_id=_broadcast_launch_id(world),
-        listeners=[recorder],
-    )
-    start, consumed, step = 0, 0, 0
-    if (info := ckpt.latest()) is not None:
-        state = ckpt.load(info)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        restore_rng(state["rng"])
-        start, consumed, step = state["epoch"], state["consumed"], state["step"]
-        sampler.resume(start, consumed * args.batch)  # the prefetch starts from here too
+    rank = accelerator.process_index
     ids_file = open(os.path.join(args.workdir, f"ids-rank{rank}.jsonl"), "a")  # noqa: SIM115
-    for epoch in range(start, args.epochs):
-        if consumed == 0:
-            sampler.set_epoch(epoch)
-        it = iter(loader)
-        while True:
-            t0 = time.monotonic()
-            try:
-                ids, x = next(it)
-            except StopIteration:
-                break
-            recorder.record_fetch(time.monotonic() - t0)
-            ids_file.write(json.dumps({"step": step, "ids": ids.tolist()}) + "\n")
+    for _epoch in range(accelerator.resume(), args.epochs):  # after a resume: the rest of its epoch
+        for ids, x in loader:
+            ids_file.write(json.dumps({"step": accelerator.completed_steps, "ids": ids.tolist()}) + "\n")
             ids_file.flush()
-            loss = (model(x) - x).pow(2).mean()
-            loss.backward()
-            if world > 1:
-                for param in model.parameters():
-                    dist.all_reduce(param.grad)
-                    param.grad /= world
+            accelerator.backward((model(x) - x).pow(2).mean())
             opt.step()
             opt.zero_grad()
-            step, consumed = step + 1, consumed + 1
-            recorder.record_step(step)
-            if step % args.every == 0:
-                state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": capture_rng()}
-                state |= {"epoch": epoch, "consumed": consumed, "step": step}
-                ckpt.save(state, step=step)
-            if step == args.kill_after:
-                ckpt.flush()
+            if accelerator.completed_steps % args.every == 0:
+                accelerator.save_state()  # returns after the host copy; commits in the background
+            if accelerator.completed_steps == args.kill_after:
+                accelerator.wait_for_checkpoints()
                 os.kill(os.getpid(), signal.SIGKILL)
-        consumed = 0
-    recorder.close_window(step, reduce=False)
-    ckpt.close()
+    weights = accelerator.unwrap_model(model).state_dict()
+    accelerator.end_training()  # commits what is in flight; the last metrics window is published
     cache.close()
-    if sink is not None:
-        sink.close()
     if rank == 0:
-        torch.save(model.state_dict(), os.path.join(args.workdir, "final.pt"))
+        torch.save(weights, os.path.join(args.workdir, "final.pt"))
     # One write per line: with print, two ranks' lines ran together on the shared stdout.
-    sys.stdout.write(json.dumps({"rank": rank, "steps": step, **cache.stats()}) + "\n")
+    sys.stdout.write(json.dumps({"rank": rank, "steps": accelerator.completed_steps, **cache.stats()}) + "\n")
     sys.stdout.flush()
-    if world > 1:
-        dist.destroy_process_group()
-
-
-def _all_gather(values: list[float], world: int) -> list[list[float]]:
-    out: list[list[float]] = [[] for _ in range(world)]
-    dist.all_gather_object(out, values)
-    return out
-
-
-def _broadcast_launch_id(world: int) -> str:
-    import uuid
-
-    box = [uuid.uuid4().hex]
-    if world > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 if __name__ == "__main__":

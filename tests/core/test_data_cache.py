@@ -1,4 +1,6 @@
-"""FileCache + PrefetchingSampler over files on moto's S3 server (through the fault proxy)."""
+"""FileCache + RemoteFiles in a plain shuffled DataLoader under a TrackedLoader, over files on moto's S3
+server (through the fault proxy): the prefetch follows the order the loader reads, from the resume point
+after a resume, and the session's Recorder gets the cache's counters."""
 
 from __future__ import annotations
 
@@ -8,10 +10,11 @@ import os
 import boto3
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from air_core import ConfigError, StorageError
-from air_core.data import FileCache, PrefetchingSampler, RemoteFiles, ResumableSampler
+from air_core.data import FileCache, RemoteFiles
+from air_core.session import TrackedLoader, capture_rng
 from tests.faults.s3proxy import FaultProxy
 
 N, SIZE = 40, 64 << 10  # 40 files of 64 KiB
@@ -39,7 +42,7 @@ def shards(s3_root):
     proxy.close()
 
 
-def build(shards, cache_dir, *, budget_files=10, depth=4, rank=0, ranks=1, retries=3):
+def build(shards, cache_dir, *, budget_files=10, depth=4, retries=3) -> tuple[FileCache, RemoteFiles]:
     _, url, options = shards
     cache = FileCache(
         url,
@@ -49,10 +52,18 @@ def build(shards, cache_dir, *, budget_files=10, depth=4, rank=0, ranks=1, retri
         retries=retries,
         retry_backoff_seconds=0.01,
     )
-    files = sorted(cache.sizes)
-    dataset = RemoteFiles(cache, files, read)
-    order = ResumableSampler(dataset, num_replicas=ranks, rank=rank, seed=3)
-    return cache, dataset, PrefetchingSampler(order, dataset, depth=depth)
+    return cache, RemoteFiles(cache, sorted(cache.sizes), read, prefetch_depth=depth)
+
+
+def loader(dataset, *, workers=0, batch=4, sampler=None, **kwargs) -> DataLoader:
+    """A plain loader, shuffled by its own seeded generator unless a sampler is given."""
+    if sampler is None:
+        kwargs |= {"shuffle": True, "generator": torch.Generator().manual_seed(3)}
+    return DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=workers, **kwargs)
+
+
+def ids(batches) -> list[int]:
+    return [i for batch in batches for i in batch.tolist()]
 
 
 def on_disk(cache: FileCache) -> int:
@@ -63,68 +74,130 @@ def on_disk(cache: FileCache) -> int:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_an_epoch_reads_every_file_once_mostly_from_prefetch_within_the_budget(shards, tmp_path, workers):
-    cache, dataset, sampler = build(shards, tmp_path / "cache")
-    loader = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=workers)
+    cache, dataset = build(shards, tmp_path / "cache")
+    tracked = TrackedLoader(loader(dataset, workers=workers), epoch=lambda: 0)
     seen, peak = [], 0
-    for ids in loader:
-        seen += ids.tolist()
+    for batch in tracked:
+        seen += batch.tolist()
         peak = max(peak, on_disk(cache))
     cache.close()
-    assert seen == list(ResumableSampler(dataset, seed=3)), "the sampler's order, every file once"
+    assert seen == ids(loader(list(range(N)), workers=workers)), "the loader's own order, every file once"
     stats = cache.stats()
     assert stats["data_cache_hits"] + stats["data_cache_misses"] == N, "every read counted, workers too"
     assert stats["data_cache_hits"] >= N // 2, stats
     assert stats["data_cache_bytes_downloaded"] == sum(cache.sizes.values()), "each file downloaded once"
-    # Files read are evicted to keep budget_bytes; a worker that outruns the prefetch (depth 4 here,
-    # less than the loader's own read-ahead) may hold one more file, past the budget, for a moment.
+    # Files read are evicted to keep budget_bytes; a worker that outruns the prefetch may hold one more
+    # file, past the budget, for a moment.
     assert peak <= cache.budget_bytes + workers * (SIZE + 1024), (peak, cache.budget_bytes)
 
 
-@pytest.mark.parametrize("warm", [True, False])
-def test_resume_mid_epoch_reads_the_rest_of_the_epoch_from_a_warm_or_cold_cache(shards, tmp_path, warm):
-    cache, dataset, sampler = build(shards, tmp_path / "cache", budget_files=40)
-    full = list(ResumableSampler(dataset, seed=3))
-    first = []
-    for k, i in enumerate(sampler):
-        first.append(dataset[i])
-        if k == 14:
-            break  # killed after 15 items; the checkpoint says (epoch 0, consumed 15)
+@pytest.mark.parametrize(("cache_kind", "workers"), [("warm", 0), ("cold", 0), ("cold", 2)])
+def test_a_resume_mid_epoch_prefetches_from_the_resume_point(shards, tmp_path, cache_kind, workers):
+    """The relaunch reads (and downloads) only the rest of the epoch: nothing consumed is fetched again."""
+    full = ids(loader(list(range(N)), batch=1))  # the uninterrupted epoch (the loader's seeded order)
+    cache, dataset = build(shards, tmp_path / "cache", budget_files=N)
+    torch.manual_seed(0)
+    tracked = TrackedLoader(loader(dataset, workers=workers, batch=1), epoch=lambda: 0)
+    it = iter(tracked)
+    first = [int(next(it)) for _ in range(15)]
+    position, rng = tracked.position(), capture_rng()  # what a checkpoint after 15 steps keeps
+    del it  # killed
     cache.close()
-    cache2, dataset2, sampler2 = build(shards, tmp_path / ("cache" if warm else "cold"), budget_files=40)
-    sampler2.resume(0, 15)
-    rest = [dataset2[i] for i in sampler2]
+
+    cache2, dataset2 = build(shards, tmp_path / ("cache" if cache_kind == "warm" else "cold"), budget_files=N)
+    torch.manual_seed(99)  # a new process: the resume puts the RNG back
+    again = TrackedLoader(loader(dataset2, workers=workers, batch=1), epoch=lambda: 0)
+    again.resume(position, rng)
+    rest = [int(b) for b in again]
     cache2.close()
     assert first + rest == full, "no repeats, no skips"
-    downloaded = cache2.stats()["data_cache_bytes_downloaded"]
-    prefetched_before = set(full[: 15 + 4])  # 15 read, 4 more fetched ahead (close() lets them finish)
-    expected = sum(
-        cache2.sizes[dataset2.files[i]] for i in full[15:] if not (warm and i in prefetched_before)
+    held = set(full[: 15 + 4]) if cache_kind == "warm" else set()  # 15 read, 4 more fetched ahead (depth 4)
+    expected = sum(cache2.sizes[dataset2.files[i]] for i in full[15:] if i not in held)
+    assert cache2.stats()["data_cache_bytes_downloaded"] == expected, (
+        "a warm cache serves what it holds; a cold one downloads the rest of the epoch, nothing before it"
     )
-    assert downloaded == expected, "a warm cache serves what it holds; a cold one downloads the rest"
+    assert cache2.stats()["data_cache_hits"] + cache2.stats()["data_cache_misses"] == N - 15
+
+
+def test_persistent_workers_resume_mid_epoch_then_run_whole_epochs_through_the_cache(shards, tmp_path):
+    """A resumed pass's index sampler (the skip, the prefetch) is for that pass only: persistent workers
+    re-iterate the loader's own one in the next epoch."""
+    epoch = [0]
+
+    def make(folder):
+        cache, dataset = build(shards, folder, budget_files=N)
+        kwargs = {"persistent_workers": True}
+        return cache, TrackedLoader(loader(dataset, workers=2, **kwargs), epoch=lambda: epoch[0])
+
+    cache, tracked = make(tmp_path / "cache")
+    torch.manual_seed(0)
+    it = iter(tracked)
+    first = [next(it).tolist() for _ in range(3)]
+    position, rng = tracked.position(), capture_rng()
+    rest = [b.tolist() for b in it]
+    epoch[0] = 1
+    following = [b.tolist() for b in tracked]
+    cache.close()
+    assert sorted(i for b in first + rest for i in b) == list(range(N))
+
+    cache2, again = make(tmp_path / "cold")
+    epoch[0] = 0
+    torch.manual_seed(99)
+    again.resume(position, rng)
+    assert [b.tolist() for b in again] == rest
+    epoch[0] = 1
+    assert [b.tolist() for b in again] == following, "the next epoch is whole, in the uninterrupted order"
+    cache2.close()
+    assert cache2.stats()["data_cache_hits"] + cache2.stats()["data_cache_misses"] == N - 12 + N
 
 
 def test_a_failing_download_is_retried_then_raises_naming_the_file(shards, tmp_path):
     proxy = shards[0]
-    cache, dataset, _ = build(shards, tmp_path / "cache", retries=2)
+    cache, dataset = build(shards, tmp_path / "cache", retries=2)
     proxy.add("GET", "/shard-007.pt", "throttle", times=6)  # s3fs retries 5, then ours: it gets through
     assert dataset[7] == 7
     proxy.add("GET", "/shard-008.pt", "deny", times=1000)
     with pytest.raises(StorageError, match=r"download s3://.*/shard-008\.pt failed.*Check the credentials"):
         dataset[8]
-    loader = DataLoader(dataset, batch_size=2, sampler=[9, 8], num_workers=1)
+    tracked = TrackedLoader(DataLoader(dataset, batch_size=2, sampler=[9, 8], num_workers=1), epoch=lambda: 0)
     with pytest.raises(StorageError, match=r"shard-008\.pt"):  # from a worker, re-raised by the loader
-        next(iter(loader))
+        next(iter(tracked))
 
 
 def test_each_rank_prefetches_only_its_own_shard(shards, tmp_path):
     for rank in (0, 1):
-        cache, dataset, sampler = build(shards, tmp_path / f"node{rank}", rank=rank, ranks=2)
-        mine = list(ResumableSampler(dataset, num_replicas=2, rank=rank, seed=3))
-        assert [dataset[i] for i in sampler] == mine
+        cache, dataset = build(shards, tmp_path / f"node{rank}")
+        order = DistributedSampler(dataset, num_replicas=2, rank=rank, seed=3)
+        mine = list(order)
+        assert ids(TrackedLoader(loader(dataset, sampler=order), epoch=lambda: 0)) == mine
         cache.close()
         assert cache.stats()["data_cache_bytes_downloaded"] == sum(
             cache.sizes[dataset.files[i]] for i in mine
         )
+
+
+def test_a_session_publishes_the_counters_of_each_cache_it_reads_through_once(shards, tmp_path):
+    from air_core.session import SessionConfig, TrainingSession
+
+    cache, dataset = build(shards, tmp_path / "cache")
+    other = RemoteFiles(cache, dataset.files[:8], read)  # a second dataset over the same cache
+    session = TrainingSession(SessionConfig(mlflow=False, log_every_n_steps=2), checkpointer={})
+    published: list[dict] = []
+    session.records.attach(lambda metrics, step: published.append(metrics))
+    session.track(loader(other), epoch=lambda: 0)
+    session.track(loader(list(range(N))), epoch=lambda: 0)  # a loader without a cache adds nothing
+    tracked = session.track(loader(dataset), epoch=lambda: 0)
+    assert session.records.counters == [cache.stats], "one source per cache: its reads are counted once"
+    for step, _ in enumerate(tracked, start=1):
+        session.record_step(step)  # the tracked loader recorded the fetch
+        if step == 2:
+            break
+    cache.close()
+    session.close(2)
+    window = published[-1]
+    assert window["data_cache_hits"] + window["data_cache_misses"] == 8, "two batches of four read"
+    assert window["data_cache_bytes_downloaded"] >= 8 * SIZE
+    assert window["data_cache_hit_rate"] == window["data_cache_hits"] / 8
 
 
 def test_bad_settings_fail_at_construction(shards, tmp_path):
@@ -136,5 +209,5 @@ def test_bad_settings_fail_at_construction(shards, tmp_path):
     cache = FileCache(url, cache_dir=str(tmp_path), budget_bytes=1 << 30, storage_options=options)
     with pytest.raises(ConfigError, match="not under the cache's root"):
         RemoteFiles(cache, ["nope.pt"], read)
-    with pytest.raises(ConfigError, match="depth must be an integer >= 1"):
-        PrefetchingSampler(ResumableSampler(range(3)), RemoteFiles(cache, [], read), depth=0)
+    with pytest.raises(ConfigError, match=r"prefetch_depth=0\): must be an integer >= 1"):
+        RemoteFiles(cache, [], read, prefetch_depth=0)

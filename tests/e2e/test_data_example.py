@@ -1,5 +1,6 @@
-"""examples/data/train_s3.py against moto: killed and relaunched with a warm or a cold cache it ends as
-the uninterrupted run (samples and weights), and two gloo ranks each read and prefetch their shard."""
+"""examples/data/train_s3.py (an ``AirAccelerator`` loop over a ``FileCache`` dataset) against moto: killed
+and relaunched with a warm or a cold cache it ends as the uninterrupted run (samples and weights), and
+two gloo ranks each read and prefetch their shard."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def clean_run(data, tmp_path_factory) -> tuple[Path, dict]:
 def test_killed_mid_epoch_resumes_exactly_from_a_warm_or_cold_cache(data, tmp_path, cache, clean_run):
     clean_dir, clean = clean_run
     assert clean["data_cache_hits"] + clean["data_cache_misses"] == 2 * FILES
-    assert clean["data_cache_hits"] >= 0.9 * 2 * FILES, "depth 16 covers the loader's read-ahead"
+    assert clean["data_cache_hits"] >= 0.9 * 2 * FILES, "the prefetch runs ahead of the loader's reads"
     run(data, tmp_path / "run", "--kill-after", "8", expect_kill=True)  # resumes from step 5
     cache_dir = tmp_path / "run" / "cache" if cache == "warm" else tmp_path / "fresh-node-cache"
     (resumed,) = run(data, tmp_path / "run", "--cache-dir", str(cache_dir))
