@@ -25,14 +25,17 @@ from tests.sameness import assert_same_state
 from tests.zygote import python
 
 
-def _run(world: int, root: str, mode: str, arg: int | None = None) -> list[subprocess.CompletedProcess]:
+def _run(
+    world: int, root: str, mode: str, arg: int | None = None, *, worker: list[str] | None = None
+) -> list[subprocess.CompletedProcess]:
+    """Run ``world`` worker processes (default ``tests/sharded_worker.py``) over one gloo group."""
     init = os.path.join(os.path.dirname(root), f"init-{mode}-{world}-{os.urandom(4).hex()}")
     env = {**os.environ, "PYTHONPATH": REPO}
     extra = [] if arg is None else [str(arg)]
-    worker = os.path.join(REPO, "tests/sharded_worker.py")
+    worker = worker or [os.path.join(REPO, "tests/sharded_worker.py")]
     procs = [
         subprocess.Popen(
-            [python(), worker, str(r), str(world), root, init, mode, *extra],
+            [python(), *worker, str(r), str(world), root, init, mode, *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -337,22 +340,7 @@ exit_without_teardown()
 
 
 def _run_api(world: int, root: str, mode: str) -> None:
-    init = os.path.join(os.path.dirname(root), f"init-api-{mode}-{world}-{os.urandom(4).hex()}")
-    env = {**os.environ, "PYTHONPATH": REPO}
-    procs = [
-        subprocess.Popen(
-            [python(), "-c", _API_WORKER, str(r), str(world), root, init, mode],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(world)
-    ]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=180)
-        outs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    outs = _run(world, root, mode, worker=["-c", _API_WORKER])
     _ok(outs)
 
 

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests import stalls
 from tests.conftest import REPO
+from tests.lightning.test_crash_resume import run_job as crash_job
 from tests.sameness import assert_same_run, records
-from tests.zygote import python
 
 pytestmark = pytest.mark.slow
 JOB = os.path.join(REPO, "tests/e2e/cache_job.py")
@@ -34,18 +32,7 @@ def data(tmp_path_factory) -> Path:
 
 
 def run_job(workdir: Path, data: Path, *args: str, expect_kill: bool = False) -> None:
-    out = subprocess.run(
-        [python(), JOB, str(workdir), "--data", str(data), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": REPO},
-    )
-    shown = stalls.shown(workdir, args, out)
-    if expect_kill:
-        assert out.returncode == -9, f"expected a SIGKILL {shown}"
-    else:
-        assert out.returncode == 0, f"job failed {shown}"
+    crash_job(workdir, "--data", str(data), *args, expect_kill=expect_kill, job=JOB)
 
 
 def cache_records(workdir: Path) -> list[dict]:
