@@ -8,7 +8,9 @@ gathered (the ``Recorder``'s one collective), and every rank scores every rank t
 pure): relative = fastest rank's median / this rank's, individual = this rank's best median / its
 current one. A rank under the threshold by either score is named: rank 0 logs it, records a
 ``straggler`` goodput event and MLflow metrics and a tag per host; with ``stop`` every rank asks its
-session to stop (the same decision everywhere: the same gathered figures).
+session to stop (the same decision everywhere: the same gathered figures). A straggler holds the other
+ranks back, so a job of one rank names none (the session does not even time it: ``SessionHealth``);
+its own slowdowns are goodput's checkpoint stalls and data waits.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class Scores:
     individual: tuple[float | None, ...]
     """This rank's best median so far / its current one (1.0: as fast as it ever was)."""
     stragglers: tuple[int, ...]
-    """Ranks under the threshold by either score, slowest first."""
+    """Ranks under the threshold by either score, slowest first (none in a window of one rank)."""
     below_best: tuple[int, ...] = ()
     """Ranks under the threshold by their individual score in this window (named by it only when they
     were in the window before too)."""
@@ -91,8 +93,10 @@ def score(
             node; the relative score compares ranks doing the same work, and names at once.
 
     Returns:
-        The scores; ``stragglers`` in rising score order.
+        The scores; ``stragglers`` in rising score order, empty when ``medians`` has one rank: a
+        straggler is a rank that holds the others back, and a one-rank job has none to hold back.
     """
+    alone = len(medians) < 2
     timed = [m for m in medians if m is not None and m > 0]
     fastest = min(timed) if timed else None
     relative: list[float | None] = []
@@ -113,7 +117,7 @@ def score(
         if ind < threshold and median - own_best >= min_lost_seconds:
             below_best.append(rank)
         slow_vs_itself = rank in below_best and rank in below_best_before
-        if slow_vs_others or slow_vs_itself:
+        if (slow_vs_others or slow_vs_itself) and not alone:
             named.append((min(rel, ind) if slow_vs_itself else rel, rank))
     return Scores(
         step=step,

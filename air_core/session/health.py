@@ -2,8 +2,9 @@
 
 The pre-flight (before the root is opened), the hang watchdog (armed at ``start``, fed by every step,
 paused by checkpoint I/O the training thread waits on) and straggler detection (a section per step,
-scored at window ends by the ``Recorder``). ``TrainingSession`` owns one and forwards the adapter's
-events to it; the checks themselves are ``air_core.health``'s.
+scored at window ends by the ``Recorder``; off in a one-rank job, where nobody can be held back).
+``TrainingSession`` owns one and forwards the adapter's events to it; the checks themselves are
+``air_core.health``'s.
 """
 
 from __future__ import annotations
@@ -40,8 +41,17 @@ class SessionHealth:
         self.config = config
         self.rank, self.world_size, self.launch_id = rank, world_size, launch_id
         self.stragglers: Stragglers | None = None
-        """Straggler detection (None: ``straggler_threshold`` off, or not measuring)."""
-        if config.straggler_threshold and measure:
+        """Straggler detection (None: ``straggler_threshold`` off, not measuring, or a one-rank job)."""
+        if config.straggler_threshold and measure and world_size < 2:
+            # a straggler holds the other ranks back: one rank has none, and its own slowdowns (a
+            # save's writer sharing the cores, data waits) are goodput's checkpoint stalls and data waits
+            logger.info(
+                "%s: straggler detection is off in a one-rank job (straggler_threshold=%s compares ranks "
+                "that wait for each other; this rank's own slowdowns are in goodput)",
+                config.owner,
+                config.straggler_threshold,
+            )
+        elif config.straggler_threshold and measure:
             self.stragglers = Stragglers(
                 threshold=config.straggler_threshold, stop=config.stop_on_straggler, owner=config.owner
             )
