@@ -6,11 +6,9 @@ from __future__ import annotations
 import time
 
 import lightning.pytorch as pl
-import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from air_core import StragglerError
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
 
 
@@ -23,7 +21,7 @@ class SlowsDownAtStep5(BoringModel):
         return super().training_step(batch, batch_idx)
 
 
-def test_a_rank_slower_than_its_own_best_stops_the_fit_after_committing(tmp_path):
+def test_a_one_rank_fit_that_slows_down_names_no_straggler_and_runs_to_the_end(tmp_path):
     callback = AirCallback(log_every_n_steps=4, mlflow=False, stop_on_straggler=True)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -36,14 +34,8 @@ def test_a_rank_slower_than_its_own_best_stops_the_fit_after_committing(tmp_path
         enable_model_summary=False,
         default_root_dir=str(tmp_path),
     )
-    stopped = r"AirCallback\(stop_on_straggler=True\): straggler\(s\) at step 12 .*: rank 0"
-    with pytest.raises(StragglerError, match=stopped) as e:
-        trainer.fit(SlowsDownAtStep5())
-    assert e.value.ranks == (0,)
-    scores = callback.session.stragglers.last
-    # slower than its first window in the second window (steps 5-8) and the third: named at step 12
-    assert scores.step == 12 and scores.individual[0] < 0.75, f"slower than its first window: {scores}"
-    assert callback.session.closed, "the session committed and closed before raising"
-    # AirCallback's step end runs before ModelCheckpoint's: the stop comes before the save of step 12.
+    trainer.fit(SlowsDownAtStep5())  # no StragglerError: one rank holds nobody back
+    assert callback.session.stragglers is None, "straggler detection is off in a one-rank fit"
+    assert trainer.global_step == 16
     newest = latest_checkpoint(str(tmp_path))
-    assert newest is not None and newest.endswith("step=10.ckpt"), f"the save of step 10 committed: {newest}"
+    assert newest is not None and newest.endswith("step=16.ckpt"), newest
