@@ -164,6 +164,15 @@ class AirCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.session is not None, "AirCallback.setup did not run"
+        loop, epoch = trainer.fit_loop, trainer.fit_loop.epoch_progress.current
+        # Lightning types `current` as the base tracker; the fit loop's counts `processed` too.
+        if loop.restarted_mid_epoch and epoch.processed == epoch.ready:  # type: ignore[attr-defined]
+            # Resumed from a save in the last batch's on_train_batch_end: FitLoop.reset closed that epoch
+            # (processed, completed) but left the stage "restarted mid-epoch", so the next on_advance_start
+            # would neither count the epoch it starts (ready, started) nor call on_train_epoch_start, and
+            # every later checkpoint would say "no epoch running": relaunched, the last one trains its epoch
+            # again. End the stage as an epoch's end does (Lightning 2.6.6: fit_loop.py 398-404, 447-454).
+            loop.reset_restart_stage()
         _count_from_the_share(trainer)
         if pl_module.automatic_optimization:  # every step passes on_before_optimizer_step (manual ones
             for optimizer in trainer.optimizers:  # may step a raw optimizer, ungated)
@@ -251,6 +260,18 @@ class AirCallback(Callback):
     ) -> None:
         if self.session is None or self.session.closed:
             return  # validate/test/predict from a checkpoint: no training position to restore
+        # A save in on_train_batch_end (the batch not yet completed) whose epoch counters say no epoch runs
+        # has the lag on_train_start prevents, from a launch without that (stock Lightning, or this package
+        # before it): count the running epoch, or a relaunch from the end trains the last epoch again.
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        epochs, batches = fit_loop.get("epoch_progress"), fit_loop.get("epoch_loop.batch_progress")
+        if epochs and batches:
+            b, both = batches["total"], (epochs["current"], epochs["total"])
+            if b["ready"] == b["started"] == b["processed"] == b["completed"] + 1 and all(
+                e["ready"] == e["started"] == e["processed"] for e in both
+            ):
+                for e in both:
+                    e["ready"], e["started"] = e["ready"] + 1, e["started"] + 1
         air = checkpoint.get(AIR_KEY)
         states: dict[int, Any] = {}
         if air is not None:  # rank 0's part is in the .ckpt; the plugin loaded the other ones needed
