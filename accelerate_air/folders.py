@@ -96,9 +96,11 @@ class Folders:
                     "override `self.save_iteration` with what iteration to start with."
                 )
             ckpt = self._main
+            name = paths.fresh(ckpt, place.entry, place=place)
         elif output_dir is None:
             ckpt = self._main
-            place = Place(ckpt.config.root, paths.fresh(ckpt, f"step-{step:09d}"))
+            name = paths.fresh(ckpt, f"step-{step:09d}")
+            place = Place(ckpt.config.root, name)
         else:
             if location(os.fspath(output_dir)) == self._root:
                 raise ConfigError(
@@ -108,8 +110,8 @@ class Folders:
                 )
             place = paths.place(os.fspath(output_dir), own_root=True)
             ckpt = paths.writer(place)
-        base = place.entry or location(place.root).rsplit("/", 1)[-1]
-        name = place.entry if output_dir is None and not automatic else paths.fresh(ckpt, base, place=place)
+            base = place.entry or location(place.root).rsplit("/", 1)[-1]  # a root of its own: its name
+            name = paths.fresh(ckpt, base, place=place)
         paths.claim(ckpt, place, Owner(name, step, folder=True))
         return ckpt, place, name
 

@@ -40,14 +40,6 @@ AIR_KEY = "air"
 _NEVER_BY_COUNT = 1 << 30  # ModelCheckpoint decides retention; the core only cleans partial saves
 
 
-def split_path(path: str) -> tuple[str, str]:
-    """``dirpath/file.ckpt`` (any URL) -> (dirpath, file.ckpt); a bare file name is in the working folder."""
-    try:
-        return split_place(path)
-    except ValueError as exc:
-        raise ConfigError(f"AirCheckpointIO: {exc}.") from exc
-
-
 def commit_name(filename: str, step: int, unique: str = "") -> str:
     """The commit name of a save of ``filename`` at ``step``: unique, since Lightning may write the same file
     at the same step again (a rerun with ``enable_version_counter=False``) while the older commit exists.
@@ -165,8 +157,10 @@ class AirCheckpointIO(CheckpointIO):
 
     def _place(self, path: str) -> Place:
         """Where ``path`` (a file, or a sharded save's folder) lives: an entry of its parent folder."""
-        split_path(path)  # a path naming no file is the user's mistake: ConfigError
-        return self.session.paths.place(path, own_root=False)
+        try:
+            return self.session.paths.place(path, own_root=False)
+        except ValueError as exc:  # a path naming no file is the user's mistake
+            raise ConfigError(f"AirCheckpointIO: {exc}.") from exc
 
     def _settle(self, handle: Any, ckpt: AsyncCheckpointer) -> None:
         """After a save: unless asynchronous, wait for its commit and close the writers; a save to another
@@ -264,7 +258,7 @@ class AirCheckpointIO(CheckpointIO):
     @staticmethod
     def is_sharded(info: CheckpointInfo | None, path: str) -> bool:
         """Whether ``info`` (``commit_of(path)``) is a sharded checkpoint whose folder is ``path``."""
-        return info is not None and dcp.dcp_folders(info) == [split_path(path)[1]]
+        return info is not None and dcp.dcp_folders(info) == [split_place(path)[1]]
 
     def load_sharded(
         self,

@@ -107,7 +107,6 @@ class _Root:
     """What one root holds, by entry (listed once, then kept by this process's saves and removals)."""
 
     ckpt: AsyncCheckpointer
-    flat: bool
     taken: set[str] = field(default_factory=set)
     """Names of committed or damaged checkpoints (never written again) and of this session's saves."""
     owners: dict[str, list[Owner]] = field(default_factory=dict)
@@ -118,7 +117,7 @@ class _Root:
         # Partial saves do not count: they are never loaded, and another rank's first intent record may
         # already be there (every rank must choose the same names). No wait for saves in flight.
         infos = ckpt.list(settle=False)
-        root = cls(ckpt, flat, {i.name for i in infos if i.status != "partial"} | set(ckpt.in_flight()))
+        root = cls(ckpt, {i.name for i in infos if i.status != "partial"} | set(ckpt.in_flight()))
         for info in _committed(infos):
             assert info.manifest is not None
             for entry, folder in _entries(info, [f.path for f in info.manifest.files], flat=flat).items():
