@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 
-.PHONY: demo demo-core test venv lint bench compat clean
+.PHONY: demo demo-core test test-oldest venv lint bench compat clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,33 @@ demo-core: venv
 test: venv
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
+# The floors in pyproject.toml (lightning>=2.6, accelerate>=1.13) stay true: a few tests, one of each kind
+# (SIGKILL crash-resume per adapter, sharded, elastic, a stock framework loading our checkpoint), against
+# the oldest releases they allow (.ci/oldest.txt), in a venv of their own on the same torch. CI runs it
+# after `make test`. Node ids rather than a marker: a marker cannot pick one parametrization of a test.
+VENV_OLDEST := .venv-oldest
+PY_OLDEST := $(VENV_OLDEST)/bin/python
+OLDEST_TESTS := \
+	'tests/lightning/test_crash_resume.py::test_sigkill_mid_epoch_during_each_save_phase_resumes_exactly[snapshot_start-0]' \
+	'tests/accelerate/test_crash_resume.py::test_sigkill_mid_epoch_during_each_save_phase_resumes_exactly[snapshot_start-0]' \
+	'tests/lightning/test_sharded.py::test_sharded_saves_to_s3_killed_mid_upload_resume_exactly' \
+	'tests/accelerate/test_elastic.py::test_a_two_process_checkpoint_continues_on_one_and_three_processes_each_sample_once' \
+	'tests/accelerate/test_accelerator.py::test_checkpoint_downloaded_from_s3_loads_with_stock_load_state'
+
+$(VENV_OLDEST)/.installed: pyproject.toml .ci/oldest.txt
+	$(PYTHON) -m venv $(VENV_OLDEST)
+	$(PY_OLDEST) -m pip install -q --upgrade pip
+	$(PY_OLDEST) -c "import torch" 2>/dev/null || $(PY_OLDEST) -m pip install -q "$(TORCH_SPEC)"
+	$(PY_OLDEST) -m pip install -q -c .ci/oldest.txt -e ".[dev]"
+	touch $@
+
+test-oldest: $(VENV_OLDEST)/.installed
+	@$(PY_OLDEST) -c "from importlib.metadata import version as v; \
+		print('test-oldest:', *(f'{p}=={v(p)}' for p in ('torch', 'lightning', 'pytorch-lightning', \
+		'accelerate', 'torchdata', 'jsonargparse', 'mlflow', 'numpy')))"
+	$(PY_OLDEST) -m pip check
+	$(PY_OLDEST) -m pytest -q -n 2 --durations=10 $(OLDEST_TESTS)
+
 lint: venv
 	$(VENV)/bin/ruff check air_core lightning_air accelerate_air tests benchmarks examples
 	$(VENV)/bin/ruff format --check air_core lightning_air accelerate_air tests benchmarks examples
@@ -48,4 +75,4 @@ compat: venv
 	$(PY) -m compat.run $(COMPAT_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VENV_OLDEST) .pytest_cache build *.egg-info
