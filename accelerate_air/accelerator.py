@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -103,7 +104,7 @@ class AirAccelerator(Accelerator):
         self.start_epoch = 0
         self.air_session = TrainingSession(
             air_plugin.session,
-            checkpointer={**air_plugin.checkpointer, "keep_last": retention(self, air_plugin)},
+            checkpointer=replace(air_plugin.checkpointer, keep_last=retention(self, air_plugin)),
             rank=self.process_index,
             world_size=self.num_processes,
             broadcast=lambda value: broadcast_object_list([value])[0],

@@ -40,7 +40,7 @@ def retention(accelerator: Any, plugin: AirPlugin) -> int:
     """
     config = accelerator.project_configuration
     if not config.automatic_checkpoint_naming:
-        return int(plugin.checkpointer["keep_last"])
+        return plugin.checkpointer.keep_last
     wanted = (
         None
         if accelerator.project_dir is None

@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from air_core import CheckpointerConfig, Listener
+from air_core import CheckpointerConfig, ConfigError, Listener
+from air_core.config import settings_of
 from air_core.session import SessionConfig
 
 logger = logging.getLogger(__name__)
@@ -85,36 +86,18 @@ class AirPlugin:
         hang_timeout_seconds: float | None = None,
         hang_floor_seconds: float = 300.0,
     ) -> None:
-        self.checkpointer: dict[str, Any] = dict(
-            staging_dir=staging_dir,
-            host_budget_bytes=host_budget_bytes,
+        if not isinstance(root, str) or not root.strip():
+            raise ConfigError(
+                f"AirPlugin(root={root!r}): pass the checkpoints' folder or URL, e.g. 's3://bucket/run1'."
+            )
+        self.checkpointer = settings_of(
+            CheckpointerConfig,
+            locals(),
             keep_last=2 if keep_last is None else keep_last,
-            max_in_flight=max_in_flight,
-            on_busy=on_busy,
-            writer=writer,
-            storage_options={} if storage_options is None else storage_options,
-            max_transfers=max_transfers,
-            retries=retries,
-            commit_timeout_seconds=commit_timeout_seconds,
             close_timeout_seconds=flush_timeout_seconds,
         )
-        """``AsyncCheckpointer`` settings other than the root (validated now)."""
-        CheckpointerConfig(root=root, **self.checkpointer)
-        self.session = SessionConfig(
-            log_every_n_steps=log_every_n_steps,
-            flush_timeout_seconds=flush_timeout_seconds,
-            mlflow=mlflow,
-            mlflow_experiment=mlflow_experiment,
-            overlap_copies=overlap_copies,
-            elastic=elastic,
-            straggler_threshold=straggler_threshold,
-            stop_on_straggler=stop_on_straggler,
-            preflight=preflight,
-            hang_watchdog=hang_watchdog,
-            hang_timeout_seconds=hang_timeout_seconds,
-            hang_floor_seconds=hang_floor_seconds,
-            owner="AirPlugin",
-        )
+        """The checkpointer's settings (validated now)."""
+        self.session = settings_of(SessionConfig, locals(), owner="AirPlugin")
         """The training session's settings (validated now)."""
         self.root = root
         self.keep_last_given = keep_last

@@ -105,6 +105,10 @@ class AsyncCheckpointer:
             read_only=read_only,
         )
         cfg = self.config
+        if not cfg.root:
+            raise ConfigError(
+                "AsyncCheckpointer(root=''): root must be a non-empty path or URL, e.g. 's3://bucket/run1'."
+            )
         self._closed = True  # until fully built, so close() from a failed __init__ is a no-op
         self._storage = Storage(
             cfg.root,
@@ -124,7 +128,9 @@ class AsyncCheckpointer:
                 self._lease.acquire()
         self._emit = Emitter(listeners)
         self._pool = BufferPool(cfg.host_budget_bytes, cfg.max_in_flight, shared=cfg.writer == "process")
-        self._serializer = make_serializer(cfg.writer)
+        self._serializer = make_serializer(
+            "thread" if cfg.read_only else cfg.writer
+        )  # reads start no process
         fence = self._lease.check if self._lease is not None else None
         self._writer = Writer(cfg, self._storage, self._dest, self._pool, self._serializer, self._emit, fence)
         self._handles: list[SaveHandle] = []
@@ -133,6 +139,14 @@ class AsyncCheckpointer:
         self._closed = False
         if not cfg.read_only:
             open_roots.register(self._root_key, self)
+
+    @classmethod
+    def from_config(
+        cls, config: CheckpointerConfig, *, listeners: Iterable[Listener] = ()
+    ) -> AsyncCheckpointer:
+        """An ``AsyncCheckpointer`` of ``config`` (a settings object built once and passed on)."""
+        settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        return cls(**settings, listeners=listeners)
 
     # -- saving ------------------------------------------------------------------------------
     def save(

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import re
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, TypeVar
 
 from .errors import ConfigError
 from .layout import unsafe_reason
@@ -20,6 +21,7 @@ from .layout import unsafe_reason
 WriterKind = Literal["thread", "process"]
 BusyPolicy = Literal["wait", "skip"]
 
+T = TypeVar("T")
 _MIN_BUDGET = 1 << 20
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
 
@@ -28,8 +30,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
 class CheckpointerConfig:
     """Settings of one ``AsyncCheckpointer``; see the README for what each one trades."""
 
-    root: str
-    """Destination URL or path (any fsspec URL: ``s3://b/p``, ``gs://``, ``abfs://``, ``file://``, a path)."""
+    root: str = ""
+    """Destination URL or path (any fsspec URL: ``s3://b/p``, ``gs://``, ``abfs://``, ``file://``, a path).
+    Empty in a template: the settings a ``TrainingSession`` gives every root it opens (``for_root``)."""
     staging_dir: str | None = None
     """Local (NVMe) folder for staged files, spill and the local cache. None: a temporary folder
     when the destination is remote; a local destination is then written directly, not staged twice."""
@@ -47,7 +50,8 @@ class CheckpointerConfig:
     yields to training until the save's deadline (``priority.py``). ``benchmarks/checkpoint_stall.py``
     measures both."""
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
-    """Passed to fsspec untouched (credentials, endpoint). Never logged or written to a manifest."""
+    """Passed to fsspec untouched (credentials, endpoint). Never logged or written to a manifest.
+    None is read as ``{}``."""
     rank: int = 0
     """This process's rank; every rank writes its own part of each checkpoint."""
     world_size: int = 1
@@ -76,7 +80,7 @@ class CheckpointerConfig:
         def bad(arg: str, value: object, why: str) -> ConfigError:
             return ConfigError(f"AsyncCheckpointer({arg}={value!r}): {why}")
 
-        if not isinstance(self.root, str) or not self.root.strip():
+        if not isinstance(self.root, str) or (self.root and not self.root.strip()):
             raise bad("root", self.root, "root must be a non-empty path or URL, e.g. 's3://bucket/run1'.")
         if self.staging_dir is not None and not isinstance(self.staging_dir, str):
             raise bad(
@@ -110,6 +114,8 @@ class CheckpointerConfig:
         _check_int("max_in_flight", self.max_in_flight, 1)
         _check_choice("on_busy", self.on_busy, ("wait", "skip"))
         _check_choice("writer", self.writer, ("thread", "process"))
+        if self.storage_options is None:
+            object.__setattr__(self, "storage_options", {})
         if not isinstance(self.storage_options, dict):
             raise bad("storage_options", "<hidden>", "storage_options must be a dict (or None).")
         _check_int("world_size", self.world_size, 1)
@@ -138,6 +144,22 @@ class CheckpointerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise bad(name, value, f"{name} must be a number of seconds >= 0.")
+
+    def for_root(
+        self, root: str, *, rank: int, world_size: int, launch_id: str, read_only: bool = False
+    ) -> CheckpointerConfig:
+        """These settings for one rank's checkpointer of ``root`` (validated again)."""
+        return replace(
+            self, root=root, rank=rank, world_size=world_size, launch_id=launch_id, read_only=read_only
+        )
+
+
+def settings_of(cls: type[T], arguments: Mapping[str, Any], **fixed: Any) -> T:
+    """A ``cls`` (a settings dataclass) from the entries of ``arguments`` that name its fields, and
+    ``fixed``: how an adapter turns its explicit keyword arguments (its ``locals()``; LightningCLI needs
+    them explicit) into settings objects, in one place. Raises ``ConfigError`` as ``cls`` does."""
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in arguments.items() if k in names and k not in fixed}, **fixed)
 
 
 def check_name(name: str, *, what: str = "name") -> str:

@@ -60,7 +60,7 @@ def main() -> int:
         state = {"bulk": bulk, "model": model.state_dict()}
         expected = {k: v.detach().cpu().clone() for k, v in flat(state).items() if k.startswith("model.")}
         if tracked:
-            session = TrainingSession(SessionConfig(mlflow=False), checkpointer={})
+            session = TrainingSession(SessionConfig(mlflow=False))
             session.track_model(model)
             ckpt = session.open(f"{root}/tracked")
             handle = session.save({"step-000000001/rank-0.pt": state}, step=1, name="step-000000001")

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from typing_extensions import override
 
 from air_core import ConfigError
+from air_core.config import settings_of
 from air_core.session import SessionConfig, TrackedLoader, TrainingSession
 
 from .checkpoint_io import AIR_KEY, AirCheckpointIO
@@ -87,21 +88,7 @@ class AirCallback(Callback):
         hang_timeout_seconds: float | None = None,
         hang_floor_seconds: float = 300.0,
     ) -> None:
-        self.config = SessionConfig(
-            log_every_n_steps=log_every_n_steps,
-            flush_timeout_seconds=flush_timeout_seconds,
-            mlflow=mlflow,
-            mlflow_experiment=mlflow_experiment,
-            overlap_copies=overlap_copies,
-            elastic=elastic,
-            straggler_threshold=straggler_threshold,
-            stop_on_straggler=stop_on_straggler,
-            preflight=preflight,
-            hang_watchdog=hang_watchdog,
-            hang_timeout_seconds=hang_timeout_seconds,
-            hang_floor_seconds=hang_floor_seconds,
-            owner="AirCallback",
-        )
+        self.config = settings_of(SessionConfig, locals(), owner="AirCallback")
         self.session: TrainingSession | None = None
         """The session of the running (or last) fit."""
         self._saves_at_step: dict[int, int] = defaultdict(int)
@@ -140,19 +127,21 @@ class AirCallback(Callback):
             gathered = strategy.all_gather(torch.tensor(values, dtype=torch.float64))
             return gathered.reshape(trainer.world_size, -1).tolist()
 
-        self.session = plugin.new_session(
+        self.session = TrainingSession(
             self.config,
+            checkpointer=plugin.config,
             rank=trainer.global_rank,
             world_size=trainer.world_size,
             broadcast=lambda value: strategy.broadcast(value, src=0),
             gather=gather,
+            listeners=plugin.listeners,
         )
+        plugin.use(self.session, pl_module)
         root = getattr(trainer.checkpoint_callback, "dirpath", None)
         self.session.preflight(
             str(root) if root else None,
             parameter_bytes=sum(p.numel() * p.element_size() for p in pl_module.parameters()),
         )
-        plugin.attach(pl_module)
         self.session.track_model(pl_module)
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
@@ -319,12 +308,6 @@ class AirCallback(Callback):
             delattr(trainer.strategy, "process_dataloader")
         if self.session is not None:
             self.session.close(trainer.global_step)
-        plugin = trainer.strategy.checkpoint_io
-        if isinstance(plugin, AirCheckpointIO):
-            # Later saves (a notebook's, after fit) return once committed again. The strategy's teardown
-            # says so to the plugin, but not ModelParallelStrategy's (Lightning 2.6): its saves after the
-            # fit stayed asynchronous, and were lost when the process ended.
-            plugin.teardown()
 
 
 def _check_nothing_swaps_weights(trainer: pl.Trainer) -> None:

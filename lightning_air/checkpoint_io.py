@@ -7,15 +7,15 @@ commit record lives under ``<dirpath>/.air/``. With ``AirCallback`` every rank a
 unfinished ones refused); a file from elsewhere (a stock checkpoint, a URL) loads as Lightning loads it.
 
 Like ``torch.save``, a save that returned is seen by every later read of the process (the core waits for
-it). Saves are asynchronous in a fit run with ``AirCallback``; otherwise (the plugin alone, after ``fit``,
-in a notebook) and to another folder than the fit's, they return once committed.
+it). Saves go through a ``TrainingSession``, whose policy it is when they return: asynchronous in a fit that
+``AirCallback`` runs (its session); once committed otherwise (the plugin alone, after ``fit``, in a
+notebook) and to another folder than the fit's.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -30,7 +30,8 @@ from air_core import (
     Listener,
     dcp,
 )
-from air_core.session import Owner, Place, SessionConfig, TrainingSession, entry_of, safe_name
+from air_core.config import settings_of
+from air_core.session import Owner, Place, TrainingSession, entry_of, safe_name
 from air_core.session import split as split_place
 
 logger = logging.getLogger(__name__)
@@ -68,33 +69,14 @@ class AirCheckpointIO(CheckpointIO):
         close_timeout_seconds: float = 600.0,
     ) -> None:
         super().__init__()
-        self._settings: dict[str, Any] = dict(
-            staging_dir=staging_dir,
-            host_budget_bytes=host_budget_bytes,
-            max_in_flight=max_in_flight,
-            on_busy=on_busy,
-            writer=writer,
-            storage_options=storage_options,
-            max_transfers=max_transfers,
-            retries=retries,
-            commit_timeout_seconds=commit_timeout_seconds,
-            close_timeout_seconds=close_timeout_seconds,
-        )
-        CheckpointerConfig(
-            root="validation-only",
-            keep_last=_NEVER_BY_COUNT,
-            **{**self._settings, "storage_options": storage_options or {}},
-        )
-        self._settings["keep_last"] = _NEVER_BY_COUNT
+        self.config = settings_of(CheckpointerConfig, locals(), keep_last=_NEVER_BY_COUNT)
+        """The checkpointer's settings (validated now; the root is each save's folder)."""
+        self.listeners: list[Listener] = []
+        """Receivers of the core's events (``add_listener``)."""
         self._module: Any = None
-        self._listeners: list[Listener] = []
         self._session: TrainingSession | None = None
         self._unnamed_sharded = 0
         """Sharded saves named by this plugin (every rank counts alike: each rank makes every one)."""
-        self._asynchronous = False
-        """In a fit that ``AirCallback`` runs (``new_session`` until ``teardown``): saves return after the
-        snapshot. Otherwise a save returns once committed and closes its writer (no thread or lease left):
-        the plugin alone cannot see a fit start, nor make ``ModelCheckpoint`` see a save in flight."""
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``ddp_spawn``'s workers, ``deepcopy(trainer)``) starts without the runtime parts: the
@@ -107,53 +89,32 @@ class AirCheckpointIO(CheckpointIO):
         """Receive the core's events (phases, save and restore records); call before training starts."""
         if self._session is not None:
             raise ConfigError("AirCheckpointIO.add_listener(): call it before the Trainer starts.")
-        if listener not in self._listeners:
-            self._listeners.append(listener)
+        if listener not in self.listeners:
+            self.listeners.append(listener)
 
-    def new_session(self, config: SessionConfig, **ranks: Any) -> TrainingSession:
-        """The session of this fit (``AirCallback.setup``, every rank): this plugin's checkpointer
-        settings and listeners, ``ranks`` = rank, world_size, broadcast, gather."""
-        if self._session is not None and self._session.checkpointer is not None:
-            raise ConfigError("AirCheckpointIO: a new session while the last one still has saves open.")
-        self._asynchronous = True
-        self._session = TrainingSession(
-            config, checkpointer=self._settings, listeners=self._listeners, **ranks
-        )
-        return self._session
-
-    def attach(self, module: Any) -> None:
-        """``module`` (the LightningModule) lets ``load_checkpoint`` refuse a checkpoint of another model."""
-        self._module = module
+    def use(self, session: TrainingSession, module: Any = None) -> None:
+        """Save and load through ``session`` from now on (``AirCallback``: the fit's; the sharded strategies:
+        one that spans their ranks). ``module`` (the LightningModule) lets ``load_checkpoint`` refuse a
+        checkpoint of another model."""
+        current = self._session
+        if current is not None and current is not session and not current.closed:
+            if not current.synchronous:
+                raise ConfigError("AirCheckpointIO: a new session while the last fit's still has saves open.")
+            current.close(0)  # an earlier save's: every save of it has committed
+        self._session = session
+        if module is not None:
+            self._module = module
 
     @property
     def session(self) -> TrainingSession:
-        """The training session (a one-rank session without metrics when no ``AirCallback`` made one, or
-        after its fit ended: Lightning saves on rank 0 only then)."""
+        """The session saves and loads go through: the one ``use`` gave while it is open, else a one-rank
+        session whose saves return once committed (the plugin alone cannot see a fit start or end, nor make
+        ``ModelCheckpoint`` see a save in flight; Lightning saves on rank 0 only after a fit)."""
         if self._session is None or self._session.closed:
-            self._session = self._own_session()
+            self._session = TrainingSession.saves_only(
+                "AirCheckpointIO", self.config, listeners=self.listeners
+            )
         return self._session
-
-    def _own_session(self, **ranks: Any) -> TrainingSession:
-        """A session of this plugin's settings and listeners, without metrics (``ranks``: all of one rank)."""
-        return TrainingSession(
-            SessionConfig(owner="AirCheckpointIO"),
-            checkpointer=self._settings,
-            listeners=self._listeners,
-            measure=False,
-            **ranks,
-        )
-
-    def span_ranks(self, *, rank: int, world_size: int, broadcast: Callable[[str], str]) -> None:
-        """Every rank, before a sharded save or load (``AirModelParallelStrategy``, ``AirFSDPStrategy``):
-        every rank writes its shards into one commit, so outside a fit that ``AirCallback`` runs (a fit
-        without it, a save after the fit) the plugin's own session spans the strategy's ranks, where it
-        would be one rank's (Lightning saves a full checkpoint on rank 0 only)."""
-        current = self._session
-        if current is not None and not current.closed:
-            if current.world_size == world_size:
-                return
-            current.close(0)  # a one-rank session of an earlier full save: its writer is closed
-        self._session = self._own_session(rank=rank, world_size=world_size, broadcast=broadcast)
 
     def _place(self, path: str) -> Place:
         """Where ``path`` (a file, or a sharded save's folder) lives: an entry of its parent folder."""
@@ -162,24 +123,13 @@ class AirCheckpointIO(CheckpointIO):
         except ValueError as exc:  # a path naming no file is the user's mistake
             raise ConfigError(f"AirCheckpointIO: {exc}.") from exc
 
-    def _settle(self, handle: Any, ckpt: AsyncCheckpointer) -> None:
-        """After a save: unless asynchronous, wait for its commit and close the writers; a save to another
-        folder than the session's root returns once committed too (``ModelCheckpoint`` and the user see
-        only what returned)."""
-        session = self.session
-        if not self._asynchronous:
-            handle.result()
-            session.close_checkpointer()
-        elif ckpt is not session.checkpointer:
-            handle.result()
-
     def latest_checkpoint(self, dirpath: str) -> str | None:
         """``latest_checkpoint(dirpath)`` with this plugin's ``storage_options`` and ``staging_dir`` (the
         files it verifies land in the cache the resume then reads: no second download)."""
         return latest_checkpoint(
             dirpath,
-            storage_options=self._settings["storage_options"],
-            staging_dir=self._settings["staging_dir"],
+            storage_options=self.config.storage_options,
+            staging_dir=self.config.staging_dir,
         )
 
     @override
@@ -198,7 +148,7 @@ class AirCheckpointIO(CheckpointIO):
         session = self.session
         ckpt = session.paths.writer(place)
         session.paths.claim(ckpt, place, Owner(name, step, folder=False))
-        self._settle(session.save({place.entry: checkpoint}, step=step, name=name, checkpointer=ckpt), ckpt)
+        session.save({place.entry: checkpoint}, step=step, name=name, checkpointer=ckpt)
 
     def save_sharded(
         self, sharded: dict[str, Any], checkpoint: dict[str, Any], path: str, *, meta_file: str
@@ -225,10 +175,7 @@ class AirCheckpointIO(CheckpointIO):
             files[place.join(meta_file)] = checkpoint
         elif "rank_state" in air:
             files[session.state_file(name)] = air["rank_state"]
-        handle = session.save_sharded(
-            {place.entry: sharded}, step=step, name=name, files=files, checkpointer=ckpt
-        )
-        self._settle(handle, ckpt)
+        session.save_sharded({place.entry: sharded}, step=step, name=name, files=files, checkpointer=ckpt)
 
     def wait_for(self, path: str) -> None:
         """Rank 0: wait for a save of ``path`` still in flight, so that an existence check sees it."""
@@ -284,7 +231,7 @@ class AirCheckpointIO(CheckpointIO):
         """Ranks > 0: add this rank's part to the commit rank 0 makes of ``name``."""
         session = self.session
         ckpt = session.paths.writer(Place(root, ""))
-        self._settle(session.save({session.state_file(name): state}, step=step, name=name), ckpt)
+        session.save({session.state_file(name): state}, step=step, name=name, checkpointer=ckpt)
 
     @override
     def load_checkpoint(
@@ -363,7 +310,7 @@ class AirCheckpointIO(CheckpointIO):
         place = self._place(str(path))
         session = self.session
         ckpt = session.paths.writer(place)
-        now = not self._asynchronous  # synchronous saves: every newer one has committed
+        now = session.synchronous  # every newer save has committed
         try:
             if not session.paths.release(ckpt, place, now=now):
                 # not ours: a link (save_last="link") or a stock file, removed as Lightning does
@@ -375,8 +322,7 @@ class AirCheckpointIO(CheckpointIO):
     @override
     def teardown(self) -> None:
         """The fit ended: commit what is in flight and close (releasing the root); a failed save is raised,
-        unless another exception is already propagating. Later saves return once committed."""
-        self._asynchronous = False
+        unless another exception is already propagating."""
         if self._session is not None:
             self._session.close_checkpointer()
 

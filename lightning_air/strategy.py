@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from air_core import ConfigError
 from air_core import dcp as air_dcp
+from air_core.session import TrainingSession
 
 from .checkpoint_io import AirCheckpointIO
 
@@ -80,11 +81,16 @@ class _AirShardedSaves(_Strategy):
     def _air_span_ranks(self) -> AirCheckpointIO:
         """The plugin, its session spanning this strategy's ranks (every rank makes each sharded save)."""
         plugin = self.air_io
-        plugin.span_ranks(
-            rank=self.global_rank,
-            world_size=self.world_size,
-            broadcast=lambda value: self.broadcast(value, src=0),
-        )
+        if plugin.session.world_size != self.world_size:  # not the fit's (AirCallback's): the plugin's own
+            session = TrainingSession.saves_only(
+                "AirCheckpointIO",
+                plugin.config,
+                listeners=plugin.listeners,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                broadcast=lambda value: self.broadcast(value, src=0),
+            )
+            plugin.use(session)
         return plugin
 
     @override

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..config import CheckpointerConfig
 from ..errors import StragglerError
 from ..health.preflight import PreflightReport, run_preflight, stop_if_bad
 from ..health.stragglers import Stragglers
@@ -61,7 +62,7 @@ class SessionHealth:
 
     # -- before the first step -----------------------------------------------------------------------
     def preflight(
-        self, root: str | None, *, checkpointer: Mapping[str, Any], parameter_bytes: int | None
+        self, root: str | None, *, checkpointer: CheckpointerConfig, parameter_bytes: int | None
     ) -> PreflightReport | None:
         """``TrainingSession.preflight``: run the configured checks (collectives with several ranks), log
         them on rank 0 and raise ``HealthCheckError`` on every rank when any node is bad."""
@@ -71,9 +72,9 @@ class SessionHealth:
         report = run_preflight(
             checks,
             root=root,
-            storage_options=checkpointer.get("storage_options") or {},
-            staging_dir=checkpointer.get("staging_dir"),
-            host_budget_bytes=checkpointer.get("host_budget_bytes"),
+            storage_options=checkpointer.storage_options,
+            staging_dir=checkpointer.staging_dir,
+            host_budget_bytes=checkpointer.host_budget_bytes,
             expected_bytes=3 * parameter_bytes if parameter_bytes else None,
             rank=self.rank,
             world_size=self.world_size,

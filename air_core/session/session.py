@@ -28,6 +28,7 @@ import torch
 from .. import dcp
 from ..checkpointer import AsyncCheckpointer, SaveHandle
 from ..compat import check_fits
+from ..config import CheckpointerConfig
 from ..errors import AirError, ConfigError
 from ..events import Listener
 from ..health.preflight import PreflightReport
@@ -55,31 +56,38 @@ class TrainingSession:
 
     Args:
         config: the session's settings (validated already).
-        checkpointer: ``AsyncCheckpointer`` keyword arguments other than root, rank, world size, launch
-            id and listeners (validated already).
+        checkpointer: the settings of every checkpointer the session opens (a template: root, rank, world
+            size and launch id are the session's).
         rank: this process's rank.
         world_size: ranks in the job.
         broadcast: rank 0's string to every rank (a collective; called once, here). None with one rank.
         gather: every rank's list of floats (a collective; the Recorder calls it at window ends).
         listeners: more receivers of the core's events.
         measure: keep rank 0's goodput log and MLflow run; False for a session that only saves and
-            loads (a ``CheckpointIO`` used without its callback, a notebook's ``save_checkpoint``).
+            loads (``saves_only``).
+        synchronous: every save returns once committed and closes its writer (no thread or lease left
+            behind), for a session that cannot see when training ends (``saves_only``). Otherwise saves
+            to the main root return after the snapshot, and saves to another root (``open_another``)
+            once committed: a framework's save to a folder of the user's choice is read right after.
     """
 
     def __init__(
         self,
         config: SessionConfig,
         *,
-        checkpointer: Mapping[str, Any],
+        checkpointer: CheckpointerConfig | None = None,
         rank: int = 0,
         world_size: int = 1,
         broadcast: Callable[[str], str] | None = None,
         gather: Gather | None = None,
         listeners: tuple[Listener, ...] | list[Listener] = (),
         measure: bool = True,
+        synchronous: bool = False,
     ) -> None:
         self.config = config
         self._measure = measure
+        self.synchronous = synchronous
+        """Every save returns once committed, and the writer is closed after it."""
         self.rank, self.world_size = rank, world_size
         mine = uuid.uuid4().hex if rank == 0 else ""
         self.launch_id = (
@@ -99,7 +107,8 @@ class TrainingSession:
         self.last_handle: SaveHandle | None = None
         self.returned_at = 0.0
         """``time.monotonic()`` when the last save returned to the training loop."""
-        self._settings = dict(checkpointer)
+        self.checkpointer_config = checkpointer if checkpointer is not None else CheckpointerConfig()
+        """The settings of every checkpointer this session opens, but their root and ranks."""
         self._listeners = [self.records, *listeners]
         self._ckpt: AsyncCheckpointer | None = None
         self._others: list[AsyncCheckpointer] = []
@@ -124,6 +133,31 @@ class TrainingSession:
             self._flushable, timeout_seconds=config.flush_timeout_seconds, who=config.owner, log=logger
         )
 
+    @classmethod
+    def saves_only(
+        cls,
+        owner: str,
+        checkpointer: CheckpointerConfig,
+        *,
+        listeners: tuple[Listener, ...] | list[Listener] = (),
+        rank: int = 0,
+        world_size: int = 1,
+        broadcast: Callable[[str], str] | None = None,
+    ) -> TrainingSession:
+        """A synchronous session without metrics: for a framework's saves and loads outside a training
+        run the adapter sees (a ``CheckpointIO`` without its callback, a notebook's save after ``fit``)."""
+        config = SessionConfig(owner=owner, mlflow=False, preflight=False, straggler_threshold=None)
+        return cls(
+            config,
+            checkpointer=checkpointer,
+            rank=rank,
+            world_size=world_size,
+            broadcast=broadcast,
+            listeners=listeners,
+            measure=False,
+            synchronous=True,
+        )
+
     # -- node health ---------------------------------------------------------------------------------
     def preflight(self, root: str | None, *, parameter_bytes: int | None = None) -> PreflightReport | None:
         """Check this node, and the links and clocks between ranks, before the first step and before
@@ -135,7 +169,9 @@ class TrainingSession:
         Raises:
             HealthCheckError: on every rank, when any rank's node is bad (one line per failed check).
         """
-        return self.health.preflight(root, checkpointer=self._settings, parameter_bytes=parameter_bytes)
+        return self.health.preflight(
+            root, checkpointer=self.checkpointer_config, parameter_bytes=parameter_bytes
+        )
 
     @property
     def stragglers(self) -> Stragglers | None:
@@ -152,14 +188,7 @@ class TrainingSession:
         if self._ckpt is not None and self._ckpt.closed:  # a newer writer of its root took it over
             self._ckpt = None
         if self._ckpt is None:
-            self._ckpt = AsyncCheckpointer(
-                root,
-                rank=self.rank,
-                world_size=self.world_size,
-                launch_id=self.launch_id,
-                listeners=self._listeners,
-                **self._settings,
-            )
+            self._ckpt = self._checkpointer(root)
             if self.rank == 0 and self._measure and self._goodput_log is None:
                 self._goodput_log = GoodputLog(self._ckpt.storage, self.launch_id)
                 self.records.goodput = self._goodput_log
@@ -177,16 +206,17 @@ class TrainingSession:
     def reader(self, root: str) -> AsyncCheckpointer:
         """A read-only checkpointer of ``root`` (no lease, no probe write: any folder or URL may be read)
         that reports its restores to this session and sees this process's saves in flight. Close it."""
-        keep = ("staging_dir", "storage_options", "max_transfers", "retries", "retry_backoff_seconds")
-        return AsyncCheckpointer(
-            root,
-            read_only=True,
+        return self._checkpointer(root, read_only=True)
+
+    def _checkpointer(self, root: str, *, read_only: bool = False) -> AsyncCheckpointer:
+        config = self.checkpointer_config.for_root(
+            str(root),
             rank=self.rank,
             world_size=self.world_size,
             launch_id=self.launch_id,
-            listeners=self._listeners,
-            **{k: v for k, v in self._settings.items() if k in keep},
+            read_only=read_only,
         )
+        return AsyncCheckpointer.from_config(config, listeners=self._listeners)
 
     @property
     def closed(self) -> bool:
@@ -206,14 +236,7 @@ class TrainingSession:
         others, self._others = self._others, []
         for other in others:
             self._close_one(other)
-        ckpt = AsyncCheckpointer(
-            root,
-            rank=self.rank,
-            world_size=self.world_size,
-            launch_id=self.launch_id,
-            listeners=self._listeners,
-            **self._settings,
-        )
+        ckpt = self._checkpointer(root)
         self._others.append(ckpt)
         return ckpt
 
@@ -247,7 +270,7 @@ class TrainingSession:
             handle = ckpt.save_files(
                 files, step=step, name=name, in_order=self._buffers(), gated=self._gated()
             )
-        return self._saved(handle)
+        return self._saved(handle, ckpt)
 
     def save_sharded(
         self,
@@ -275,10 +298,16 @@ class TrainingSession:
                 in_order=self._buffers(),
                 gated=self._gated(),
             )
-        return self._saved(handle)
+        return self._saved(handle, ckpt)
 
-    def _saved(self, handle: SaveHandle) -> SaveHandle:
+    def _saved(self, handle: SaveHandle, ckpt: AsyncCheckpointer) -> SaveHandle:
         self.last_handle = handle
+        if self.synchronous:
+            handle.result()
+            self.close_checkpointer()
+        elif ckpt is not self._ckpt:  # another root: read right after (see ``synchronous``)
+            with self.watchdog_paused():
+                handle.result()
         self._ungated = [h for h in self._ungated if not h.done()]  # a finished save's copies landed
         self._ungated.append(handle)
         self.returned_at = time.monotonic()

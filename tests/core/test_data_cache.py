@@ -181,7 +181,7 @@ def test_a_session_publishes_the_counters_of_each_cache_it_reads_through_once(sh
 
     cache, dataset = build(shards, tmp_path / "cache")
     other = RemoteFiles(cache, dataset.files[:8], read)  # a second dataset over the same cache
-    session = TrainingSession(SessionConfig(mlflow=False, log_every_n_steps=2), checkpointer={})
+    session = TrainingSession(SessionConfig(mlflow=False, log_every_n_steps=2))
     published: list[dict] = []
     session.records.attach(lambda metrics, step: published.append(metrics))
     session.track(loader(other), epoch=lambda: 0)

@@ -230,7 +230,7 @@ def test_a_position_that_does_not_say_how_its_epoch_was_dealt_is_refused():
 # -- the session ---------------------------------------------------------------------------------------
 def _session(rank: int, world: int, elastic: bool) -> TrainingSession:
     config = SessionConfig(elastic=elastic, mlflow=False, owner="AirCallback")
-    return TrainingSession(config, checkpointer={}, rank=rank, world_size=world, broadcast=lambda v: v)
+    return TrainingSession(config, rank=rank, world_size=world, broadcast=lambda v: v)
 
 
 def _states() -> dict[int, dict]:

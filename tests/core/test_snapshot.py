@@ -106,7 +106,7 @@ def test_a_save_holds_the_buffers_the_next_forward_updates(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4)).train()
     model(torch.randn(8, 6))
-    session = TrainingSession(SessionConfig(mlflow=False), checkpointer={})
+    session = TrainingSession(SessionConfig(mlflow=False))
     session.track_model(model)
     session.track_model(model)  # once is enough
     session.open(str(tmp_path / "root"))

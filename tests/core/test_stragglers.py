@@ -199,7 +199,6 @@ def test_stop_on_straggler_commits_closes_and_raises_at_the_window_end(tmp_path)
         try:
             session = sessions[r] = TrainingSession(
                 config,
-                checkpointer={},
                 rank=r,
                 world_size=2,
                 broadcast=two.broadcast(r),
@@ -255,7 +254,7 @@ def test_straggler_settings_are_validated_naming_the_argument(settings, named):
 
 def test_a_threshold_of_zero_or_none_turns_detection_off():
     for off in (0, None):
-        session = TrainingSession(SessionConfig(straggler_threshold=off, mlflow=False), checkpointer={})
+        session = TrainingSession(SessionConfig(straggler_threshold=off, mlflow=False))
         assert session.stragglers is None and session.records.parts == []
 
 
@@ -265,7 +264,7 @@ def test_a_one_rank_job_names_no_straggler(tmp_path, caplog, capsys):
     config = SessionConfig(log_every_n_steps=2, mlflow=False, owner="AirCallback")
     step = 0
     with caplog.at_level(logging.INFO, logger="air_core"):
-        session = TrainingSession(config, checkpointer={})
+        session = TrainingSession(config)
         session.open(str(tmp_path))
         # a fast first window, then two in a row far slower than it: named before the fix
         for pause in (0.0, 0.0, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01):

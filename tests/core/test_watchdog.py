@@ -246,7 +246,7 @@ def sleep_forever_inside_a_step():
         time.sleep(1)
 
 config = SessionConfig(hang_watchdog=True, hang_timeout_seconds=1.0, mlflow=False)
-session = TrainingSession(config, checkpointer={}, rank=0, world_size=1)
+session = TrainingSession(config, rank=0, world_size=1)
 session.open(sys.argv[1])
 session.start()
 for step in range(1, 4):

@@ -18,7 +18,7 @@ import time
 
 import torch.distributed as dist
 
-from air_core import HealthCheckError
+from air_core import CheckpointerConfig, HealthCheckError
 from air_core.session import SessionConfig, TrainingSession
 
 
@@ -49,7 +49,7 @@ def main() -> int:
         inject(fault)
     session = TrainingSession(
         SessionConfig(mlflow=False, owner="TestJob"),
-        checkpointer={"staging_dir": os.path.join(out, f"staging-{rank}")},
+        checkpointer=CheckpointerConfig(staging_dir=os.path.join(out, f"staging-{rank}")),
         rank=rank,
         world_size=world_size,
     )

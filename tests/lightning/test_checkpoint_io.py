@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from air_core import ConfigError, CorruptCheckpointError
-from air_core.session import SessionConfig
+from air_core.session import SessionConfig, TrainingSession
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
 from tests.conftest import REPO, run_python
 from tests.lightning.model import Model
@@ -87,10 +87,17 @@ def _ckpt_files(root: str) -> list[str]:
 
 
 def _asynchronous_plugin() -> AirCheckpointIO:
-    """The plugin as ``AirCallback.setup`` leaves it: saves return after the snapshot until ``teardown``."""
+    """The plugin as ``AirCallback.setup`` leaves it: saves return after the snapshot until the session
+    closes."""
     plugin = AirCheckpointIO()
-    plugin.new_session(SessionConfig(mlflow=False, owner="test"))
+    plugin.use(TrainingSession(SessionConfig(mlflow=False, owner="test"), checkpointer=plugin.config))
     return plugin
+
+
+def _end_fit(plugin: AirCheckpointIO) -> None:
+    """As a fit's end does: the strategy's teardown, then ``AirCallback`` closes its session."""
+    plugin.teardown()
+    plugin.session.close(0)
 
 
 def test_top_k_removal_never_deletes_the_newest_committed_checkpoint(tmp_path):
@@ -100,12 +107,12 @@ def test_top_k_removal_never_deletes_the_newest_committed_checkpoint(tmp_path):
         plugin.save_checkpoint({"global_step": step, "w": torch.ones(2) * step}, f"{root}/s{step}.ckpt")
     plugin.remove_checkpoint(f"{root}/s2.ckpt")  # the newest: must survive until a newer one commits
     plugin.remove_checkpoint(f"{root}/s1.ckpt")
-    plugin.teardown()
+    _end_fit(plugin)
     assert _ckpt_files(root) == ["s2.ckpt"]
     plugin = _asynchronous_plugin()
     plugin.save_checkpoint({"global_step": 3, "w": torch.ones(2) * 3}, f"{root}/s3.ckpt")
     plugin.remove_checkpoint(f"{root}/s2.ckpt")
-    plugin.teardown()
+    _end_fit(plugin)
     assert _ckpt_files(root) == ["s3.ckpt"]
     plugin.remove_checkpoint(f"{root}/s3.ckpt")  # outside a fit an explicit removal is done as asked
     assert _ckpt_files(root) == []
@@ -118,7 +125,7 @@ def test_removing_a_save_still_in_flight_deletes_it_once_a_newer_one_commits(tmp
     plugin.save_checkpoint(big, f"{root}/s1.ckpt")
     plugin.remove_checkpoint(f"{root}/s1.ckpt")  # top-k dropping the checkpoint it just saved
     plugin.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, f"{root}/s2.ckpt")
-    plugin.teardown()
+    _end_fit(plugin)
     assert _ckpt_files(root) == ["s2.ckpt"], "the removed checkpoint must not leak"
 
 
