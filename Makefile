@@ -42,7 +42,8 @@ OLDEST_TESTS := \
 	'tests/accelerate/test_crash_resume.py::test_sigkill_mid_epoch_during_each_save_phase_resumes_exactly[snapshot_start-0]' \
 	'tests/lightning/test_sharded.py::test_sharded_saves_to_s3_killed_mid_upload_resume_exactly' \
 	'tests/accelerate/test_elastic.py::test_a_two_process_checkpoint_continues_on_one_and_three_processes_each_sample_once' \
-	'tests/accelerate/test_accelerator.py::test_checkpoint_downloaded_from_s3_loads_with_stock_load_state'
+	'tests/accelerate/test_accelerator.py::test_checkpoint_downloaded_from_s3_loads_with_stock_load_state' \
+	tests/lightning/test_internals.py tests/accelerate/test_internals.py
 
 $(VENV_OLDEST)/.installed: pyproject.toml .ci/oldest.txt
 	$(PYTHON) -m venv $(VENV_OLDEST)

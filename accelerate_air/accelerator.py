@@ -39,12 +39,21 @@ from air_core import (
 from air_core.session import TrainingSession, entry_of_commit
 
 from .folders import Folders, retention
+from .internals import (
+    BASE_DATALOADER,
+    MLFLOW_ACTIVE_RUN,
+    MODELS,
+    OPTIMIZERS,
+    dataloaders,
+    hidden,
+    models,
+    optimizers,
+)
 from .layout import (
     accelerate_files,
     air_file,
     batch_layout,
     folder_view,
-    hidden,
     model_file,
     rank_state_of,
     start_epochs_at_iter,
@@ -166,9 +175,10 @@ class AirAccelerator(Accelerator):
         stateful = getattr(prepared, "use_stateful_dataloader", False)
         if stateful:
             start_epochs_at_iter(prepared)
-        layout = batch_layout(prepared.base_dataloader)
-        prepared.base_dataloader = self.air_session.track(
-            prepared.base_dataloader,
+        base = BASE_DATALOADER.get(prepared)
+        layout = batch_layout(base)
+        tracked = self.air_session.track(
+            base,
             epoch=lambda: int(prepared.iteration),
             lookahead=1,  # a DataLoaderShard fetches one batch ahead to detect the end
             # Accelerate corrects a stateful loader's state for that batch.
@@ -177,6 +187,7 @@ class AirAccelerator(Accelerator):
             reenter=True,  # resume() returns the finished epoch: the loop runs the code after its batches
             layout=layout,  # how the batches are dealt to processes, for a resume at another count
         )
+        BASE_DATALOADER.set(prepared, tracked)
         self._air_tracked.add(id(prepared))
         return prepared
 
@@ -220,7 +231,7 @@ class AirAccelerator(Accelerator):
         return gathered.view(self.num_processes, -1).tolist()
 
     def _air_record_fetch(self, seconds: float) -> None:
-        if any(m.training for m in self._models) or not self._models:  # training batches only
+        if any(m.training for m in models(self)) or not models(self):  # training batches only
             self.air_session.record_fetch(seconds)
         else:  # an evaluation batch: progress for the hang watchdog, not a step
             self.air_session.record_progress()
@@ -249,7 +260,7 @@ class AirAccelerator(Accelerator):
             iteration=self.save_iteration,
             step=self.completed_steps,
         )
-        for model in self._models:  # a GPU save copies their buffers ahead of the next forward
+        for model in models(self):  # a GPU save copies their buffers ahead of the next forward
             self.air_session.track_model(model)
         rank_state = self.air_session.rank_state()
         files = accelerate_files(
@@ -261,7 +272,7 @@ class AirAccelerator(Accelerator):
         }
         files = {place.join(f): state for f, state in files.items()}
         if self._air_sharded:  # every process: its shards, in Accelerate's DCP folders, one commit
-            shards = sharded_folders(place.entry, self._models, self._optimizers)
+            shards = sharded_folders(place.entry, models(self), optimizers(self))
             self.air_session.save_sharded(
                 shards, step=self.completed_steps, name=name, files=files, checkpointer=ckpt
             )
@@ -325,7 +336,7 @@ class AirAccelerator(Accelerator):
         what = f"AirAccelerator.load_state: the checkpoint {label}"
         if states:  # every process refuses another world size (without elastic) before any weight is copied
             self.air_session.check_world_size(saved, what=what)
-        for i, model in enumerate(self._models):  # before Accelerate copies any weight
+        for i, model in enumerate(models(self)):  # before Accelerate copies any weight
             path = os.path.join(folder, model_file(i))
             if os.path.isfile(path):
                 self.air_session.check_model(
@@ -336,8 +347,8 @@ class AirAccelerator(Accelerator):
                 )
         with contextlib.ExitStack() as stack:
             if self._air_sharded and ckpt is not None and info is not None:  # FSDP2 shards: the core's reader
-                load_sharded(ckpt, info, self._models, self._optimizers, folder=prefix)
-                stack.enter_context(hidden(self, "_models", "_optimizers"))  # not again from local folders
+                load_sharded(ckpt, info, models(self), optimizers(self), folder=prefix)
+                stack.enter_context(hidden(self, MODELS, OPTIMIZERS))  # not again from local folders
             # Files we wrote: mapped, not read into memory (Accelerate's torch.load takes no mmap for the
             # model file). Not around the sharded load: DCP's reader loads slices of files, which cannot.
             if ckpt is not None:
@@ -356,7 +367,7 @@ class AirAccelerator(Accelerator):
         mine = self.process_index if self.process_index in states else 0  # a process the checkpoint lacked
         self.completed_steps = airs[mine]["completed_steps"]
         self.air_session.restore_rank_states({r: states[r] for r in needed}, what=what)
-        tracked = [dl for dl in self._dataloaders if id(dl) in self._air_tracked]
+        tracked = [dl for dl in dataloaders(self) if id(dl) in self._air_tracked]
         for dl, position in zip(tracked, states[mine]["loaders"], strict=True):
             if position is None:
                 continue
@@ -438,7 +449,7 @@ class AirAccelerator(Accelerator):
     # -- MLflow run --------------------------------------------------------------------------
     def _air_tracker_run_id(self) -> str | None:
         tracker = next((t for t in self.trackers if t.name == "mlflow"), None)
-        run = getattr(tracker, "active_run", None)
+        run = None if tracker is None else MLFLOW_ACTIVE_RUN.get(tracker, None)  # set by its start()
         return run.info.run_id if run is not None else None
 
     def _air_continue_mlflow_run(self, run_id: str) -> None:
@@ -450,7 +461,7 @@ class AirAccelerator(Accelerator):
 
         fresh = self._air_tracker_run_id()
         mlflow.end_run()
-        tracker.active_run = mlflow.start_run(run_id=run_id)
+        MLFLOW_ACTIVE_RUN.set(tracker, mlflow.start_run(run_id=run_id))
         if fresh is not None:
             mlflow.delete_run(fresh)
         logger.info("AirAccelerator: continuing MLflow run %s", run_id)

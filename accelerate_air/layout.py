@@ -5,8 +5,9 @@ Keeping Accelerate's layout (``pytorch_model.bin``, ``optimizer.bin``, ``schedul
 downloaded checkpoint and lets ``AirAccelerator.load_state`` hand the fetched folder to Accelerate's
 own loader. Only what a rank would write is built: rank 0 the shared state, every rank its RNG file.
 ``batch_layout`` tells the core how a prepared loader's batches are dealt to processes (elastic resume);
-``folder_view`` hands Accelerate's loader exactly a commit's files; ``hidden`` and
-``start_epochs_at_iter`` adjust Accelerate's and torchdata's objects where the adapter must.
+``folder_view`` hands Accelerate's loader exactly a commit's files; ``start_epochs_at_iter`` adjusts
+torchdata's loader where the adapter must. Accelerate's private names are read through ``internals``,
+torchdata's through ``air_core.internals``.
 """
 
 from __future__ import annotations
@@ -31,8 +32,19 @@ from accelerate.utils import (
 )
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
+from air_core.internals import STATEFUL_INITIAL_ITER, STATEFUL_ITERATOR
 from air_core.serializer import Bundle
 from air_core.session import DealtBatches, raw_from_safe
+
+from .internals import (
+    BASE_DATALOADER,
+    custom_objects,
+    dataloaders,
+    models,
+    optimizers,
+    save_state_pre_hooks,
+    schedulers,
+)
 
 
 def air_file(rank: int) -> str:
@@ -65,21 +77,21 @@ def accelerate_files(
     """
     acc: Any = accelerator
     files: dict[str, Any] = {}
-    weights = [] if sharded else [acc.get_state_dict(m, unwrap=False) for m in acc._models]
-    if acc._save_model_state_pre_hook:
+    weights = [] if sharded else [acc.get_state_dict(m, unwrap=False) for m in models(acc)]
+    if hooks := save_state_pre_hooks(acc):
         with tempfile.TemporaryDirectory(prefix="air-hooks-") as hook_dir:
-            for hook in acc._save_model_state_pre_hook.values():
-                hook(acc._models, weights, hook_dir)
+            for hook in hooks:
+                hook(models(acc), weights, hook_dir)
             if acc.is_main_process:
                 files.update(_written_in(hook_dir))
     if acc.is_main_process:
         for i, state in enumerate(weights):
             files[model_file(i)] = state
-        for i, opt in enumerate([] if sharded else acc._optimizers):
+        for i, opt in enumerate([] if sharded else optimizers(acc)):
             files[_indexed(OPTIMIZER_NAME, i, ".bin")] = opt.state_dict()
-        for i, sched in enumerate(acc._schedulers):
+        for i, sched in enumerate(schedulers(acc)):
             files[_indexed(SCHEDULER_NAME, i, ".bin")] = sched.state_dict()
-        for i, dl in enumerate(acc._dataloaders):
+        for i, dl in enumerate(dataloaders(acc)):
             if isinstance(dl.dataset, IterableDatasetShard):
                 sampler = dl.get_sampler()
                 if isinstance(sampler, SeedableRandomSampler):
@@ -90,7 +102,7 @@ def accelerate_files(
                 files[_indexed("dl_state_dict", i, ".bin")] = dl.state_dict()
         if acc.scaler is not None:
             files[SCALER_NAME] = acc.scaler.state_dict()
-        for i, obj in enumerate(acc._custom_objects):
+        for i, obj in enumerate(custom_objects(acc)):
             files[f"custom_checkpoint_{i}.pkl"] = obj.state_dict()
     python, numpy_state, torch_state = raw_from_safe(rng)
     stock: dict[str, Any] = {
@@ -198,19 +210,6 @@ def folder_view(paths: dict[str, str], folder: str) -> Iterator[str]:
         shutil.rmtree(view, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def hidden(obj: Any, *lists: str) -> Iterator[None]:
-    """Empty the named list attributes of ``obj`` for the duration (restored even on an exception)."""
-    saved = {name: getattr(obj, name) for name in lists}
-    try:
-        for name in lists:
-            setattr(obj, name, [])
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(obj, name, value)
-
-
 def start_epochs_at_iter(prepared: Any) -> None:
     """Make a stateful loader draw each epoch's order when it is iterated, as a plain loader does.
 
@@ -219,10 +218,10 @@ def start_epochs_at_iter(prepared: Any) -> None:
     epoch starts at ``iter()`` like the others. A shuffling sampler without a generator gets one (as
     Accelerate does for its multi-process loaders), so its order is part of the saved position.
     """
-    base = prepared.base_dataloader
-    if getattr(base, "_initial_iter_for_state_dict", False):  # torchdata's flag for that early iterator
-        base._iterator = None
-        base._initial_iter_for_state_dict = False
+    base = BASE_DATALOADER.get(prepared)  # a StatefulDataLoader: prepared with use_stateful_dataloader
+    if STATEFUL_INITIAL_ITER.get(base):
+        STATEFUL_ITERATOR.set(base, None)
+        STATEFUL_INITIAL_ITER.set(base, False)
     sampler = prepared.get_sampler()
     if type(sampler) is RandomSampler and sampler.generator is None:
         seed = int(torch.empty((), dtype=torch.int64).random_().item())

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from accelerate import Accelerator
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 
 from air_core import AsyncCheckpointer, CheckpointInfo, dcp
 
 
-def fsdp2_sharded(accelerator: Any) -> bool:
+def fsdp2_sharded(accelerator: Accelerator) -> bool:
     """Whether ``accelerator`` runs FSDP2 with sharded state dicts (the one FSDP setup handled here)."""
-    if not getattr(accelerator, "is_fsdp2", False):
+    if not accelerator.is_fsdp2:  # public since before 1.13, the floor
         return False
     kind = accelerator.state.fsdp_plugin.state_dict_type
     return str(getattr(kind, "name", kind)).upper().endswith("SHARDED_STATE_DICT")

@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Any
 
+from .internals import S3_CALL
+
 logger = logging.getLogger(__name__)
 
 PART_BYTES = 64 << 20
@@ -53,7 +55,7 @@ async def _stream_s3(fs: Any, path: str, start: int, end: int, fd: int) -> int:
     from s3fs.core import version_id_kw
 
     bucket, key, version = fs.split_path(path)
-    response = await fs._call_s3(
+    response = await S3_CALL.get(fs)(
         "get_object",
         Bucket=bucket,
         Key=key,

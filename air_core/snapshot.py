@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .internals import STORAGE_ID
 
 logger = logging.getLogger(__name__)
 _ALIGN = 64
@@ -246,7 +247,15 @@ def stepped_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[tor
 def storage_pointers(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
     """The data pointers of ``tensors``' storages (a DTensor's: its local shard's, which is what a
     sharded save copies): how ``take_snapshot`` finds its ``in_order`` and ``gated`` tensors."""
-    return frozenset(getattr(t, "_local_tensor", t).untyped_storage().data_ptr() for t in tensors)
+    with torch.no_grad():  # DTensor.to_local() then returns the shard itself, with no autograd node
+        return frozenset(_local(t).untyped_storage().data_ptr() for t in tensors)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its public ``to_local``); any other tensor as is. Found by that method,
+    not by class: DTensor's module is private before torch 2.5, and snapshots need no torch.distributed."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def take_snapshot(
@@ -288,7 +297,7 @@ def take_snapshot(
     tensors = []
     for t in found:
         storage = t.untyped_storage()
-        slot = storages.setdefault(storage._cdata, len(sources))
+        slot = storages.setdefault(STORAGE_ID.get(storage), len(sources))
         if slot == len(sources):
             sources.append(storage)
         tensors.append(

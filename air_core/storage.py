@@ -70,9 +70,9 @@ def location(url: str) -> str:
     trailing slash. For telling whether two paths a framework gave name the same folder; no I/O."""
     protocol, _ = fsspec.core.split_protocol(url)
     if protocol in (None, "file", "local"):
-        return os.path.realpath(os.path.expanduser(LocalFileSystem._strip_protocol(url)))
+        return os.path.realpath(os.path.expanduser(fsspec.core.strip_protocol(url)))
     try:
-        stripped = fsspec.get_filesystem_class(protocol)._strip_protocol(url)
+        stripped = fsspec.core.strip_protocol(url)
     except (ImportError, ValueError):  # no backend: the Storage that opens it says so
         return url.rstrip("/")
     return f"{protocol}://{str(stripped).rstrip('/')}"

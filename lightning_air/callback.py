@@ -19,7 +19,6 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from lightning.pytorch.trainer.connectors.data_connector import _auto_add_worker_init_fn
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import CombinedLoader
 from typing_extensions import override
@@ -29,6 +28,18 @@ from air_core.config import settings_of
 from air_core.session import SessionConfig, TrackedLoader, TrainingSession
 
 from .checkpoint_io import AIR_KEY, AirCheckpointIO
+from .internals import (
+    FILE_EXISTS,
+    MLFLOW_RUN_ID,
+    PROCESS_DATALOADER,
+    RESET_RESTART_STAGE,
+    RESTARTED_MID_EPOCH,
+    add_worker_init_fn,
+    replace,
+    restore,
+    saves_sharded_itself,
+    train_loaders,
+)
 from .loaders import resumable
 from .strategy import AirFSDPStrategy, AirModelParallelStrategy, saves_sharded
 
@@ -145,8 +156,8 @@ class AirCallback(Callback):
         self.session.track_model(pl_module)
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
-                callback.file_exists = _WaitForSaves(callback, plugin)  # type: ignore[method-assign]
-        strategy.process_dataloader = _TrackTrainLoaders(trainer, self)  # type: ignore[method-assign]
+                replace(callback, FILE_EXISTS, _WaitForSaves(callback, plugin))
+        replace(strategy, PROCESS_DATALOADER, _TrackTrainLoaders(trainer, self))
         if root:
             self.session.open(str(root))
 
@@ -155,13 +166,13 @@ class AirCallback(Callback):
         assert self.session is not None, "AirCallback.setup did not run"
         loop, epoch = trainer.fit_loop, trainer.fit_loop.epoch_progress.current
         # Lightning types `current` as the base tracker; the fit loop's counts `processed` too.
-        if loop.restarted_mid_epoch and epoch.processed == epoch.ready:  # type: ignore[attr-defined]
+        if RESTARTED_MID_EPOCH.get(loop) and epoch.processed == epoch.ready:  # type: ignore[attr-defined]
             # Resumed from a save in the last batch's on_train_batch_end: FitLoop.reset closed that epoch
             # (processed, completed) but left the stage "restarted mid-epoch", so the next on_advance_start
             # would neither count the epoch it starts (ready, started) nor call on_train_epoch_start, and
             # every later checkpoint would say "no epoch running": relaunched, the last one trains its epoch
             # again. End the stage as an epoch's end does (Lightning 2.6.6: fit_loop.py 398-404, 447-454).
-            loop.reset_restart_stage()
+            RESET_RESTART_STAGE.get(loop)()
         _count_from_the_share(trainer)
         if pl_module.automatic_optimization:  # every step passes on_before_optimizer_step (manual ones
             for optimizer in trainer.optimizers:  # may step a raw optimizer, ungated)
@@ -170,8 +181,8 @@ class AirCallback(Callback):
         run_id = None
         if mlf is not None:
             resumed = self.session.resumed_mlflow_run
-            if resumed is not None and hasattr(mlf, "_run_id"):
-                mlf._run_id = resumed  # its later metrics go to the checkpoint's run (a private field)
+            if resumed is not None:
+                MLFLOW_RUN_ID.set(mlf, resumed)  # its later metrics go to the checkpoint's run
             run_id = mlf.run_id
         self.session.start(mlflow_run_id=run_id, run_is_ours=mlf is None)
 
@@ -302,10 +313,8 @@ class AirCallback(Callback):
         """Close the session (commits what is in flight; goodput, MLflow), unhook ``ModelCheckpoint`` and
         end the plugin's asynchronous saves."""
         for callback in trainer.checkpoint_callbacks:
-            if isinstance(vars(callback).get("file_exists"), _WaitForSaves):
-                delattr(callback, "file_exists")  # the class's method again
-        if isinstance(vars(trainer.strategy).get("process_dataloader"), _TrackTrainLoaders):
-            delattr(trainer.strategy, "process_dataloader")
+            restore(callback, FILE_EXISTS, _WaitForSaves)
+        restore(trainer.strategy, PROCESS_DATALOADER, _TrackTrainLoaders)
         if self.session is not None:
             self.session.close(trainer.global_step)
 
@@ -329,18 +338,14 @@ def _check_nothing_swaps_weights(trainer: pl.Trainer) -> None:
 def _check_sharded_saves_reach_the_plugin(strategy: Any) -> None:
     """Lightning's sharded strategies save with DCP directly, never through the ``CheckpointIO``: refuse
     them before training rather than let every checkpoint bypass the plugin."""
-    if isinstance(strategy, ModelParallelStrategy) and not isinstance(strategy, AirModelParallelStrategy):
-        if strategy._save_distributed_checkpoint:
+    for stock, ours, setting in (
+        (ModelParallelStrategy, AirModelParallelStrategy, ""),
+        (FSDPStrategy, AirFSDPStrategy, "(state_dict_type='sharded')"),
+    ):
+        if isinstance(strategy, stock) and not isinstance(strategy, ours) and saves_sharded_itself(strategy):
             raise ConfigError(
-                "AirCallback: ModelParallelStrategy writes sharded checkpoints itself, bypassing "
-                "AirCheckpointIO. Use Trainer(strategy=lightning_air.AirModelParallelStrategy(...)) with the "
-                "same arguments."
-            )
-    if isinstance(strategy, FSDPStrategy) and not isinstance(strategy, AirFSDPStrategy):
-        if strategy._state_dict_type == "sharded":
-            raise ConfigError(
-                "AirCallback: FSDPStrategy(state_dict_type='sharded') writes checkpoints itself, bypassing "
-                "AirCheckpointIO. Use Trainer(strategy=lightning_air.AirFSDPStrategy(...)) with the same "
+                f"AirCallback: {stock.__name__}{setting} writes sharded checkpoints itself, bypassing "
+                f"AirCheckpointIO. Use Trainer(strategy=lightning_air.{ours.__name__}(...)) with the same "
                 "arguments."
             )
 
@@ -377,7 +382,7 @@ class _TrackTrainLoaders:
         if trainer.state.stage != RunningStage.TRAINING or session is None or session.closed:
             return dataloader
         # Lightning adds its worker seeding right after this hook; the resumable copy must carry it.
-        _auto_add_worker_init_fn(dataloader, trainer.global_rank)
+        add_worker_init_fn(dataloader, trainer.global_rank)
         return session.track(
             resumable(dataloader),
             epoch=lambda: trainer.current_epoch,
@@ -391,7 +396,7 @@ def _count_from_the_share(trainer: pl.Trainer) -> None:
     share of it: Lightning counts the epoch's batches at this world size (``num_training_batches``) from
     the checkpoint's count at the old one, so it would stop early (more ranks) or miss the end (fewer)."""
     loop = trainer.fit_loop
-    combined: CombinedLoader | None = getattr(loop, "_combined_loader", None)
+    combined: CombinedLoader | None = train_loaders(loop)
     if combined is None:
         return
     left = [

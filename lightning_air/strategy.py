@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, ParallelStrategy
@@ -31,6 +30,7 @@ from air_core import dcp as air_dcp
 from air_core.session import TrainingSession
 
 from .checkpoint_io import AirCheckpointIO
+from .internals import CONFIGURE_LAUNCHER, METADATA_FILENAME, saves_sharded_itself
 
 if TYPE_CHECKING:
     _Strategy = ParallelStrategy  # what the mixin is mixed into, for the type checker
@@ -40,7 +40,7 @@ else:
 
 def _torch_optimizer(optimizer: Optimizer) -> Optimizer:
     """The torch optimizer a ``LightningOptimizer`` wraps (``optimizer`` itself otherwise)."""
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _optimizer_key(i: int) -> str:
@@ -127,7 +127,7 @@ class _AirShardedSaves(_Strategy):
         sharded = {self._air_model_key: checkpoint.pop("state_dict")}
         sharded.update({_optimizer_key(i): s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         self._air_span_ranks().save_sharded(
-            sharded, checkpoint, str(self.broadcast(str(filepath))), meta_file=_METADATA_FILENAME
+            sharded, checkpoint, str(self.broadcast(str(filepath))), meta_file=METADATA_FILENAME.imported()
         )
 
     @override
@@ -151,7 +151,7 @@ class _AirShardedSaves(_Strategy):
         )
         state = target.state_dict()
         checkpoint = self.air_io.load_sharded(
-            path, info, state, meta_file=_METADATA_FILENAME, weights_only=weights_only
+            path, info, state, meta_file=METADATA_FILENAME.imported(), weights_only=weights_only
         )
         target.load_state_dict(state)
         return checkpoint
@@ -175,7 +175,7 @@ class AirModelParallelStrategy(_AirShardedSaves, ModelParallelStrategy):
 
     @property
     def _air_sharded(self) -> bool:
-        return self._save_distributed_checkpoint
+        return saves_sharded_itself(self)
 
 
 class AirFSDPStrategy(_AirShardedSaves, FSDPStrategy):
@@ -190,7 +190,7 @@ class AirFSDPStrategy(_AirShardedSaves, FSDPStrategy):
 
     @property
     def _air_sharded(self) -> bool:
-        return self._state_dict_type == "sharded"
+        return saves_sharded_itself(self)
 
     @override
     def _configure_launcher(self) -> None:
@@ -202,4 +202,4 @@ class AirFSDPStrategy(_AirShardedSaves, FSDPStrategy):
                 "is the CPU. Pass accelerator='gpu', or on CPU use lightning_air.AirModelParallelStrategy "
                 "(FSDP2, fully_shard), which runs with gloo."
             )
-        super()._configure_launcher()
+        CONFIGURE_LAUNCHER.get(super())()

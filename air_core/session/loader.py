@@ -16,10 +16,14 @@ with its share of the rest of the epoch, whatever its mode, and later epochs run
 
 The checkpoint's RNG goes back right before the first batch the uninterrupted run fetched after the
 save, so the training thread's own draws (dropout, augmentation with ``num_workers=0``) continue too.
+
+This module keeps the position and chooses how each pass starts; ``proxy.py`` makes the tracker pass
+for the loader, ``passes.py`` builds each pass's iterator, ``workers.py`` keeps the workers' RNG.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -27,48 +31,28 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
-import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ..errors import ConfigError
 from .elastic import Layout, Plan, plan, remainder
+from .passes import Pass, base_seed, iter_over, iter_skipping, length, live_iterator
+from .proxy import LoaderProxy
 from .rng import raw_from_safe, raw_rng, restore_rng, safe_rng
-from .sampling import Ahead, Batches, Prefetching, Skip, has_state, loader_generators
-from .workers import ApplyRng, Carried, CarryRng, Entry, Seeded, entry_from_state, entry_to_state
+from .sampling import Batches, Prefetching, generator_states, has_state, loader_generators
+from .workers import Carried, WorkerLedger
 
 logger = logging.getLogger(__name__)
 Mode = Literal["skip", "state", "reread"]
 LoaderState = tuple[Callable[[], Any], Callable[[Any], None]]
 
 
-class _Pass:
-    """One pass over a ``TrackedLoader``: its generator, pickled as an empty iterator. A framework that
-    pickles itself mid-epoch (Lightning's Trainer, from a hook) drops a ``DataLoader``'s live iterator the
-    same way; a generator would stop the pickling."""
-
-    def __init__(self, generator: Iterator[Any]) -> None:
-        self._generator = generator
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        return next(self._generator)
-
-    def close(self) -> None:
-        self._generator.close()  # type: ignore[attr-defined]
-
-    def __reduce__(self) -> Any:
-        return iter, ((),)
-
-
-class TrackedLoader:
+class TrackedLoader(LoaderProxy):
     """A loader proxy that knows where the training loop is in it, and can put it back there.
 
-    Forwards everything else to the loader (``isinstance(x, DataLoader)`` still holds). ``position()``
-    is one of: ``start`` (the next pass is a fresh epoch), ``inside`` (``consumed`` batches of the epoch
-    went to the training loop), ``end`` (the loop holds the epoch's last batch: a consumer that re-enters
-    the epoch gets no batch and runs the code after its loop).
+    Forwards everything else to the loader (``LoaderProxy``: ``isinstance(x, DataLoader)`` still holds).
+    ``position()`` is one of: ``start`` (the next pass is a fresh epoch), ``inside`` (``consumed``
+    batches of the epoch went to the training loop), ``end`` (the loop holds the epoch's last batch: a
+    consumer that re-enters the epoch gets no batch and runs the code after its loop).
 
     Args:
         loader: the loader the framework iterates.
@@ -96,7 +80,7 @@ class TrackedLoader:
         reenter: bool = False,
         layout: Layout | None = None,
     ) -> None:
-        self._loader = loader
+        super().__init__(loader)
         self._layout = layout
         self._reenter = reenter
         self._epoch_fn = epoch
@@ -122,9 +106,8 @@ class TrackedLoader:
                 type(loader).__name__,
             )
         self._workers = loader.num_workers if isinstance(loader, DataLoader) else 0
-        self._apply: ApplyRng | None = None
-        if self._workers and self.mode != "reread":
-            self._carry_worker_rng(loader)
+        # The workers' RNG, carried back with each batch.
+        self._ledger = _worker_ledger(loader, lookahead) if self._workers and self.mode != "reread" else None
         self._epoch = 0
         self._taken = 0
         self._state: Literal["start", "inside", "end"] = "start"
@@ -134,58 +117,9 @@ class TrackedLoader:
         # RNG before each of the last ``lookahead`` fetches: with num_workers=0 the dataset draws from
         # the training thread's RNG, and the batches fetched ahead of a save were drawn from these.
         self._ahead: deque[Any] = deque(maxlen=max(lookahead, 1))
-        self._by_worker: dict[int, Entry] = {}
-        self._next_worker = 0
-        self._unconsumed: deque[Carried] = deque()
         self._reused = False
         # How this epoch's order is dealt (a position's "stream"): what an elastic resume rebuilds.
         self._stream: dict[str, Any] | None = None
-
-    def _carry_worker_rng(self, loader: DataLoader) -> None:
-        if not getattr(loader, "in_order", True):
-            logger.warning(
-                "TrackedLoader: DataLoader(in_order=False) hands batches to workers in no fixed order, so "
-                "augmentation drawn from the workers' RNG cannot be resumed exactly; use in_order=True."
-            )
-            return
-        if not isinstance(loader.collate_fn, CarryRng):
-            loader.collate_fn = CarryRng(loader.collate_fn)
-        if not isinstance(loader.worker_init_fn, ApplyRng):
-            loader.worker_init_fn = ApplyRng(loader.worker_init_fn)
-        self._apply = loader.worker_init_fn
-
-    # The consumer sees the wrapped loader's class and attributes.
-    @property  # type: ignore[misc]
-    def __class__(self) -> type:
-        return type(self._loader)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        """Pickle as the wrapped loader: tracking is runtime state of one process (its callbacks hold
-        the session), so a pickled copy of a prepared loader is the framework's loader, untracked."""
-        return self._loader.__reduce_ex__(protocol)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._loader, name)
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    @property
-    def _iterator(self) -> Any:
-        """The wrapped ``DataLoader``'s persistent-workers iterator: frameworks shut its workers down and
-        drop it through this name (Lightning's teardown), and must reach the loader's own."""
-        return self._loader._iterator
-
-    @_iterator.setter
-    def _iterator(self, value: Any) -> None:
-        self._loader._iterator = value
-
-    @property
-    def loader(self) -> Any:
-        """The wrapped loader."""
-        return self._loader
 
     # -- position ----------------------------------------------------------------------------------
     def position(self) -> dict[str, Any]:
@@ -203,7 +137,7 @@ class TrackedLoader:
             "mode": self.mode,
             "epoch": self._epoch if where != "start" else self._epoch_fn(),
             "consumed": max(self._taken - self._lookahead, 0) if inside else 0,
-            "generators": {k: g.get_state() for k, g in loader_generators(self._loader).items()},
+            "generators": generator_states(self._loader),
         }
         if inside:
             pos["reused_iterator"] = self._reused
@@ -212,10 +146,8 @@ class TrackedLoader:
             if "loader" in start:
                 pos["epoch_start"]["loader"] = start["loader"]
             pos["ahead"] = [safe_rng(raw) for raw in self._ahead] if self._lookahead else []
-            if self._apply is not None:
-                order = [(self._next_worker + j) % self._workers for j in range(self._workers)]
-                pos["workers"] = [entry_to_state(self._by_worker[w]) for w in order]
-                pos["next_worker"] = self._next_worker
+            if self._ledger is not None:
+                pos.update(self._ledger.state())
             if self.mode == "state":
                 assert self._exact_state is not None
                 pos["loader_state"] = self._exact_state[0]()
@@ -306,13 +238,14 @@ class TrackedLoader:
 
     # -- iteration ---------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
-        return _Pass(self._iterate())
+        return Pass(self._iterate())
 
     def _iterate(self) -> Iterator[Any]:
         pending, self._pending = self._pending, None
         self._epoch, self._taken, self._state = self._epoch_fn(), 0, "start"
         self._ahead.clear()
-        self._unconsumed.clear()
+        if self._ledger is not None:
+            self._ledger.new_pass()
         if pending is not None and self._is_over(pending):
             self._restore(self._resume_rng, pending["generators"])
             if self._reenter:  # the consumer re-enters the finished epoch: nothing to fetch or draw
@@ -345,11 +278,11 @@ class TrackedLoader:
                 try:
                     batch = next(iterator)
                 except StopIteration:
-                    self._consume_all()
+                    if self._ledger is not None:
+                        self._ledger.consume_all()
                     self._state = "end"
                     return
-                if type(batch) is Carried:
-                    batch = self._took_from_worker(batch)
+                batch = self._unwrap(batch)
                 if self._on_fetch is not None:
                     self._on_fetch(time.perf_counter() - started)
                 self._taken += 1
@@ -369,27 +302,21 @@ class TrackedLoader:
             return False
 
     def _start_epoch(self) -> Any:
-        self._epoch_start = {
-            "rng": raw_rng(),
-            "generators": {k: g.get_state() for k, g in loader_generators(self._loader).items()},
-        }
+        self._epoch_start = {"rng": raw_rng(), "generators": generator_states(self._loader)}
         if self.mode == "reread" and has_state(self._loader):
             self._epoch_start["loader"] = self._loader.state_dict()
         source = self._layout.source() if self._layout is not None else None
-        before = getattr(self._loader, "_iterator", None)
-        iterator = self._iter_over(None)
+        before = live_iterator(self._loader)
+        iterator = iter_over(self._loader, None, self._prefetch)
         # Persistent workers: the same iterator again, which draws no new base seed.
         self._reused = iterator is before and bool(getattr(self._loader, "persistent_workers", False))
         self._workers_start(iterator, fresh=not self._reused)
-        self._stream = None if self._layout is None else self._stream_of(source, 0, _length(self._loader))
+        self._stream = None if self._layout is None else self._stream_of(source, 0, length(self._loader))
         return iterator
 
     def _workers_start(self, iterator: Any, *, fresh: bool) -> None:
-        if self._apply is not None:
-            if fresh:  # new workers, seeded from the iterator's base seed
-                base = int(getattr(iterator, "_base_seed", 0))
-                self._by_worker = {w: Seeded(base, w) for w in range(self._workers)}
-            self._next_worker = 0
+        if self._ledger is not None:  # fresh: new workers, seeded from the iterator's base seed
+            self._ledger.start(base_seed(iterator) if fresh else None)
 
     def _stream_of(self, source: dict[str, Any] | None, offset: int, length: int | None) -> dict[str, Any]:
         """A position's ``stream``: this epoch's order (``source``), the samples of it consumed before this
@@ -411,11 +338,8 @@ class TrackedLoader:
         """This rank's share of the rest of an epoch saved at another world size (or one continued so)."""
         self._restore(self._resume_rng, pending["generators"])
         batches = self._share(pending)  # rebuilding the order puts the order's generators where they were
-        self._epoch_start = {
-            "rng": raw_rng(),
-            "generators": {k: g.get_state() for k, g in loader_generators(self._loader).items()},
-        }
-        iterator = self._iter_over(Batches(batches))
+        self._epoch_start = {"rng": raw_rng(), "generators": generator_states(self._loader)}
+        iterator = iter_over(self._loader, Batches(batches), self._prefetch)
         self._reused = False
         self._workers_start(iterator, fresh=True)
         p: Plan = pending["plan"]
@@ -436,14 +360,11 @@ class TrackedLoader:
         elif self.mode == "reread" and "loader" in start:
             self._loader.load_state_dict(start["loader"])
             self._epoch_start["loader"] = start["loader"]
-        if self._apply is not None and "workers" in pending:
-            entries = [entry_from_state(s) for s in pending["workers"]]
-            self._by_worker = {(first + j) % self._workers: e for j, e in enumerate(entries)}
-            self._next_worker = first
-            self._apply.table = dict(self._by_worker)
-        try:
+        ledger, saved = self._ledger, pending.get("workers")
+        with ledger.resuming(saved, first) if ledger is not None else contextlib.nullcontext():
             if self.mode == "skip":
-                iterator = self._iter_skipping(consumed, fresh_seed=not pending.get("reused_iterator", False))
+                fresh = not pending.get("reused_iterator", False)
+                iterator = iter_skipping(self._loader, consumed, fresh_seed=fresh, prefetch=self._prefetch)
                 self._taken = consumed
             else:
                 iterator = iter(self._loader)
@@ -451,68 +372,13 @@ class TrackedLoader:
                     self._taken = consumed
                 else:
                     self._discard(iterator, consumed)
-        finally:
-            if self._apply is not None:
-                self._apply.table = None
         return iterator
 
-    def _iter_skipping(self, count: int, *, fresh_seed: bool) -> Any:
-        """An iterator of the loader whose index sampler drops ``count`` batches (no sample is read).
-
-        ``fresh_seed=False``: the saved epoch reused persistent workers, so its iterator drew no base
-        seed; this new one draws it from a generator of its own, leaving the sampler's draws as they were.
-        """
-        loader = self._loader
-        generator = loader.generator
-        skip = Skip(_index_sampler(loader), count)
-        if not fresh_seed:
-            loader.generator = torch.Generator()
-        try:
-            iterator = self._iter_over(skip)
-        finally:
-            loader.generator = generator
-        skip.prime()
-        return iterator
-
-    def _iter_over(self, index: Any | None) -> Any:
-        """``iter(loader)`` (skip mode: a ``DataLoader``), its indices from ``index`` for this pass (None:
-        the loader's own index sampler), announced to a prefetching dataset as the loader takes them.
-
-        Persistent workers' iterator keeps the loader's own index sampler for its later passes (it
-        re-iterates the one it was built with at each ``iter``)."""
-        loader = self._loader
-        if index is None and self._prefetch is None:
-            return iter(loader)
-        attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
-        inner = getattr(loader, attr)
-        used = inner if index is None else index
-        if self._prefetch is not None:
-            used = Ahead(used, self._prefetch.prefetch, self._prefetch.prefetch_depth)
-        persistent = loader.persistent_workers and loader.num_workers > 0
-        if persistent and loader._iterator is not None:  # iter() resets it over its own index sampler
-            loader._iterator._index_sampler = used
-        object.__setattr__(loader, attr, used)  # DataLoader refuses the attribute once built
-        try:
-            iterator = iter(loader)
-        finally:
-            object.__setattr__(loader, attr, inner)
-            if persistent and loader._iterator is not None:
-                loader._iterator._index_sampler = inner
-        return iterator
-
-    def _took_from_worker(self, carried: Carried) -> Any:
-        self._unconsumed.append(carried)
-        while len(self._unconsumed) > self._lookahead:
-            self._consumed(self._unconsumed.popleft())
-        return carried.batch
-
-    def _consumed(self, carried: Carried) -> None:
-        self._by_worker[carried.worker] = carried.rng
-        self._next_worker = (carried.worker + 1) % self._workers
-
-    def _consume_all(self) -> None:
-        while self._unconsumed:
-            self._consumed(self._unconsumed.popleft())
+    def _unwrap(self, batch: Any) -> Any:
+        """A fetched batch, without the worker state it may carry (which the ledger keeps)."""
+        if type(batch) is not Carried:
+            return batch
+        return self._ledger.took(batch) if self._ledger is not None else batch.batch
 
     def _discard(self, iterator: Iterator[Any], count: int) -> None:
         """Re-read the batches the checkpoint already consumed (progress is logged for long skips)."""
@@ -526,20 +392,18 @@ class TrackedLoader:
                     f"resume: the checkpoint consumed {count} batches of this epoch but the loader has "
                     f"only {i}; resume with the same dataset, batch size and world size."
                 ) from None
-            if type(batch) is Carried:
-                self._took_from_worker(batch)
+            self._unwrap(batch)
             self._taken += 1
             if time.monotonic() - last_log > 10:
                 logger.info("resume: re-read %d/%d batches", i + 1, count)
                 last_log = time.monotonic()
 
 
-def _index_sampler(loader: DataLoader) -> Any:
-    return loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-
-
-def _length(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
+def _worker_ledger(loader: DataLoader, lookahead: int) -> WorkerLedger | None:
+    if getattr(loader, "in_order", True):
+        return WorkerLedger(loader, lookahead)
+    logger.warning(
+        "TrackedLoader: DataLoader(in_order=False) hands batches to workers in no fixed order, so "
+        "augmentation drawn from the workers' RNG cannot be resumed exactly; use in_order=True."
+    )
+    return None

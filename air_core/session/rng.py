@@ -24,9 +24,10 @@ class _NumpyState:
     """numpy's legacy global state, read in full only when it may have changed.
 
     ``np.random.get_state()`` costs ~90 us (it copies the Mersenne Twister key element by element);
-    the raw key is 1 us away through the bit generator's state address. Unchanged key and position
-    with no cached gaussian mean an unchanged state (a cached gaussian can be used up without a draw,
-    so then it is read in full).
+    the raw key is 1 us away through the bit generator's state address (``np.random.get_bit_generator``,
+    numpy 1.25 and later; with an older one the state is always read in full). Unchanged key and
+    position with no cached gaussian mean an unchanged state (a cached gaussian can be used up without
+    a draw, so then it is read in full).
     """
 
     def __init__(self) -> None:
@@ -36,10 +37,10 @@ class _NumpyState:
 
     def get(self) -> Any:
         try:
-            bitgen = np.random.mtrand._rand._bit_generator
+            bitgen = np.random.get_bit_generator()  # type: ignore[attr-defined]  # public, not in __all__
             address = bitgen.ctypes.state_address
             raw = ctypes.string_at(address, _MT_BYTES)
-        except (AttributeError, TypeError):  # another numpy layout: always read in full
+        except (AttributeError, TypeError):  # numpy before 1.25, or another layout: always read in full
             return np.random.get_state(legacy=True)
         if raw != self._raw or address != self._address or self._state is None or self._state[3]:
             self._state, self._raw, self._address = np.random.get_state(legacy=True), raw, address

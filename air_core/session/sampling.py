@@ -41,6 +41,11 @@ def loader_generators(loader: Any) -> dict[str, torch.Generator]:
     return found
 
 
+def generator_states(loader: Any) -> dict[str, torch.Tensor]:
+    """The states of ``loader_generators(loader)``, by the same paths."""
+    return {path: g.get_state() for path, g in loader_generators(loader).items()}
+
+
 def has_state(loader: Any) -> bool:
     return all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict"))
 

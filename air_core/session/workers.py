@@ -3,24 +3,27 @@
 A loader worker draws augmentation from its own generators, seeded by the DataLoader from
 ``base_seed + worker_id``. A resume that skips consumed samples through the sampler starts fresh
 workers whose streams would begin again. So ``CarryRng`` (around ``collate_fn``) sends each batch back
-with its worker's generator state right after producing it, the tracker keeps the latest consumed
-state per worker, and ``ApplyRng`` (around ``worker_init_fn``) gives each relaunched worker the state of
-the worker that produced the same batches in the uninterrupted run. Workers take batches round robin
-(``in_order=True``), so that assignment follows from the position alone.
+with its worker's generator state right after producing it, ``WorkerLedger`` keeps the latest consumed
+state per worker for the tracker, and ``ApplyRng`` (around ``worker_init_fn``) gives each relaunched
+worker the state of the worker that produced the same batches in the uninterrupted run. Workers take
+batches round robin (``in_order=True``), so that assignment follows from the position alone.
 """
 
 from __future__ import annotations
 
 import array
+import contextlib
 import random
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import get_worker_info
+from torch.utils.data import DataLoader, get_worker_info
 
+from ..internals import PIN_MEMORY, WORKER_NUMPY_SEED
 from .rng import RawRng, raw_from_safe, raw_rng, safe_rng
 
 WorkerRng = tuple[bytes, tuple[int, float | None, str, int, int, float]]
@@ -82,9 +85,7 @@ class Carried:
         return Carried, (self.batch, self.worker, self.rng)
 
     def pin_memory(self, device: Any = None) -> Carried:
-        from torch.utils.data._utils.pin_memory import pin_memory
-
-        return Carried(pin_memory(self.batch, device), self.worker, self.rng)
+        return Carried(PIN_MEMORY.imported()(self.batch, device), self.worker, self.rng)
 
 
 class CarryRng:
@@ -129,9 +130,7 @@ class ApplyRng:
 
 
 def _numpy_seed(base_seed: int, worker: int) -> Any:
-    from torch.utils.data._utils.worker import _generate_state  # the DataLoader's own numpy seeding
-
-    return _generate_state(base_seed, worker)
+    return WORKER_NUMPY_SEED.imported()(base_seed, worker)  # the DataLoader's own numpy seeding
 
 
 def entry_to_state(entry: Entry) -> dict[str, Any]:
@@ -146,3 +145,73 @@ def entry_from_state(state: dict[str, Any]) -> Entry:
     if "rng" not in state:
         return Seeded(int(state["base_seed"]), int(state["worker"]))
     return pack(raw_from_safe(state["rng"]))
+
+
+class WorkerLedger:
+    """Which generator state each worker of a ``DataLoader`` continues from, at the position the training
+    loop consumed: the state after its last consumed batch, or its seeding (``Seeded``) if it produced
+    none this pass.
+
+    Installs ``CarryRng`` and ``ApplyRng`` on the loader (once). The consumer holds ``lookahead`` batches
+    fetched ahead of training, so a batch's worker state counts only once as many later batches came.
+    """
+
+    def __init__(self, loader: DataLoader, lookahead: int) -> None:
+        if not isinstance(loader.collate_fn, CarryRng):
+            loader.collate_fn = CarryRng(loader.collate_fn)
+        if not isinstance(loader.worker_init_fn, ApplyRng):
+            loader.worker_init_fn = ApplyRng(loader.worker_init_fn)
+        self._apply: ApplyRng = loader.worker_init_fn
+        self._workers = loader.num_workers
+        self._lookahead = lookahead
+        self._by_worker: dict[int, Entry] = {}
+        self._next = 0
+        self._unconsumed: deque[Carried] = deque()
+
+    def start(self, base_seed: int | None) -> None:
+        """A pass's iterator was made: its workers start seeded from ``base_seed`` (None: the pass reuses
+        the last pass's workers, which go on from where they were) and worker 0 hands the first batch."""
+        if base_seed is not None:
+            self._by_worker = {w: Seeded(base_seed, w) for w in range(self._workers)}
+        self._next = 0
+
+    @contextlib.contextmanager
+    def resuming(self, saved: list[dict[str, Any]] | None, first: int) -> Iterator[None]:
+        """While a resumed pass's iterator is made (its workers start then): each worker gets the saved
+        state of the worker that produced the same batches. ``saved``: a position's ``workers`` (None:
+        the workers start as the loader seeds them), the first of them worker ``first``'s."""
+        if saved is not None:
+            entries = [entry_from_state(s) for s in saved]
+            self._by_worker = {(first + j) % self._workers: e for j, e in enumerate(entries)}
+            self._next = first
+            self._apply.table = dict(self._by_worker)
+        try:
+            yield
+        finally:
+            self._apply.table = None
+
+    def new_pass(self) -> None:
+        """A pass begins: no batch of the last one is held ahead any more."""
+        self._unconsumed.clear()
+
+    def took(self, carried: Carried) -> Any:
+        """The consumer fetched ``carried``: its batch, for the consumer."""
+        self._unconsumed.append(carried)
+        while len(self._unconsumed) > self._lookahead:
+            self._consumed(self._unconsumed.popleft())
+        return carried.batch
+
+    def consume_all(self) -> None:
+        """The pass ended: the batches held ahead were consumed."""
+        while self._unconsumed:
+            self._consumed(self._unconsumed.popleft())
+
+    def _consumed(self, carried: Carried) -> None:
+        self._by_worker[carried.worker] = carried.rng
+        self._next = (carried.worker + 1) % self._workers
+
+    def state(self) -> dict[str, Any]:
+        """A position's ``workers`` (every worker's entry, from the one that hands the next batch) and
+        ``next_worker`` (that worker)."""
+        order = [(self._next + j) % self._workers for j in range(self._workers)]
+        return {"workers": [entry_to_state(self._by_worker[w]) for w in order], "next_worker": self._next}

@@ -1,0 +1,22 @@
+"""DCP's file names in a checkpoint folder, as a stock ``FileSystemReader`` expects them."""
+
+from __future__ import annotations
+
+from ..manifest import CheckpointInfo
+
+METADATA = ".metadata"
+"""DCP's metadata file, in the checkpoint's folder (``<name>/.metadata``)."""
+
+
+def data_file(rank: int, index: int) -> str:
+    """Rank ``rank``'s ``index``-th data file in a checkpoint folder, named as DCP names its own."""
+    return f"__{rank}_{index}.distcp"
+
+
+def dcp_folders(info: CheckpointInfo) -> list[str]:
+    """The folders of ``info``'s DCP checkpoints (each holds a ``.metadata``); empty for a plain one."""
+    if info.manifest is None:
+        return []
+    return sorted(
+        f.path.rpartition("/")[0] for f in info.manifest.files if f.path.rpartition("/")[2] == METADATA
+    )

@@ -1,0 +1,110 @@
+"""Each private (or internal) name of Lightning that ``lightning_air`` reads, writes or replaces.
+
+Checked against Lightning 2.6.0 (the floor, ``make test-oldest``) and 2.6.6 by ``tests/lightning/
+test_internals.py``. Where a public hook exists we use it (``LightningOptimizer.optimizer``, the callback
+hooks); these have none:
+
+- ``MLFlowLogger._run_id``: the run a logger writes to, set only when it creates or finds its run; a
+  resumed job points it at the checkpoint's run before it logs.
+- ``ModelParallelStrategy._save_distributed_checkpoint``, ``FSDPStrategy._state_dict_type``: whether a
+  stock sharded strategy saves with DCP itself, bypassing the ``CheckpointIO`` (refused at setup).
+- ``data_connector._auto_add_worker_init_fn``: Lightning's worker seeding, which it adds right after the
+  loader hook we use; the resumable copy of a loader must carry it.
+- ``_FitLoop._combined_loader``: the fit's train loaders, whose batch count an elastic resume corrects.
+- ``_FitLoop.restarted_mid_epoch`` and ``reset_restart_stage`` (public names of the private loop class):
+  the restart stage a resume from an epoch's last batch leaves open (``AirCallback.on_train_start``).
+- ``lightning.fabric.utilities.load._METADATA_FILENAME``: the name of a sharded folder's ``meta.pt``.
+- ``FSDPStrategy._configure_launcher`` (overridden): the first call where a CPU accelerator is known.
+
+Two public methods are replaced on live objects, since no hook runs at that point (``replace`` and
+``restore`` below; ``AirCallback`` puts them back at the fit's end):
+
+- ``ModelCheckpoint.file_exists``: it picks version suffixes and rerun names by asking whether a file
+  exists; a save in flight must count as written, as a finished ``torch.save`` would.
+- ``Strategy.process_dataloader``: the last step of building each train loader, before its first
+  iterator; Lightning hands no callback the built loaders.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from air_core.internals import Touch
+
+_CHECKED = "2.6.0 and 2.6.6"
+
+
+def _lightning(where: str, why: str) -> Touch:
+    return Touch("lightning", where, _CHECKED, why)
+
+
+MLFLOW_RUN_ID = _lightning(
+    "MLFlowLogger._run_id", "a logger has no public setter of the run it writes to (a resume continues one)"
+)
+SAVES_DISTRIBUTED = _lightning(
+    "ModelParallelStrategy._save_distributed_checkpoint",
+    "no public property says whether ModelParallelStrategy saves sharded checkpoints itself",
+)
+STATE_DICT_TYPE = _lightning(
+    "FSDPStrategy._state_dict_type", "no public property says whether FSDPStrategy saves sharded checkpoints"
+)
+WORKER_INIT_FN = _lightning(
+    "lightning.pytorch.trainer.connectors.data_connector._auto_add_worker_init_fn",
+    "Lightning adds its worker seeding after the last loader hook, and the resumable copy must carry it",
+)
+COMBINED_LOADER = _lightning(
+    "_FitLoop._combined_loader", "the fit loop exposes its train loaders only there during a fit"
+)
+RESTARTED_MID_EPOCH = _lightning(
+    "_FitLoop.restarted_mid_epoch", "the fit loop's restart stage is visible only on its private class"
+)
+RESET_RESTART_STAGE = _lightning(
+    "_FitLoop.reset_restart_stage", "no public call ends a restart stage a resume left open"
+)
+METADATA_FILENAME = _lightning(
+    "lightning.fabric.utilities.load._METADATA_FILENAME",
+    "the stock sharded layout names its metadata file only there",
+)
+CONFIGURE_LAUNCHER = _lightning(
+    "FSDPStrategy._configure_launcher",
+    "it is the first call at which a subclass of FSDPStrategy sees the Trainer's accelerator",
+)
+FILE_EXISTS = _lightning(
+    "ModelCheckpoint.file_exists",
+    "ModelCheckpoint asks it to name versions and reruns, and no hook lets a save in flight count",
+)
+PROCESS_DATALOADER = _lightning(
+    "Strategy.process_dataloader", "it is the last step of building a train loader; no hook sees loaders"
+)
+
+
+def saves_sharded_itself(strategy: Any) -> bool:
+    """Whether a stock ``ModelParallelStrategy``/``FSDPStrategy`` writes sharded checkpoints with DCP
+    itself (``strategy`` is one of them)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if isinstance(strategy, FSDPStrategy):
+        return bool(STATE_DICT_TYPE.get(strategy) == "sharded")
+    return bool(SAVES_DISTRIBUTED.get(strategy))
+
+
+def add_worker_init_fn(dataloader: Any, rank: int) -> None:
+    """Lightning's worker seeding (``seed_everything(workers=True)``), added to ``dataloader``."""
+    WORKER_INIT_FN.imported()(dataloader, rank)
+
+
+def train_loaders(fit_loop: Any) -> Any:
+    """The fit's ``CombinedLoader`` of train loaders (None before the fit built it)."""
+    return COMBINED_LOADER.get(fit_loop)
+
+
+def replace(obj: Any, touch: Touch, replacement: Any) -> None:
+    """Replace the method ``touch`` names on the live ``obj`` (its class keeps the original)."""
+    touch.get(type(obj))
+    setattr(obj, touch.attribute, replacement)
+
+
+def restore(obj: Any, touch: Touch, kind: type) -> None:
+    """Undo ``replace`` if ``obj`` still holds a replacement of type ``kind``."""
+    if isinstance(vars(obj).get(touch.attribute), kind):
+        delattr(obj, touch.attribute)
