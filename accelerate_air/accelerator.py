@@ -177,7 +177,7 @@ class AirAccelerator(Accelerator):
             start_epochs_at_iter(prepared)
         base = BASE_DATALOADER.get(prepared)
         layout = batch_layout(base)
-        tracked = self.air_session.track(
+        tracked = self.air_session.positions.track(
             base,
             epoch=lambda: int(prepared.iteration),
             lookahead=1,  # a DataLoaderShard fetches one batch ahead to detect the end
@@ -335,7 +335,7 @@ class AirAccelerator(Accelerator):
         label = info.name if info is not None else folder
         what = f"AirAccelerator.load_state: the checkpoint {label}"
         if states:  # every process refuses another world size (without elastic) before any weight is copied
-            self.air_session.check_world_size(saved, what=what)
+            self.air_session.positions.check_world_size(saved, what=what)
         for i, model in enumerate(models(self)):  # before Accelerate copies any weight
             path = os.path.join(folder, model_file(i))
             if os.path.isfile(path):
@@ -354,7 +354,7 @@ class AirAccelerator(Accelerator):
             if ckpt is not None:
                 stack.enter_context(_mapped_loads())
             super().load_state(folder, load_kwargs, **load_model_func_kwargs)
-        needed = self.air_session.ranks_to_load(saved)
+        needed = self.air_session.positions.ranks_to_load(saved)
         if not needed or any(r not in states for r in needed):
             log = logger.warning if ckpt is not None else logger.info  # a stock folder: said above
             log(
@@ -366,7 +366,7 @@ class AirAccelerator(Accelerator):
             return
         mine = self.process_index if self.process_index in states else 0  # a process the checkpoint lacked
         self.completed_steps = airs[mine]["completed_steps"]
-        self.air_session.restore_rank_states({r: states[r] for r in needed}, what=what)
+        self.air_session.positions.restore({r: states[r] for r in needed}, what=what)
         tracked = [dl for dl in dataloaders(self) if id(dl) in self._air_tracked]
         for dl, position in zip(tracked, states[mine]["loaders"], strict=True):
             if position is None:
@@ -389,7 +389,7 @@ class AirAccelerator(Accelerator):
             info = info or ckpt.latest()
         hint = info or (ckpt.latest() if self.air_plugin.session.elastic else None)
         if hint is not None and hint.manifest is not None:  # the saved world size decides
-            ranks |= set(self.air_session.ranks_to_load(hint.manifest.world_size))
+            ranks |= set(self.air_session.positions.ranks_to_load(hint.manifest.world_size))
         if self._air_sharded and info is not None and info.manifest is not None:
             shards = tuple(f"{folder}/" for folder in dcp.dcp_folders(info))
             paths = [f.path for f in info.manifest.files if f.rank in ranks and not f.path.startswith(shards)]
@@ -398,7 +398,8 @@ class AirAccelerator(Accelerator):
             local = ckpt.fetch(info, ranks=ranks)
         manifest = local.info.manifest
         assert manifest is not None  # committed
-        if not set(self.air_session.ranks_to_load(manifest.world_size)) <= ranks:  # it fell back to another
+        needed = set(self.air_session.positions.ranks_to_load(manifest.world_size))
+        if not needed <= ranks:  # it fell back to another
             local = ckpt.fetch(local.info, ranks=set(range(manifest.world_size)))
         return local
 
@@ -413,7 +414,7 @@ class AirAccelerator(Accelerator):
         airs = {r: a for r in {0, self.process_index} if (a := read(r)) is not None}
         if 0 in airs:
             saved = rank_state_of(airs[0])["world_size"]
-            for r in self.air_session.ranks_to_load(saved):
+            for r in self.air_session.positions.ranks_to_load(saved):
                 if r not in airs and (a := read(r)) is not None:
                     airs[r] = a
         return airs

@@ -19,7 +19,7 @@ Phases, measured inside the restoring process (``time.time`` stamps; the start f
 plugin imported), ``find`` (listing the root and judging manifests: ``catalog.read_catalog``),
 ``fetch`` (cache check or download with the CRC-32 check; ``s3fs get`` for the reference),
 ``unpickle`` (``torch.load``/``safetensors`` load), ``load_sd`` (``load_state_dict`` of model and
-optimizer), ``data pos`` (the loader position and RNG: ``TrainingSession.restore_rank_states``), and
+optimizer), ``data pos`` (the loader position and RNG: ``Positions.restore``), and
 ``other`` (the rest: model and framework construction, the framework's own restore code).
 ``restore`` = find + fetch + unpickle + load_sd + data pos; ``vs stock`` is that against the stock
 row of the same framework (the core's: against the reference) at the same temperature (a warm S3
@@ -100,7 +100,7 @@ def worker(spec: dict) -> dict:
     if method.endswith("_air") or method == "air_core":
         import air_core.catalog
         import air_core.staging
-        from air_core.session import TrainingSession
+        from air_core.session.positions import Positions
     if spec["root"].startswith("s3://"):
         import s3fs  # what a restore from S3 needs in any case (air_core opens it lazily)
     if method.startswith("lightning_air"):
@@ -124,7 +124,7 @@ def worker(spec: dict) -> dict:
         phases.wrap(air_core.catalog, "read_catalog", "find")
         phases.wrap(air_core.staging.Staged, "fetch", "fetch")
         phases.wrap(air_core.staging.Direct, "fetch", "fetch")
-        phases.wrap(TrainingSession, "restore_rank_states", "data_pos")
+        phases.wrap(Positions, "restore", "data_pos")
     result: dict = {}
 
     def first_step(model) -> None:

@@ -289,7 +289,7 @@ class AirCallback(Callback):
             return
         # Lightning would also load rank 0's loader state into every rank's loader: ours is per rank.
         checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
-        self.session.restore_rank_states(states, what="AirCallback: the checkpoint")
+        self.session.positions.restore(states, what="AirCallback: the checkpoint")
         if trainer.is_global_zero:
             logger.info(
                 "AirCallback: every rank's data position and RNG are restored: an interrupted epoch "
@@ -383,7 +383,7 @@ class _TrackTrainLoaders:
             return dataloader
         # Lightning adds its worker seeding right after this hook; the resumable copy must carry it.
         add_worker_init_fn(dataloader, trainer.global_rank)
-        return session.track(
+        return session.positions.track(
             resumable(dataloader),
             epoch=lambda: trainer.current_epoch,
             # Lightning fetches one batch ahead of a loader without a length, to know the last one.

@@ -281,7 +281,7 @@ class Paths:
         warns: a checkpoint written without the callback)."""
         assert info.manifest is not None  # committed
         present = {f.path for f in info.manifest.files}
-        wanted = {r: stored(r) for r in self._session.ranks_to_load(info.manifest.world_size)}
+        wanted = {r: stored(r) for r in self._session.positions.ranks_to_load(info.manifest.world_size)}
         paths = {r: p for r, p in wanted.items() if p is not None and p in present}
         if not paths:
             return {}

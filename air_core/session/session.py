@@ -1,11 +1,11 @@
 """``TrainingSession``: one rank's checkpointing, measurement and resume state for a training job.
 
 Framework-free. An adapter creates one per rank when training starts and translates the framework's
-events into its calls: ``open`` (the checkpoint root), ``track`` (each train loader), ``track_model``
-(each trained model), ``track_optimizer`` (each optimizer whose steps it gates), ``start`` (the first
-step is next), ``record_fetch``/``before_backward``/``record_step`` (timings, straggler sections),
-``before_optimizer_step`` (the snapshot gate),
-``save``/``rank_state``/``restore_rank_state`` and ``close``. The session owns the checkpointer, the
+events into its calls: ``open`` (the checkpoint root), ``positions.track`` (each train loader),
+``track_model`` (each trained model), ``track_optimizer`` (each optimizer whose steps it gates),
+``start`` (the first step is next), ``record_fetch``/``before_backward``/``record_step`` (timings,
+straggler sections), ``before_optimizer_step`` (the snapshot gate),
+``save``/``rank_state``/``positions.restore`` and ``close``. The session owns the checkpointer, the
 ``Recorder``, rank 0's goodput log and MLflow sink (it ends the run it started), the SIGTERM flush, the
 launch id, the node health (``health.py``: the pre-flight, run by ``preflight`` before the root is
 opened; the hang watchdog, armed at ``start``, fed by ``record_step``, paused in saves, flushes and
@@ -36,17 +36,14 @@ from ..health.stragglers import Stragglers
 from ..layout import rank_state_path
 from ..snapshot import stepped_tensors
 from ..storage import location
-from . import elastic
 from .config import SessionConfig
-from .elastic import Layout, layout_of
 from .goodput import Goodput, GoodputLog, goodput_of
 from .health import SessionHealth
-from .loader import LoaderState, TrackedLoader
 from .metrics import Gather, Recorder
 from .mlflow_sink import MlflowSink
 from .paths import Paths
+from .positions import Positions
 from .preemption import FlushOnSigterm
-from .rng import capture_rng, restore_rng
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +110,10 @@ class TrainingSession:
         self._ckpt: AsyncCheckpointer | None = None
         self._others: list[AsyncCheckpointer] = []
         self._plans = dcp.SavePlans()  # sharded saves of the same model repeat their plan
+        self.positions = Positions(
+            config, rank=rank, world_size=world_size, records=self.records, on_fetch=self.record_fetch
+        )
+        """This rank's train loaders and their resume (``positions.py``)."""
         self.paths = Paths(self)
         """Which commit owns each file or folder the framework names (``paths.py``)."""
         self.loaded_rank_states: dict[int, Any] = {}
@@ -121,12 +122,9 @@ class TrainingSession:
         """Checkpointers of further roots (``open_another``), flushed and closed with the main one."""
         self._goodput_log: GoodputLog | None = None
         self._sink: MlflowSink | None = None
-        self._resumed_run: str | None = None
-        self._loaders: list[TrackedLoader] = []
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._ungated: list[SaveHandle] = []
-        self._pending: dict[str, Any] | None = None
         self._failed: BaseException | None = None
         self._closed = False
         self._preemption = FlushOnSigterm(
@@ -352,130 +350,10 @@ class TrainingSession:
         for commits). The session pauses its own saves, flushes and ``close``. Nestable, any thread."""
         return self.health.paused()
 
-    # -- loaders and per-rank state ------------------------------------------------------------------
-    def track(
-        self,
-        loader: Any,
-        *,
-        epoch: Callable[[], int],
-        lookahead: int = 0,
-        exact_state: LoaderState | None = None,
-        on_fetch: Callable[[float], None] | None = None,
-        reenter: bool = False,
-        layout: Layout | None = None,
-    ) -> TrackedLoader:
-        """Track a train loader's position; the returned proxy replaces ``loader``. Fetch times go to
-        ``records`` (or to ``on_fetch``, for an adapter that keeps only some of them), and so do a data
-        cache's counters (``TrackedLoader.counters``). ``layout``: how the
-        framework shards it over ranks, if the core cannot tell (``elastic.layout_of``: a
-        ``DistributedSampler``, or a plain sampler on one rank). The other arguments are ``TrackedLoader``'s.
-
-        A position restored before the loader was tracked applies now (the loaders are matched by the
-        order in which they are tracked).
-        """
-        tracked = TrackedLoader(
-            loader,
-            epoch=epoch,
-            lookahead=lookahead,
-            on_fetch=on_fetch or self.record_fetch,
-            exact_state=exact_state,
-            reenter=reenter,
-            layout=layout or layout_of(loader, world_size=self.world_size),
-        )
-        self._loaders.append(tracked)
-        if tracked.counters is not None and tracked.counters not in self.records.counters:
-            self.records.counters.append(tracked.counters)  # a data cache's hits, misses, wait, bytes
-        if self._pending is not None:
-            self._resume(tracked, len(self._loaders) - 1)
-        return tracked
-
-    def _resume(self, tracked: TrackedLoader, index: int) -> None:
-        pending = self._pending
-        assert pending is not None
-        if index >= len(pending["loaders"]):
-            return
-        if "mine" not in pending:  # the saved world size
-            if pending["loaders"][index] is not None:
-                tracked.resume(pending["loaders"][index], pending["rng"])
-            return
-        positions = pending["loaders"][index]  # every saved rank's
-        if all(p is not None for p in positions):
-            tracked.resume_elastic(positions, pending["rng"], mine=pending["mine"])
-
+    # -- per-rank state -------------------------------------------------------------------------------
     def rank_state(self) -> dict[str, Any]:
-        """This rank's part of a checkpoint: RNG (captured once), every loader's position, the MLflow run.
-
-        Only tensors and plain values (loads with ``weights_only=True``). Call on the training thread.
-        """
-        return {
-            "world_size": self.world_size,
-            "rng": capture_rng(),
-            "loaders": [t.position() for t in self._loaders],
-            "mlflow_run_id": self.mlflow_run_id(),
-        }
-
-    def restore_rank_state(self, state: dict[str, Any], *, what: str) -> None:
-        """Continue from ``state`` (this rank's ``rank_state`` of the checkpoint ``what``).
-
-        Loaders tracked already resume now; later ones when tracked. The RNG goes back when each
-        loader reaches the saved position, or at ``start`` when no loader is tracked.
-
-        Raises:
-            ConfigError: the checkpoint was written by another number of ranks or loaders.
-        """
-        self.restore_rank_states({self.rank: state}, what=what)
-
-    def ranks_to_load(self, saved_world_size: int) -> list[int]:
-        """The saved ranks whose ``rank_state`` this rank restores from: its own, or every saved rank's
-        when an elastic resume continues a checkpoint of another world size (they are small)."""
-        if saved_world_size != self.world_size and self.config.elastic:
-            return list(range(saved_world_size))
-        return [self.rank] if self.rank < saved_world_size else []
-
-    def restore_rank_states(self, states: Mapping[int, dict[str, Any]], *, what: str) -> None:
-        """Continue from the checkpoint ``what``: ``states`` maps saved ranks to their ``rank_state``
-        (the ranks ``ranks_to_load`` names).
-
-        At the saved world size this rank continues exactly where it was. At another one (with
-        ``elastic``) the rest of each interrupted epoch is split over this run's ranks, each sample
-        once; rank r takes saved rank r's RNG where there was one (``elastic.py``). Rank 0 logs once
-        that the run is then no longer bitwise equal to an uninterrupted one.
-
-        Raises:
-            ConfigError: the checkpoint was written by another number of ranks (without ``elastic``) or
-                loaders, or a loader cannot continue its epoch at this world size.
-        """
-        saved = int(next(iter(states.values()))["world_size"])
-        self.check_world_size(saved, what=what)
-        missing = [r for r in self.ranks_to_load(saved) if r not in states]
-        if missing:
-            raise AirError(f"{what}: the rank state of saved rank(s) {missing} was not loaded.")
-        ordered = [states[r] for r in sorted(states)]
-        counts = {len(s["loaders"]) for s in ordered}
-        if len(counts) != 1 or (self._loaders and counts != {len(self._loaders)}):
-            raise ConfigError(
-                f"{what}: the checkpoint tracked {sorted(counts)} train loader(s), this run has "
-                f"{len(self._loaders)}; set up the same loaders before loading it."
-            )
-        if saved == self.world_size:
-            mine = states[self.rank]
-            self._pending = {"rng": mine["rng"], "loaders": mine["loaders"]}
-        else:
-            self._pending = elastic.pending(ordered, rank=self.rank, world_size=self.world_size, what=what)
-        for index, tracked in enumerate(self._loaders):  # none tracked yet: later
-            self._resume(tracked, index)
-        self._resumed_run = ordered[0].get("mlflow_run_id") or self._resumed_run
-
-    def check_world_size(self, saved: int, *, what: str) -> None:
-        """Raise ``ConfigError`` if ``saved`` (the checkpoint's world size) is not this run's and the
-        session is not ``elastic``."""
-        if saved != self.world_size and not self.config.elastic:
-            raise ConfigError(
-                f"{what} was written by {saved} rank(s), this run has {self.world_size}; resume with the "
-                f"same number of processes for an exact resume, or set {self.config.owner}(elastic=True) to "
-                f"continue on {self.world_size} (each sample of the interrupted epoch once, not bitwise "
-                "equal)."
-            )
+        """This rank's part of a checkpoint (``Positions.state``, with the MLflow run)."""
+        return self.positions.state(self.mlflow_run_id())
 
     def check_model(
         self, expected: Mapping[str, Any], found: Mapping[str, Any], *, what: str, fix: str
@@ -489,11 +367,9 @@ class TrainingSession:
         start the MLflow sink (rank 0), the SIGTERM flush and the hang watchdog (``hang_watchdog``).
         ``mlflow_run_id``: the framework logger's run (None: the checkpoint's run, else a new one);
         ``run_is_ours``: the session ends the run at ``close``."""
-        if self._pending is not None and not self._loaders and self._pending["rng"] is not None:
-            restore_rng(self._pending["rng"])
-        self._pending = None
+        self.positions.start()
         if self.rank == 0 and self._measure and self.config.mlflow and self._sink is None:
-            run_id = mlflow_run_id or self._resumed_run
+            run_id = mlflow_run_id or self.positions.resumed_run
             self._sink = MlflowSink(
                 run_id=run_id, experiment=self.config.mlflow_experiment, end_run=run_is_ours
             )
@@ -515,11 +391,11 @@ class TrainingSession:
     @property
     def resumed_mlflow_run(self) -> str | None:
         """The MLflow run the checkpoint this launch resumed from logged to (None: fresh, or none)."""
-        return self._resumed_run
+        return self.positions.resumed_run
 
     def mlflow_run_id(self) -> str | None:
         """The run this job's metrics go to (kept in each checkpoint so a resumed launch continues it)."""
-        return (self._sink.run_id if self._sink is not None else None) or self._resumed_run
+        return (self._sink.run_id if self._sink is not None else None) or self.positions.resumed_run
 
     def record_fetch(self, seconds: float) -> None:
         """A training batch was fetched (after ``seconds``) and is handed to the step now."""

@@ -184,9 +184,9 @@ def test_a_session_publishes_the_counters_of_each_cache_it_reads_through_once(sh
     session = TrainingSession(SessionConfig(mlflow=False, log_every_n_steps=2))
     published: list[dict] = []
     session.records.attach(lambda metrics, step: published.append(metrics))
-    session.track(loader(other), epoch=lambda: 0)
-    session.track(loader(list(range(N))), epoch=lambda: 0)  # a loader without a cache adds nothing
-    tracked = session.track(loader(dataset), epoch=lambda: 0)
+    session.positions.track(loader(other), epoch=lambda: 0)
+    session.positions.track(loader(list(range(N))), epoch=lambda: 0)  # a loader without a cache adds nothing
+    tracked = session.positions.track(loader(dataset), epoch=lambda: 0)
     assert session.records.counters == [cache.stats], "one source per cache: its reads are counted once"
     for step, _ in enumerate(tracked, start=1):
         session.record_step(step)  # the tracked loader recorded the fetch

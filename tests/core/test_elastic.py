@@ -238,7 +238,9 @@ def _states() -> dict[int, dict]:
     for rank in range(2):
         session = _session(rank, 2, elastic=False)
         sampler = DistributedSampler(Ids(), num_replicas=2, rank=rank, shuffle=True, seed=7)
-        tracked = session.track(DataLoader(Ids(), batch_size=BATCH, sampler=sampler), epoch=lambda: 0)
+        tracked = session.positions.track(
+            DataLoader(Ids(), batch_size=BATCH, sampler=sampler), epoch=lambda: 0
+        )
         it = iter(tracked)
         next(it)
         states[rank] = _roundtrip(session.rank_state())
@@ -247,10 +249,10 @@ def _states() -> dict[int, dict]:
 
 def test_another_world_size_is_refused_unless_elastic_naming_the_setting():
     session = _session(0, 3, elastic=False)
-    assert session.ranks_to_load(2) == [0]
+    assert session.positions.ranks_to_load(2) == [0]
     refused = r"written by 2 rank\(s\), this run has 3.*AirCallback\(elastic=True\)"
     with pytest.raises(ConfigError, match=refused):
-        session.restore_rank_states(_states(), what="the checkpoint")
+        session.positions.restore(_states(), what="the checkpoint")
     with pytest.raises(ConfigError, match="elastic"):
         SessionConfig(elastic="yes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"overlap_copies='yes'\): must be True or False"):
@@ -264,10 +266,12 @@ def test_an_elastic_session_resumes_loaders_tracked_later_and_warns_once_on_rank
     with caplog.at_level(logging.WARNING, logger="air_core.session.elastic"):
         for rank in range(3):
             session = _session(rank, 3, elastic=True)
-            assert session.ranks_to_load(2) == [0, 1]
-            session.restore_rank_states(states, what="the checkpoint")
+            assert session.positions.ranks_to_load(2) == [0, 1]
+            session.positions.restore(states, what="the checkpoint")
             sampler = DistributedSampler(Ids(), num_replicas=3, rank=rank, shuffle=True, seed=7)
-            tracked = session.track(DataLoader(Ids(), batch_size=BATCH, sampler=sampler), epoch=lambda: 0)
+            tracked = session.positions.track(
+                DataLoader(Ids(), batch_size=BATCH, sampler=sampler), epoch=lambda: 0
+            )
             rest += [i for batch in tracked for i in batch.tolist()]
     assert set(seen + rest) == set(range(N_SAMPLES)) and len(seen + rest) == 8 + 24
     warnings = [r for r in caplog.records if "not bitwise" in r.getMessage() or "no longer" in r.getMessage()]

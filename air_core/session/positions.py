@@ -1,0 +1,162 @@
+"""``Positions``: one rank's train loaders, and the data part of its checkpoint part: where each loader
+is, the RNG, and their resume (exact at the saved world size; split over this run's ranks with
+``elastic``).
+
+``TrainingSession.positions``; the adapters call ``track`` for each train loader as the framework builds
+it, and ``restore`` with the saved ranks' parts (``ranks_to_load`` names them) when a checkpoint loads.
+A position restored before its loader is tracked applies when it is (loaders match by tracking order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import AirError, ConfigError
+from . import elastic
+from .config import SessionConfig
+from .elastic import Layout, layout_of
+from .loader import LoaderState, TrackedLoader
+from .metrics import Recorder
+from .rng import capture_rng, restore_rng
+
+
+class Positions:
+    """Every train loader of one rank and their resume (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        *,
+        rank: int,
+        world_size: int,
+        records: Recorder,
+        on_fetch: Callable[[float], None],
+    ) -> None:
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.records = records
+        self.resumed_run: str | None = None
+        """The MLflow run of the checkpoint this launch resumed from (None: fresh, or none)."""
+        self._on_fetch = on_fetch
+        self._loaders: list[TrackedLoader] = []
+        self._pending: dict[str, Any] | None = None
+
+    def track(
+        self,
+        loader: Any,
+        *,
+        epoch: Callable[[], int],
+        lookahead: int = 0,
+        exact_state: LoaderState | None = None,
+        on_fetch: Callable[[float], None] | None = None,
+        reenter: bool = False,
+        layout: Layout | None = None,
+    ) -> TrackedLoader:
+        """Track a train loader's position; the returned proxy replaces ``loader``. Fetch times go to
+        ``records`` (or to ``on_fetch``, for an adapter that keeps only some of them), and so do a data
+        cache's counters (``TrackedLoader.counters``). ``layout``: how the
+        framework shards it over ranks, if the core cannot tell (``elastic.layout_of``: a
+        ``DistributedSampler``, or a plain sampler on one rank). The other arguments are ``TrackedLoader``'s.
+
+        A position restored before the loader was tracked applies now (the loaders are matched by the
+        order in which they are tracked).
+        """
+        tracked = TrackedLoader(
+            loader,
+            epoch=epoch,
+            lookahead=lookahead,
+            on_fetch=on_fetch or self._on_fetch,
+            exact_state=exact_state,
+            reenter=reenter,
+            layout=layout or layout_of(loader, world_size=self.world_size),
+        )
+        self._loaders.append(tracked)
+        if tracked.counters is not None and tracked.counters not in self.records.counters:
+            self.records.counters.append(tracked.counters)  # a data cache's hits, misses, wait, bytes
+        if self._pending is not None:
+            self._resume(tracked, len(self._loaders) - 1)
+        return tracked
+
+    def _resume(self, tracked: TrackedLoader, index: int) -> None:
+        pending = self._pending
+        assert pending is not None
+        if index >= len(pending["loaders"]):
+            return
+        if "mine" not in pending:  # the saved world size
+            if pending["loaders"][index] is not None:
+                tracked.resume(pending["loaders"][index], pending["rng"])
+            return
+        positions = pending["loaders"][index]  # every saved rank's
+        if all(p is not None for p in positions):
+            tracked.resume_elastic(positions, pending["rng"], mine=pending["mine"])
+
+    def state(self, mlflow_run_id: str | None) -> dict[str, Any]:
+        """This rank's part of a checkpoint: RNG (captured once), every loader's position, the MLflow run
+        (``TrainingSession.rank_state``).
+
+        Only tensors and plain values (loads with ``weights_only=True``). Call on the training thread.
+        """
+        return {
+            "world_size": self.world_size,
+            "rng": capture_rng(),
+            "loaders": [t.position() for t in self._loaders],
+            "mlflow_run_id": mlflow_run_id,
+        }
+
+    def ranks_to_load(self, saved_world_size: int) -> list[int]:
+        """The saved ranks whose ``rank_state`` this rank restores from: its own, or every saved rank's
+        when an elastic resume continues a checkpoint of another world size (they are small)."""
+        if saved_world_size != self.world_size and self.config.elastic:
+            return list(range(saved_world_size))
+        return [self.rank] if self.rank < saved_world_size else []
+
+    def restore(self, states: Mapping[int, dict[str, Any]], *, what: str) -> None:
+        """Continue from the checkpoint ``what``: ``states`` maps saved ranks to their ``rank_state``
+        (the ranks ``ranks_to_load`` names).
+
+        At the saved world size this rank continues exactly where it was. At another one (with
+        ``elastic``) the rest of each interrupted epoch is split over this run's ranks, each sample
+        once; rank r takes saved rank r's RNG where there was one (``elastic.py``). Rank 0 logs once
+        that the run is then no longer bitwise equal to an uninterrupted one.
+
+        Raises:
+            ConfigError: the checkpoint was written by another number of ranks (without ``elastic``) or
+                loaders, or a loader cannot continue its epoch at this world size.
+        """
+        saved = int(next(iter(states.values()))["world_size"])
+        self.check_world_size(saved, what=what)
+        missing = [r for r in self.ranks_to_load(saved) if r not in states]
+        if missing:
+            raise AirError(f"{what}: the rank state of saved rank(s) {missing} was not loaded.")
+        ordered = [states[r] for r in sorted(states)]
+        counts = {len(s["loaders"]) for s in ordered}
+        if len(counts) != 1 or (self._loaders and counts != {len(self._loaders)}):
+            raise ConfigError(
+                f"{what}: the checkpoint tracked {sorted(counts)} train loader(s), this run has "
+                f"{len(self._loaders)}; set up the same loaders before loading it."
+            )
+        if saved == self.world_size:
+            mine = states[self.rank]
+            self._pending = {"rng": mine["rng"], "loaders": mine["loaders"]}
+        else:
+            self._pending = elastic.pending(ordered, rank=self.rank, world_size=self.world_size, what=what)
+        for index, tracked in enumerate(self._loaders):  # none tracked yet: later
+            self._resume(tracked, index)
+        self.resumed_run = ordered[0].get("mlflow_run_id") or self.resumed_run
+
+    def check_world_size(self, saved: int, *, what: str) -> None:
+        """Raise ``ConfigError`` if ``saved`` (the checkpoint's world size) is not this run's and the
+        session is not ``elastic``."""
+        if saved != self.world_size and not self.config.elastic:
+            raise ConfigError(
+                f"{what} was written by {saved} rank(s), this run has {self.world_size}; resume with the "
+                f"same number of processes for an exact resume, or set {self.config.owner}(elastic=True) to "
+                f"continue on {self.world_size} (each sample of the interrupted epoch once, not bitwise "
+                "equal)."
+            )
+
+    def start(self) -> None:
+        """Training starts: a restored RNG that no loader took back (none is tracked) applies now."""
+        if self._pending is not None and not self._loaders and self._pending["rng"] is not None:
+            restore_rng(self._pending["rng"])
+        self._pending = None
