@@ -36,7 +36,7 @@ from air_core import (
     LocalCheckpoint,
     dcp,
 )
-from air_core.session import TrainingSession, entry_of_commit
+from air_core.session import Place, TrainingSession, entry_of_commit
 
 from .folders import Folders, retention
 from .internals import (
@@ -129,6 +129,13 @@ class AirAccelerator(Accelerator):
         self._air_said_skip = False
         self._air_step_hook: Any = None
         self._air_started = False
+        if air_plugin.session.local_every_n_steps:
+            if self._air_sharded:
+                raise ConfigError(
+                    "AirPlugin(local_every_n_steps=...): the local tier keeps DDP and single-process "
+                    "checkpoints; FSDP2 sharded ones are not supported yet. Drop local_every_n_steps."
+                )
+            self.air_session.local_files(lambda: self._air_files(Place("", f"step-{self.completed_steps}")))
 
     # -- pickling ----------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -260,17 +267,7 @@ class AirAccelerator(Accelerator):
             iteration=self.save_iteration,
             step=self.completed_steps,
         )
-        for model in models(self):  # a GPU save copies their buffers ahead of the next forward
-            self.air_session.track_model(model)
-        rank_state = self.air_session.rank_state()
-        files = accelerate_files(
-            self, rank_state["rng"], tracked=self._air_tracked, sharded=self._air_sharded
-        )
-        files[air_file(self.process_index)] = {
-            "completed_steps": self.completed_steps,
-            "rank_state": rank_state,
-        }
-        files = {place.join(f): state for f, state in files.items()}
+        files = self._air_files(place)
         if self._air_sharded:  # every process: its shards, in Accelerate's DCP folders, one commit
             shards = sharded_folders(place.entry, models(self), optimizers(self))
             self.air_session.save_sharded(
@@ -283,6 +280,20 @@ class AirAccelerator(Accelerator):
             os.makedirs(where, exist_ok=True)
         self.project_configuration.iteration += 1
         return where
+
+    def _air_files(self, place: Place) -> dict[str, Any]:
+        """This process's files of a checkpoint in ``place``: Accelerate's, and its ``air-rank-<r>.pt``."""
+        for model in models(self):  # a GPU save copies their buffers ahead of the next forward
+            self.air_session.track_model(model)
+        rank_state = self.air_session.rank_state()
+        files = accelerate_files(
+            self, rank_state["rng"], tracked=self._air_tracked, sharded=self._air_sharded
+        )
+        files[air_file(self.process_index)] = {
+            "completed_steps": self.completed_steps,
+            "rank_state": rank_state,
+        }
+        return {place.join(f): state for f, state in files.items()}
 
     # -- load --------------------------------------------------------------------------------
     @override
@@ -313,11 +324,26 @@ class AirAccelerator(Accelerator):
             if ckpt is None:  # no commit names it: as stock Accelerate loads it
                 self._air_load_folder(folder, None, None, "", load_kwargs, load_model_func_kwargs)
                 return
-            stack.enter_context(ckpt.restoring())  # every file and shard it reads: one restore
-            local = self._air_fetch(ckpt, info)
-            folder = entry_of_commit(local.info) if self._air_folders.is_main(ckpt) else ""
-            view = stack.enter_context(folder_view(local.paths, folder))
-            self._air_load_folder(view, ckpt, local.info, folder, load_kwargs, load_model_func_kwargs)
+            flat = not self._air_folders.is_main(ckpt)
+            self._air_load_commit(ckpt, info, stack, flat=flat, args=(load_kwargs, load_model_func_kwargs))
+
+    def _air_load_commit(
+        self,
+        ckpt: AsyncCheckpointer,
+        info: CheckpointInfo | None,
+        stack: contextlib.ExitStack,
+        *,
+        flat: bool,
+        args: tuple[dict | None, dict[str, Any]] = (None, {}),
+        tier: str = "remote",
+    ) -> None:
+        """Load the commit ``info`` of ``ckpt`` (None: its newest), whose files are in a folder of its root
+        (or at the root itself: ``flat``)."""
+        stack.enter_context(ckpt.restoring(tier=tier))  # every file and shard it reads: one restore
+        local = self._air_fetch(ckpt, info)
+        folder = "" if flat else entry_of_commit(local.info)
+        view = stack.enter_context(folder_view(local.paths, folder))
+        self._air_load_folder(view, ckpt, local.info, folder, *args)
 
     def _air_load_folder(
         self,
@@ -441,7 +467,15 @@ class AirAccelerator(Accelerator):
         Call after ``prepare``; then ``for epoch in range(accelerator.resume(), num_epochs)``. The
         prepared loaders continue where the checkpoint left them, mid-epoch included.
         """
-        if self._air.latest() is None:
+        latest = self._air.latest()
+        resumed = self.air_session.recover(latest.step if latest is not None else None)
+        if resumed is not None:  # the local tier holds a newer complete state than the root
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(self.air_session.watchdog_paused())
+                ckpt = stack.enter_context(self.air_session.reader(resumed.root))
+                self._air_load_commit(ckpt, None, stack, flat=False, tier=resumed.tier)
+            return self.start_epoch
+        if latest is None:
             logger.info("AirAccelerator: nothing committed under %s; starting fresh", self.air_plugin.root)
             return 0
         self.load_state()

@@ -54,6 +54,13 @@ class AirPlugin:
         hang_timeout_seconds: seconds without an optimizer step (or an evaluation batch) that make a
             hang; saves, loads and flushes never count. None: 10 times the 99th percentile step time,
             at least ``hang_floor_seconds`` (300: also the limit before the first step is seen).
+        local_every_n_steps: also checkpoint every this many optimizer steps to ``local_dir`` on this node
+            (not uploaded; the root's ``save_state`` checkpoints are unchanged), copied to
+            ``replication_factor - 1`` processes of other nodes; ``resume()`` then continues from the newest
+            step every process's state exists for, here, on a partner or at the root. None: off.
+        local_dir: that node-local folder (NVMe or ``/dev/shm``).
+        replication_factor: copies of each process's local checkpoint, its own included (2: one partner
+            on another node, so a lost node's state survives).
 
     Raises:
         ConfigError: a setting is invalid (named, with the fix), before any process group exists.
@@ -85,6 +92,9 @@ class AirPlugin:
         hang_watchdog: bool | None = None,
         hang_timeout_seconds: float | None = None,
         hang_floor_seconds: float = 300.0,
+        local_every_n_steps: int | None = None,
+        local_dir: str | None = None,
+        replication_factor: int = 2,
     ) -> None:
         if not isinstance(root, str) or not root.strip():
             raise ConfigError(

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -333,7 +333,9 @@ class AsyncCheckpointer:
         return local
 
     @contextlib.contextmanager
-    def restoring(self) -> Iterator[None]:
+    def restoring(
+        self, *, tier: Literal["remote", "local", "replica"] = "remote", before: float = 0.0
+    ) -> Iterator[None]:
         """Report the fetches and loads made inside as one restore: one ``RestoreRecord``, timed over the
         whole block, emitted when it ends without an exception.
 
@@ -341,7 +343,8 @@ class AsyncCheckpointer:
         metadata and then its files, and an adapter also reads every rank's small state file. Reported
         one by one, each looked like a resume of its own (in the metrics and the goodput log), and
         the time between them (DCP reading slices, copying into the model) was not counted at all.
-        Nested blocks report with the outermost. Calling thread only.
+        Nested blocks report with the outermost. Calling thread only. ``tier``: where the checkpoint came
+        from (``RestoreRecord.tier``); ``before``: seconds spent getting it there, added to the record.
         """
         if self._restores is not None:
             yield
@@ -354,7 +357,8 @@ class AsyncCheckpointer:
         finally:
             self._restores = None
         if records:
-            self._emit(one_restore(records, time.monotonic() - started))
+            record = one_restore(records, time.monotonic() - started + before)
+            self._emit(dataclasses.replace(record, tier=tier))
 
     def _restored(self, record: RestoreRecord) -> None:
         if self._restores is not None:

@@ -108,7 +108,6 @@ def cmd_report(storage: Storage, args: argparse.Namespace) -> int:
         return 0
     saves = [e for events in launches for e in events if e["e"] == "save" and e.get("committed")]
     steps = [e for events in launches for e in events if e["e"] == "step"]
-    restores = [e for events in launches for e in events if e["e"] == "restore"]
     blocking = summarize([e["blocking"] for e in saves])
     total = summarize([e["total"] for e in saves])
     fetch = summarize([e["f"] for e in steps])
@@ -118,8 +117,13 @@ def cmd_report(storage: Storage, args: argparse.Namespace) -> int:
           f"max {b['max']:.3f} s; save to commit p50 {total['p50']:.2f} s")  # fmt: skip
     print(f"fetch_seconds: {len(steps)} steps, p50 {f['p50']:.2f} ms, p95 {f['p95']:.2f} ms, "
           f"max {f['max']:.2f} ms; data-wait fraction {fetch['sum'] / step_sum:.3f}")  # fmt: skip
-    for r in restores:
-        print(f"restore: step {r['s']} from {r['source']} in {r['seconds']:.2f} s")
+    reached = -1  # the newest step the launches before reached
+    for events in launches:
+        for r in (e for e in events if e["e"] == "restore"):
+            lost = f"; {reached - r['s']} step(s) lost" if reached >= r["s"] else ""
+            print(f"restore: step {r['s']} from the {r.get('tier', 'remote')} tier ({r['source']} copy) in "
+                  f"{r['seconds']:.2f} s{lost}")  # fmt: skip
+        reached = max([reached, *(e["s"] for e in events if e["e"] == "step")])
     for i, events in enumerate(launches, 1):
         for e in (e for e in events if e["e"] == "preflight"):
             print(f"pre-flight (launch {i}): {e['status']} in {e['seconds']:.2f} s")

@@ -89,6 +89,9 @@ class RestoreRecord:
     load_seconds: float = 0.0
     """``torch.load`` of the file (``AsyncCheckpointer.load`` only: a ``fetch`` leaves it to the caller);
     inside ``restoring()``, the block's time that was not finding or fetching."""
+    tier: Literal["remote", "local", "replica"] = "remote"
+    """The tier the checkpoint came from: the root, this node's local tier, or a partner's copy
+    (``air_core.tiers``; then ``seconds`` also counts gathering the pieces)."""
 
 
 Event = PhaseEvent | SaveRecord | RestoreRecord

@@ -53,6 +53,15 @@ class SessionConfig:
     None: 10 times the 99th percentile step time, at least ``hang_floor_seconds``."""
     hang_floor_seconds: float = 300.0
     """The shortest derived hang timeout, and the one before the first step of a launch, in seconds."""
+    local_every_n_steps: int | None = None
+    """Write a node-local checkpoint every this many optimizer steps (``air_core.tiers``), not uploaded,
+    replicated to ``replication_factor - 1`` partner ranks on other nodes; a restart resumes from the
+    newest step every rank's state exists for in any tier. None: off (the root's saves only)."""
+    local_dir: str | None = None
+    """The node-local folder of that tier (NVMe or ``/dev/shm``); needed with ``local_every_n_steps``."""
+    replication_factor: int = 2
+    """Copies of each rank's local checkpoint: its own and ``replication_factor - 1`` on partner ranks of
+    other nodes (rank + j x local world size), so the loss of a node loses no local state."""
     owner: str = field(default="TrainingSession", compare=False)
     """The class the user configured (named in errors and log lines)."""
 
@@ -98,6 +107,23 @@ class SessionConfig:
         if self.mlflow is None:
             object.__setattr__(self, "mlflow", importlib.util.find_spec("mlflow") is not None)
         self._check_hang_settings(bad)
+        self._check_tier_settings(bad)
+
+    def _check_tier_settings(self, bad: Callable[[str, object, str], ConfigError]) -> None:
+        k = self.local_every_n_steps
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise bad("local_every_n_steps", k, "must be a number of steps >= 1, or None: no local tier.")
+        d = self.local_dir
+        if d is not None and (not isinstance(d, str) or not d.strip() or "://" in d):
+            why = "must be a folder on this node's disk (NVMe or /dev/shm), e.g. '/local_nvme/air'."
+            raise bad("local_dir", d, why)
+        if k is not None and d is None:
+            why = "local_every_n_steps needs a node-local folder: pass e.g. local_dir='/dev/shm/air'."
+            raise bad("local_dir", d, why)
+        r = self.replication_factor
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            why = "must be the copies of each local checkpoint, >= 1 (2: one more on another node)."
+            raise bad("replication_factor", r, why)
 
     def _check_hang_settings(self, bad: Callable[[str, object, str], ConfigError]) -> None:
         if self.hang_watchdog is not None and not isinstance(self.hang_watchdog, bool):

@@ -89,7 +89,7 @@ class GoodputLog:
 
     def restore(self, record: RestoreRecord) -> None:
         event = {"e": "restore", "s": record.step, "t": time.time(), "seconds": record.seconds}
-        self._append(event | {"source": record.source})
+        self._append(event | {"source": record.source, "tier": record.tier})
 
     def preflight(self, seconds: float, status: str, problems: list[dict[str, Any]]) -> None:
         """The pre-flight checks of every rank: their time (start-up), worst status and what was not ok."""

@@ -59,6 +59,8 @@ class TrackedLoader(LoaderProxy):
         epoch: the epoch number the consumer is about to iterate (read at each ``__iter__``).
         lookahead: batches the consumer fetches ahead of what it hands to training.
         on_fetch: called with the seconds each fetched batch took (``fetch_seconds``).
+        between_steps: called before each fetch, once what the last fetch's step changed is settled: the
+            point between two steps at which the session takes a local checkpoint that is due.
         exact_state: ``(state_dict, load_state_dict)`` giving the loader's state at the consumed position
             (a framework that corrects its own prefetch). Default: the loader's own, if it has one and
             ``lookahead`` is 0.
@@ -79,8 +81,10 @@ class TrackedLoader(LoaderProxy):
         exact_state: LoaderState | None = None,
         reenter: bool = False,
         layout: Layout | None = None,
+        between_steps: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(loader)
+        self._between_steps = between_steps
         self._layout = layout
         self._reenter = reenter
         self._epoch_fn = epoch
@@ -272,6 +276,8 @@ class TrackedLoader(LoaderProxy):
             while True:
                 if restore and (action := restore.pop(self._taken, None)) is not None:
                     action()
+                if self._between_steps is not None:
+                    self._between_steps()
                 if track_ahead:
                     self._ahead.append(raw_rng())
                 started = time.perf_counter()

@@ -191,7 +191,12 @@ class Recorder:
 
     def _publish_restore(self, r: RestoreRecord) -> None:
         if self.rank == 0 and self.publish is not None:
-            metrics = {"restore_seconds": r.seconds, "restore_from_remote": float(r.source == "remote")}
+            metrics = {
+                "restore_seconds": r.seconds,
+                "restore_from_remote": float(r.source == "remote"),
+                "restore_from_local_tier": float(r.tier != "remote"),
+                "restore_from_replica": float(r.tier == "replica"),
+            }
             self.publish(metrics, r.step)
 
     def _publish_save(self, r: SaveRecord) -> None:

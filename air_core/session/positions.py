@@ -32,12 +32,14 @@ class Positions:
         world_size: int,
         records: Recorder,
         on_fetch: Callable[[float], None],
+        between_steps: Callable[[], None] | None = None,
     ) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.records = records
         self.resumed_run: str | None = None
         """The MLflow run of the checkpoint this launch resumed from (None: fresh, or none)."""
         self._on_fetch = on_fetch
+        self._between_steps = between_steps
         self._loaders: list[TrackedLoader] = []
         self._pending: dict[str, Any] | None = None
 
@@ -69,6 +71,7 @@ class Positions:
             exact_state=exact_state,
             reenter=reenter,
             layout=layout or layout_of(loader, world_size=self.world_size),
+            between_steps=self._between_steps,
         )
         self._loaders.append(tracked)
         if tracked.counters is not None and tracked.counters not in self.records.counters:

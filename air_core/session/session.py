@@ -36,6 +36,8 @@ from ..health.stragglers import Stragglers
 from ..layout import rank_state_path
 from ..snapshot import stepped_tensors
 from ..storage import location
+from ..tiers import LocalTier, Resume, job_folder, recover
+from ..tiers import partners as tier_partners
 from .config import SessionConfig
 from .goodput import Goodput, GoodputLog, goodput_of
 from .health import SessionHealth
@@ -111,7 +113,12 @@ class TrainingSession:
         self._others: list[AsyncCheckpointer] = []
         self._plans = dcp.SavePlans()  # sharded saves of the same model repeat their plan
         self.positions = Positions(
-            config, rank=rank, world_size=world_size, records=self.records, on_fetch=self.record_fetch
+            config,
+            rank=rank,
+            world_size=world_size,
+            records=self.records,
+            on_fetch=self.record_fetch,
+            between_steps=self._between_steps if config.local_every_n_steps else None,
         )
         """This rank's train loaders and their resume (``positions.py``)."""
         self.paths = Paths(self)
@@ -119,7 +126,15 @@ class TrainingSession:
         self.loaded_rank_states: dict[int, Any] = {}
         """The saved ranks' ``rank_state`` parts the last load read besides the framework's own files
         (the adapter's IO reads them, its callback restores them)."""
-        """Checkpointers of further roots (``open_another``), flushed and closed with the main one."""
+        self.resumed_from: Resume | None = None
+        """The local-tier checkpoint this launch resumed from (``recover``), or None."""
+        self._tier: LocalTier | None = None
+        self._tier_files: Callable[[], Mapping[str, Any]] | None = None
+        self._tier_due: int | None = None
+        self._tier_group: Any = None
+        if config.local_every_n_steps and world_size > 1 and measure:
+            # a collective, on every rank at construction: the tier's copies never use training's group
+            self._tier_group = tier_partners.side_group(config.flush_timeout_seconds)
         self._goodput_log: GoodputLog | None = None
         self._sink: MlflowSink | None = None
         self._models: list[torch.nn.Module] = []
@@ -350,6 +365,69 @@ class TrainingSession:
         for commits). The session pauses its own saves, flushes and ``close``. Nestable, any thread."""
         return self.health.paused()
 
+    # -- the local tier (``air_core.tiers``) ------------------------------------------------------------
+    def local_files(self, files: Callable[[], Mapping[str, Any]]) -> None:
+        """The adapter's ``files``: this rank's part of a checkpoint as it would ``save`` it now, called
+        between two steps when a local checkpoint is due (``local_every_n_steps``)."""
+        self._tier_files = files
+
+    def _between_steps(self) -> None:
+        step, self._tier_due = self._tier_due, None
+        if step is None or self._tier_files is None or self._closed:
+            return
+        tier = self._local_tier()
+        with self.health.saving():
+            handle = tier.save(self._tier_files(), step=step, in_order=self._buffers(), gated=self._gated())
+        self._ungated.append(handle)
+
+    def _local_tier(self) -> LocalTier:
+        if self._tier is None:
+            if self._ckpt is None:
+                raise AirError(
+                    f"{self.config.owner}: a local checkpoint before the checkpoint root was opened."
+                )
+            per_node = tier_partners.local_world_size(self.world_size)
+            n = (
+                tier_partners.copies(
+                    self.world_size, per_node, self.config.replication_factor, owner=self.config.owner
+                )
+                if self._tier_group is not None
+                else 0
+            )
+            self._tier = LocalTier(
+                self._tier_base(),
+                rank=self.rank,
+                world_size=self.world_size,
+                launch_id=self.launch_id,
+                template=self.checkpointer_config,
+                group=self._tier_group,
+                send_to=tier_partners.partners(self.rank, self.world_size, per_node, n),
+                receive_from=tier_partners.sources(self.rank, self.world_size, per_node, n),
+            )
+        return self._tier
+
+    def _tier_base(self) -> str:
+        assert self.config.local_dir is not None and self._ckpt is not None
+        return job_folder(self.config.local_dir, self._ckpt.config.root)
+
+    def recover(self, newer_than: int | None) -> Resume | None:
+        """Every rank, together (a collective on the tier's group), before training: the newest state of
+        the local tier after step ``newer_than`` (the root's newest commit; None: it has none), assembled
+        as one committed checkpoint for the adapter to load (``Resume.root``); None: the root's newest
+        (or a fresh start) is the newest complete state, or the tier is off."""
+        if not self.config.local_every_n_steps or self._ckpt is None:
+            return None
+        with self.watchdog_paused():
+            self.resumed_from = recover(
+                self._tier_base(),
+                rank=self.rank,
+                world_size=self.world_size,
+                newer_than=newer_than,
+                group=self._tier_group,
+                node=tier_partners.node_name(),
+            )
+        return self.resumed_from
+
     # -- per-rank state -------------------------------------------------------------------------------
     def rank_state(self) -> dict[str, Any]:
         """This rank's part of a checkpoint (``Positions.state``, with the MLflow run)."""
@@ -420,6 +498,9 @@ class TrainingSession:
         """
         self.health.step_ended(step)
         self.records.record_step(step)
+        k = self.config.local_every_n_steps
+        if k and step % k == 0:
+            self._tier_due = step  # taken between this step and the next (``_between_steps``)
         error = self.health.straggler_stop(step)
         if error is not None:
             self.fail(error)
@@ -442,6 +523,9 @@ class TrainingSession:
         """
         others, self._others = self._others, []
         with self.watchdog_paused():
+            tier, self._tier = self._tier, None
+            if tier is not None:
+                tier.close(self.config.flush_timeout_seconds)
             for other in others:  # saves outside the root first: the main root's events come last
                 self._close_one(other)
             ckpt, self._ckpt = self._ckpt, None

@@ -1,0 +1,168 @@
+"""``LocalTier``: one rank's node-local checkpoints, and the copies it keeps of its partners'.
+
+Every ``local_every_n_steps`` the session saves this rank's part of a checkpoint (the same files it gives
+the root) through an ``AsyncCheckpointer`` of its own node-local root, with one rank: the same snapshot,
+buffers reused across saves, writer thread and manifest-and-CRC commit as the root's saves, but nothing
+uploaded. A thread of the tier then sends each committed one to the rank's partners (``partners.py``)
+and places the copies it receives from its sources, verified, in their replica roots; then it drops the
+older commits. Every rank saves at the same steps, so the exchanges pair up in order; a save that failed
+still takes part (an empty package), and a failure of the tier is logged, never raised into training.
+
+On disk, under ``<local_dir>/air-<job>/``: ``rank-<r>/`` (this rank's own), ``replica-<s>/`` (copies of
+rank ``s``'s), ``restore-<r>/`` (the checkpoint a resume assembled, ``recover.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import re
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..checkpointer import AsyncCheckpointer
+from ..config import CheckpointerConfig
+from ..handle import SaveHandle
+from ..storage import Storage, location
+from .transfer import EMPTY, Package, exchange, place_package, read_package
+
+logger = logging.getLogger(__name__)
+_NAME = re.compile(r"^local-s(\d{9})-w(\d+)$")
+_NEVER_BY_COUNT = 1 << 30  # the tier's thread drops older commits once the newest is replicated
+
+
+def job_folder(local_dir: str, root: str) -> str:
+    """The folder of one job's local tier: named after its root, so jobs sharing a node never mix."""
+    digest = hashlib.sha1(location(root).encode()).hexdigest()[:16]
+    return os.path.join(os.path.abspath(local_dir), f"air-{digest}")
+
+
+def own_root(base: str, rank: int) -> str:
+    return os.path.join(base, f"rank-{rank:05d}")
+
+
+def replica_root(base: str, rank: int) -> str:
+    return os.path.join(base, f"replica-{rank:05d}")
+
+
+def tier_name(step: int, world_size: int) -> str:
+    """The name of every rank's local checkpoint of ``step`` (the same on every rank and node)."""
+    return f"local-s{step:09d}-w{world_size}"
+
+
+def parse_name(name: str) -> tuple[int, int] | None:
+    """(step, world size) of a ``tier_name``, or None for any other name."""
+    m = _NAME.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+class LocalTier:
+    """This rank's local checkpoints and their replication (see the module docstring).
+
+    Args:
+        base: the job's folder on this node (``job_folder``).
+        template: the session's checkpointer settings (buffers, writer); root, ranks and retention are the
+            tier's.
+        group: the tier's gloo group (``partners.side_group``), or None with one rank.
+        send_to / receive_from: the ranks that keep copies of this rank's checkpoints / whose it keeps.
+    """
+
+    def __init__(
+        self,
+        base: str,
+        *,
+        rank: int,
+        world_size: int,
+        launch_id: str,
+        template: CheckpointerConfig,
+        group: Any,
+        send_to: list[int],
+        receive_from: list[int],
+    ) -> None:
+        self.base, self.rank, self.world_size = base, rank, world_size
+        config = replace(
+            template.for_root(own_root(base, rank), rank=0, world_size=1, launch_id=launch_id),
+            staging_dir=None,
+            storage_options={},
+            keep_last=_NEVER_BY_COUNT,
+            max_in_flight=1,
+            on_busy="wait",
+        )
+        self.checkpointer = AsyncCheckpointer.from_config(config)
+        self._group = group
+        self._send_to, self._receive_from = send_to, receive_from
+        self._replicas = {s: Storage(replica_root(base, s)) for s in receive_from}
+        self._queue: queue.Queue[SaveHandle | None] = queue.Queue()
+        self.replicated: list[str] = []
+        """The local checkpoints whose exchange with the partners finished."""
+        self.broken = ""
+        """Why replication stopped (a partner is gone), or ""."""
+        self._thread = threading.Thread(target=self._run, name=f"air-local-r{rank}", daemon=True)
+        self._thread.start()
+
+    def save(
+        self,
+        files: Mapping[str, Any],
+        *,
+        step: int,
+        in_order: Iterable[torch.Tensor] = (),
+        gated: Iterable[torch.Tensor] = (),
+    ) -> SaveHandle:
+        """Snapshot this rank's ``files`` into local checkpoint ``tier_name(step)``; committed, replicated
+        and the older ones dropped in the background."""
+        handle = self.checkpointer.save_files(
+            files, step=step, name=tier_name(step, self.world_size), in_order=in_order, gated=gated
+        )
+        self._queue.put(handle)
+        return handle
+
+    def _run(self) -> None:
+        while (handle := self._queue.get()) is not None:
+            package = self._committed(handle)
+            if (self._send_to or self._receive_from) and not self.broken:
+                self._replicate(package)
+            if package.name:
+                for info in self.checkpointer.list(settle=False):
+                    if info.name != package.name and info.status == "committed":
+                        self.checkpointer.delete(info.name, even_newest=True)
+
+    def _committed(self, handle: SaveHandle) -> Package:
+        try:
+            handle.result()
+            return read_package(self.checkpointer.storage, handle.name)
+        except Exception as exc:  # the tier is an optimization: training goes on without it
+            logger.warning("rank %d: local checkpoint %s failed: %s", self.rank, handle.name, exc)
+            return EMPTY
+
+    def _replicate(self, package: Package) -> None:
+        try:
+            received = exchange({dst: package for dst in self._send_to}, self._receive_from, self._group)
+        except Exception as exc:  # a partner is gone (its node, most likely): no more copies this launch
+            self.broken = f"{type(exc).__name__}: {exc}"
+            logger.warning("rank %d: replication of local checkpoints stopped: %s", self.rank, self.broken)
+            return
+        if package.name:
+            self.replicated.append(package.name)
+        for src, copy in received.items():
+            if not copy.name:
+                continue
+            try:
+                place_package(self._replicas[src], copy)
+            except Exception as exc:
+                logger.warning(
+                    "rank %d: the copy of rank %d's %s was not kept: %s", self.rank, src, copy.name, exc
+                )
+
+    def close(self, timeout: float | None = None) -> None:
+        """Commit and replicate what is in flight, then close (bounded by ``timeout`` per part)."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("rank %d: the local tier's replication did not finish in %ss", self.rank, timeout)
+        self.checkpointer.close()

@@ -1,0 +1,182 @@
+"""Resume from the newest step every saved rank's state exists for, in any tier.
+
+Every rank reports what its node holds (``holdings``: its own local checkpoints and the copies it keeps,
+each committed by its manifest), the reports are gathered in one collective, and every rank picks the
+same step (``choose``): the newest one newer than the root's newest commit for which each rank of the
+world that saved it has a committed part somewhere, of one step and one world size, never mixed. The
+pieces a rank's node lacks come from the rank that holds them, over the tier's group, checked against
+their CRC-32s on arrival; the ones on its node are linked, not copied. The parts are put together
+(``assemble``) as one committed checkpoint of the saved world size in ``restore-<rank>/``, which the
+adapter loads as it loads a root's: the same verification, the same exact (or ``elastic``) resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch.distributed as dist
+
+from .. import layout
+from ..catalog import read_catalog
+from ..manifest import FileEntry, Manifest
+from ..storage import Storage
+from .local import parse_name, tier_name
+from .transfer import Package, checked, exchange, read_package
+
+logger = logging.getLogger(__name__)
+Tier = Literal["local", "replica"]
+
+
+@dataclass(frozen=True)
+class Held:
+    """A committed local checkpoint on this node: rank ``saved_rank``'s part of step ``step``."""
+
+    saved_rank: int
+    step: int
+    world: int
+    kind: Tier
+    root: str
+    node: str
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The checkpoint a resume assembled from the tiers, for the adapter to load."""
+
+    root: str
+    """A local root holding one committed checkpoint of ``world`` ranks."""
+    name: str
+    step: int
+    world: int
+    tier: Tier
+    """Where this rank's own part came from: its node's own local checkpoint, or a partner's copy."""
+    fetched_bytes: int
+    """Bytes received from other ranks."""
+    seconds: float
+
+
+def restore_root(base: str, rank: int) -> str:
+    return os.path.join(base, f"restore-{rank:05d}")
+
+
+def holdings(base: str, node: str) -> list[Held]:
+    """Every committed local checkpoint and copy under ``base`` (this node's folder of the job)."""
+    held: list[Held] = []
+    if not os.path.isdir(base):
+        return held
+    for entry in sorted(os.listdir(base)):
+        kind, _, number = entry.partition("-")
+        if kind not in ("rank", "replica") or not number.isdigit():
+            continue
+        root = os.path.join(base, entry)
+        for info in read_catalog(Storage(root)).committed:
+            parsed = parse_name(info.name)
+            if parsed is not None:
+                tier: Tier = "local" if kind == "rank" else "replica"
+                held.append(Held(int(number), parsed[0], parsed[1], tier, root, node))
+    return held
+
+
+def choose(reports: list[list[Held]], newer_than: int | None) -> tuple[int, int] | None:
+    """(step, world size) of the newest step after ``newer_than`` (the root's newest commit) whose every
+    saved rank's part some report holds; None: the root's (or nothing) is the newest complete state."""
+    parts = {(h.step, h.world, h.saved_rank) for report in reports for h in report}
+    for step, world in sorted({(s, w) for s, w, _ in parts}, reverse=True):
+        if newer_than is not None and step <= newer_than:
+            return None
+        if all((step, world, s) in parts for s in range(world)):
+            return step, world
+    return None
+
+
+def recover(
+    base: str, *, rank: int, world_size: int, newer_than: int | None, group: Any, node: str
+) -> Resume | None:
+    """Every rank, together: the newest complete tier state after step ``newer_than``, assembled in
+    ``restore_root(base, rank)``; None when the root's newest commit (or a fresh start) is newer."""
+    started = time.monotonic()
+    mine = holdings(base, node)
+    reports: list[Any] = [mine]
+    if group is not None and world_size > 1:
+        reports = [None] * world_size
+        dist.all_gather_object(reports, mine, group=group)
+    chosen = choose(reports, newer_than)
+    if chosen is None:
+        return None
+    step, world = chosen
+    name = tier_name(step, world)
+    parts: dict[int, Package] = {}
+    local: dict[int, Held] = {}
+    for h in sorted(mine, key=lambda h: h.kind != "local"):  # own copies before replicas
+        if (h.step, h.world) == chosen:
+            local.setdefault(h.saved_rank, h)
+    fetched = 0
+    for receiver, saved, holder in _plan(reports, chosen, world_size):
+        if rank == holder:
+            exchange({receiver: read_package(Storage(_root_of(mine, saved, chosen)), name)}, [], group)
+        elif rank == receiver:
+            parts[saved] = exchange({}, [holder], group)[holder]
+            fetched += parts[saved].nbytes
+    dest = restore_root(base, rank)
+    _assemble(dest, name, step, world, local, parts)
+    own = local.get(rank if world == world_size else 0)
+    tier: Tier = "local" if own is not None and own.kind == "local" and not parts else "replica"
+    resume = Resume(dest, name, step, world, tier, fetched, time.monotonic() - started)
+    where = ", ".join(f"rank {s}: {'here' if s in local else 'received'}" for s in range(world))
+    logger.info("rank %d: resuming from local tier step %d (%s) [%s]", rank, step, tier, where)
+    return resume
+
+
+def _plan(reports: list[list[Held]], chosen: tuple[int, int], world_size: int) -> list[tuple[int, int, int]]:
+    """(receiver, saved rank, holder) for every part a rank's node lacks, in one order on every rank."""
+    step, world = chosen
+
+    def has(report: list[Held], saved: int) -> bool:
+        return any((h.step, h.world, h.saved_rank) == (step, world, saved) for h in report)
+
+    plan = []
+    for receiver in range(world_size):
+        for saved in range(world):
+            if not has(reports[receiver], saved):
+                holder = min(r for r in range(world_size) if has(reports[r], saved))
+                plan.append((receiver, saved, holder))
+    return plan
+
+
+def _root_of(mine: list[Held], saved: int, chosen: tuple[int, int]) -> str:
+    return next(h.root for h in mine if (h.step, h.world, h.saved_rank) == (*chosen, saved))
+
+
+def _assemble(
+    dest: str, name: str, step: int, world: int, local: dict[int, Held], parts: dict[int, Package]
+) -> None:
+    """One committed checkpoint of ``world`` ranks in ``dest``: each part's files (linked from this node's
+    copy, or the bytes received, already checked), then a manifest naming every file with its rank."""
+    shutil.rmtree(dest, ignore_errors=True)
+    storage = Storage(dest)
+    entries: list[FileEntry] = []
+    launch = ""
+    for saved in range(world):
+        if saved in parts:
+            package = parts[saved]
+            manifest = checked(package, where=f"rank {saved}'s part of {name}")
+            for f in manifest.files:
+                storage.write_bytes(f.path, package.files[f.path])
+        else:
+            source = local[saved].root
+            manifest = Manifest.from_json(
+                Storage(source).read_bytes(layout.manifest_path(name)), where=f"{source}/{name}"
+            )
+            for f in manifest.files:
+                target = layout.local_path(dest, f.path)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                os.link(layout.local_path(source, f.path), target)
+        launch = launch or manifest.launch_id
+        entries += [FileEntry(f.path, f.size, f.crc32, saved) for f in manifest.files]
+    whole = Manifest(name, step, time.time(), world, launch, tuple(entries), manifest.versions)
+    storage.write_bytes(layout.manifest_path(name), whole.to_json())
