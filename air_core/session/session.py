@@ -371,6 +371,11 @@ class TrainingSession:
         between two steps when a local checkpoint is due (``local_every_n_steps``)."""
         self._tier_files = files
 
+    @property
+    def local_tier(self) -> LocalTier | None:
+        """This rank's local tier, once its first local checkpoint was taken (None: none yet, or off)."""
+        return self._tier
+
     def _between_steps(self) -> None:
         step, self._tier_due = self._tier_due, None
         if step is None or self._tier_files is None or self._closed:

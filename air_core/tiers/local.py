@@ -29,8 +29,8 @@ import torch
 from ..checkpointer import AsyncCheckpointer
 from ..config import CheckpointerConfig
 from ..handle import SaveHandle
-from ..storage import Storage, location
-from .transfer import EMPTY, Package, exchange, place_package, read_package
+from ..storage import location
+from .transfer import EMPTY, Package, exchange, local_storage, place_package, read_package
 
 logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^local-s(\d{9})-w(\d+)$")
@@ -97,7 +97,7 @@ class LocalTier:
         self.checkpointer = AsyncCheckpointer.from_config(config)
         self._group = group
         self._send_to, self._receive_from = send_to, receive_from
-        self._replicas = {s: Storage(replica_root(base, s)) for s in receive_from}
+        self._replicas = {s: local_storage(replica_root(base, s)) for s in receive_from}
         self._queue: queue.Queue[SaveHandle | None] = queue.Queue()
         self.replicated: list[str] = []
         """The local checkpoints whose exchange with the partners finished."""

@@ -24,9 +24,8 @@ import torch.distributed as dist
 from .. import layout
 from ..catalog import read_catalog
 from ..manifest import FileEntry, Manifest
-from ..storage import Storage
 from .local import parse_name, tier_name
-from .transfer import Package, checked, exchange, read_package
+from .transfer import Package, checked, exchange, local_storage, read_package
 
 logger = logging.getLogger(__name__)
 Tier = Literal["local", "replica"]
@@ -74,7 +73,7 @@ def holdings(base: str, node: str) -> list[Held]:
         if kind not in ("rank", "replica") or not number.isdigit():
             continue
         root = os.path.join(base, entry)
-        for info in read_catalog(Storage(root)).committed:
+        for info in read_catalog(local_storage(root)).committed:
             parsed = parse_name(info.name)
             if parsed is not None:
                 tier: Tier = "local" if kind == "rank" else "replica"
@@ -118,7 +117,7 @@ def recover(
     fetched = 0
     for receiver, saved, holder in _plan(reports, chosen, world_size):
         if rank == holder:
-            exchange({receiver: read_package(Storage(_root_of(mine, saved, chosen)), name)}, [], group)
+            exchange({receiver: read_package(local_storage(_root_of(mine, saved, chosen)), name)}, [], group)
         elif rank == receiver:
             parts[saved] = exchange({}, [holder], group)[holder]
             fetched += parts[saved].nbytes
@@ -158,7 +157,7 @@ def _assemble(
     """One committed checkpoint of ``world`` ranks in ``dest``: each part's files (linked from this node's
     copy, or the bytes received, already checked), then a manifest naming every file with its rank."""
     shutil.rmtree(dest, ignore_errors=True)
-    storage = Storage(dest)
+    storage = local_storage(dest)
     entries: list[FileEntry] = []
     launch = ""
     for saved in range(world):
@@ -170,7 +169,7 @@ def _assemble(
         else:
             source = local[saved].root
             manifest = Manifest.from_json(
-                Storage(source).read_bytes(layout.manifest_path(name)), where=f"{source}/{name}"
+                local_storage(source).read_bytes(layout.manifest_path(name)), where=f"{source}/{name}"
             )
             for f in manifest.files:
                 target = layout.local_path(dest, f.path)

@@ -44,6 +44,11 @@ class Package:
 EMPTY = Package("")
 
 
+def local_storage(root: str) -> Storage:
+    """A node-local root of the tier (a local disk: few retries)."""
+    return Storage(root, storage_options={}, retries=2, retry_backoff_seconds=0.1)
+
+
 def read_package(storage: Storage, name: str) -> Package:
     """The committed checkpoint ``name`` of the local root ``storage``."""
     data = storage.read_bytes(layout.manifest_path(name))

@@ -80,6 +80,8 @@ def build(args):
         mlflow=bool(args.mlflow),
         mlflow_experiment=args.experiment,
         elastic=args.elastic,
+        local_every_n_steps=args.local or None,
+        local_dir=args.local_dir or os.path.join(args.workdir, f"local-{os.environ.get('AIR_NODE_NAME', 'node')}"),
         **_hang_settings(args),
     )
     plugin.add_listener(Journal(args.workdir))
@@ -133,6 +135,27 @@ def _hang_once(args, rank: int, step: int) -> None:
         sleep_forever_in_a_step()
 
 
+def _die_once(args, accelerator, step: int) -> None:
+    """--die STEP[:RANK][:agent]: before step STEP (1-based) that rank (default every rank) is SIGKILLed, on
+    the first launch only, once its local checkpoints are replicated; ``agent``: its torchrun agent first
+    (a node lost: the agent and its workers)."""
+    at, _, rest = args.die.partition(":")
+    who, _, agent = rest.partition(":")
+    marker = os.path.join(args.workdir, "died-once")
+    if step != int(at) or (who and int(who) != accelerator.process_index) or os.path.exists(marker):
+        return
+    open(marker, "w").close()
+    tier = accelerator.air_session.local_tier
+    if tier is not None:
+        tier.checkpointer.flush()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and tier.replicated[-1:] != [tier.checkpointer.list()[-1].name]:
+            time.sleep(0.05)
+    if agent:
+        os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("workdir")
@@ -157,6 +180,10 @@ def main() -> None:
     p.add_argument("--hang", default="", help="STEP:RANK: that rank sleeps forever in that step, once")
     p.add_argument("--hang-timeout", type=float, default=3.0, help="with --hang: that rank's hang timeout")
     p.add_argument("--fsdp2", action="store_true", help="Accelerate's FSDP2 with sharded state dicts")
+    p.add_argument("--local", type=int, default=0, help="AirPlugin(local_every_n_steps=...)")
+    p.add_argument("--local-dir", default="", help="its local_dir (default WORKDIR/local-$AIR_NODE_NAME)")
+    p.add_argument("--die", default="", help="STEP[:RANK][:agent]: SIGKILL before that step, once")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps")
     args = p.parse_args()
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
@@ -195,6 +222,10 @@ def main() -> None:
             loss = (model(x) - x).pow(2).mean()
             if args.hang:
                 _hang_once(args, accelerator.process_index, step + 1)
+            if args.die:
+                _die_once(args, accelerator, step + 1)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
             if args.tracker:
                 accelerator.log({"loss": loss.item()}, step=step)
             accelerator.backward(loss)
