@@ -123,8 +123,8 @@ def recover(
             fetched += parts[saved].nbytes
     dest = restore_root(base, rank)
     _assemble(dest, name, step, world, local, parts)
-    own = local.get(rank if world == world_size else 0)
-    tier: Tier = "local" if own is not None and own.kind == "local" and not parts else "replica"
+    kinds = {local[s].kind if s in local else _holder(reports, chosen, s)[1] for s in range(world)}
+    tier: Tier = "replica" if "replica" in kinds else "local"
     resume = Resume(dest, name, step, world, tier, fetched, time.monotonic() - started)
     where = ", ".join(f"rank {s}: {'here' if s in local else 'received'}" for s in range(world))
     logger.info("rank %d: resuming from local tier step %d (%s) [%s]", rank, step, tier, where)
@@ -135,16 +135,24 @@ def _plan(reports: list[list[Held]], chosen: tuple[int, int], world_size: int) -
     """(receiver, saved rank, holder) for every part a rank's node lacks, in one order on every rank."""
     step, world = chosen
 
-    def has(report: list[Held], saved: int) -> bool:
+    def has(report: list[Held], saved: int) -> bool:  # on the receiver's node (a link, not a transfer)
         return any((h.step, h.world, h.saved_rank) == (step, world, saved) for h in report)
 
     plan = []
     for receiver in range(world_size):
         for saved in range(world):
             if not has(reports[receiver], saved):
-                holder = min(r for r in range(world_size) if has(reports[r], saved))
-                plan.append((receiver, saved, holder))
+                plan.append((receiver, saved, _holder(reports, chosen, saved)[0]))
     return plan
+
+
+def _holder(reports: list[list[Held]], chosen: tuple[int, int], saved: int) -> tuple[int, Tier]:
+    """The rank that sends saved rank ``saved``'s part, and its kind: the first that has it as its own
+    local checkpoint, else the first that keeps a copy."""
+    found = [(h.kind != "local", r, h.kind) for r, report in enumerate(reports) for h in report
+             if (h.step, h.world, h.saved_rank) == (*chosen, saved)]  # fmt: skip
+    _, rank, kind = min(found)
+    return rank, kind
 
 
 def _root_of(mine: list[Held], saved: int, chosen: tuple[int, int]) -> str:

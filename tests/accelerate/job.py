@@ -80,7 +80,7 @@ def build(args):
         mlflow=bool(args.mlflow),
         mlflow_experiment=args.experiment,
         elastic=args.elastic,
-        local_every_n_steps=args.local or None,
+        local_every_n_steps=args.local_every or None,
         local_dir=args.local_dir or os.path.join(args.workdir, f"local-{os.environ.get('AIR_NODE_NAME', 'node')}"),
         **_hang_settings(args),
     )
@@ -136,13 +136,15 @@ def _hang_once(args, rank: int, step: int) -> None:
 
 
 def _die_once(args, accelerator, step: int) -> None:
-    """--die STEP[:RANK][:agent]: before step STEP (1-based) that rank (default every rank) is SIGKILLed, on
+    """--die STEP[:WHO][:agent]: before step STEP (1-based) that rank (WHO: a rank, or the AIR_NODE_NAME of
+    a node; default every rank) is SIGKILLed, on
     the first launch only, once its local checkpoints are replicated; ``agent``: its torchrun agent first
     (a node lost: the agent and its workers)."""
     at, _, rest = args.die.partition(":")
     who, _, agent = rest.partition(":")
     marker = os.path.join(args.workdir, "died-once")
-    if step != int(at) or (who and int(who) != accelerator.process_index) or os.path.exists(marker):
+    me = str(accelerator.process_index) if who.isdigit() else os.environ.get("AIR_NODE_NAME", "")
+    if step != int(at) or (who and who != me) or os.path.exists(marker):
         return
     open(marker, "w").close()
     tier = accelerator.air_session.local_tier
@@ -180,7 +182,7 @@ def main() -> None:
     p.add_argument("--hang", default="", help="STEP:RANK: that rank sleeps forever in that step, once")
     p.add_argument("--hang-timeout", type=float, default=3.0, help="with --hang: that rank's hang timeout")
     p.add_argument("--fsdp2", action="store_true", help="Accelerate's FSDP2 with sharded state dicts")
-    p.add_argument("--local", type=int, default=0, help="AirPlugin(local_every_n_steps=...)")
+    p.add_argument("--local-every", type=int, default=0, help="AirPlugin(local_every_n_steps=...)")
     p.add_argument("--local-dir", default="", help="its local_dir (default WORKDIR/local-$AIR_NODE_NAME)")
     p.add_argument("--die", default="", help="STEP[:RANK][:agent]: SIGKILL before that step, once")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps")
@@ -217,7 +219,7 @@ def main() -> None:
         for ids, x in loader:
             with open(ids_file, "a") as f:
                 record = {"step": step, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
-                record["epoch"] = epoch
+                record.update(epoch=epoch, pid=os.getpid(), world=accelerator.num_processes)
                 f.write(json.dumps(record) + "\n")
             loss = (model(x) - x).pow(2).mean()
             if args.hang:

@@ -1,0 +1,56 @@
+"""Two or more "nodes" on 127.0.0.1 for node-loss tests: each a torchrun elastic agent (c10d rendezvous,
+``--nnodes 1:N``, ``--max-restarts``) with its own name (``AIR_NODE_NAME``) and node-local folder.
+
+The first agent started hosts the rendezvous store, so tests lose a later one. torchrun starts its
+workers in their own sessions: a node is lost by killing its agent and its workers by id (the job's
+``--die ...:agent`` does it from inside the worker, at a chosen step).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def agent(
+    name: str, port: int, script: str, *args: str, workdir: Path, max_nodes: int = 2, restarts: int = 3
+) -> subprocess.Popen:
+    """Start node ``name``'s agent running ``script`` (one worker) in the rendezvous at ``port``."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        f"1:{max_nodes}",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "air-node-loss",
+        "--rdzv-conf",
+        "last_call_timeout=2,join_timeout=60",
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.5",
+        script,
+        *args,
+    ]
+    env = {**os.environ, "PYTHONPATH": REPO, "AIR_NODE_NAME": name, "ACCELERATE_USE_CPU": "true",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
+    log = open(workdir / f"agent-{name}.log", "w")  # noqa: SIM115  # closed with the process
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
