@@ -72,7 +72,8 @@ def run_job(
 def training_args(args: tuple[str, ...]) -> tuple[str, ...]:
     """The arguments of ``args`` that shape the training (what an uninterrupted reference run needs).
 
-    ``--every`` is left out: when a job checkpoints must not change what it trains, so one reference
+    ``--every`` (and ``--local-every``, ``--die``) is left out: when a job checkpoints must not change what
+    it trains, so one reference
     (saving every 5 steps) serves every save interval, as in the Lightning tests. Defaults are dropped.
     """
     options, flags, rest = {}, [], list(args)
@@ -82,7 +83,8 @@ def training_args(args: tuple[str, ...]) -> tuple[str, ...]:
             flags.append(arg)
         else:
             options[arg] = rest.pop(0)
-    options.pop("--every", None)
+    for when in ("--every", "--local-every", "--die", "--step-sleep"):  # when it saves or dies, not what
+        options.pop(when, None)
     for name, default in (("--workers", "0"), ("--loader", "plain")):
         if options.get(name) == default:
             del options[name]

@@ -50,6 +50,18 @@ def test_sigkill_mid_epoch_during_each_save_phase_resumes_exactly(tmp_path, refe
     assert resumed["fetches"] == 48 - 5, "fetch_seconds: one per training batch, replayed batches excluded"
 
 
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_sigkill_between_root_saves_resumes_from_the_local_tier_exactly(tmp_path, reference, workers):
+    """Root saves every 10 steps, local ones every 3: killed before step 17, the relaunch resumes from the
+    local checkpoint of step 15 (one step lost, not six) and ends bitwise equal."""
+    args = ("--workers", workers, "--every", "10", "--local-every", "3")
+    run_job(tmp_path, *args, "--die", "17", expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(*args))
+    (resumed,) = stats(tmp_path)
+    assert resumed["restores"][0][0] == "local-s000000015-w1", "resumed from the newest local checkpoint"
+
+
 # 16 batches per epoch, a save every 4 steps. The first launch is killed in the save of step 20: the
 # relaunch resumes from step 16, the save that closed epoch 0. That one is killed in the save of step
 # 28: the third resumes from step 24, a checkpoint written after the first resume, mid-epoch 1.

@@ -41,6 +41,15 @@ def test_two_ranks_killed_mid_epoch_during_each_save_phase_resume_exactly(
     assert_same_run(tmp_path, reference(*args), ranks=2)
 
 
+def test_two_ranks_killed_between_root_saves_resume_from_their_local_tier_exactly(tmp_path, reference):
+    args = ("--every", "5", "--local-every", "2")
+    run_job(tmp_path, *args, "--die", "8", processes=2, expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args, processes=2)
+    assert_same_run(tmp_path, reference(*args), ranks=2)
+    (resumed,) = stats(tmp_path)
+    assert resumed["restores"][0][0] == "local-s000000006-w2", "both ranks' own local checkpoints of step 6"
+
+
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_two_ranks_resume_exactly_at_an_epoch_end(tmp_path, reference, workers):
     # 8 batches per rank and epoch: the save of step 8 closes epoch 0; the save of step 12 is killed.
