@@ -6,7 +6,7 @@ trainer.fit(model, ckpt_path=latest_checkpoint("s3://bucket/run"))  # None on th
 """
 
 from .callback import AirCallback
-from .checkpoint_io import AirCheckpointIO, latest_checkpoint
+from .checkpoint_io import NEWEST, AirCheckpointIO, latest_checkpoint
 from .strategy import AirFSDPStrategy, AirModelParallelStrategy
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "AirCheckpointIO",
     "AirFSDPStrategy",
     "AirModelParallelStrategy",
+    "NEWEST",
     "latest_checkpoint",
 ]

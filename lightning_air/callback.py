@@ -26,6 +26,7 @@ from typing_extensions import override
 from air_core import ConfigError
 from air_core.config import settings_of
 from air_core.session import SessionConfig, TrackedLoader, TrainingSession
+from air_core.tiers import tier_name
 
 from .checkpoint_io import AIR_KEY, AirCheckpointIO
 from .internals import (
@@ -35,6 +36,7 @@ from .internals import (
     RESET_RESTART_STAGE,
     RESTARTED_MID_EPOCH,
     add_worker_init_fn,
+    dump_checkpoint,
     replace,
     restore,
     saves_sharded_itself,
@@ -82,6 +84,12 @@ class AirCallback(Callback):
         hang_timeout_seconds: seconds without a training batch ending (or a validation batch) that make
             a hang; saves, loads and flushes never count. None: 10 times the 99th percentile step time,
             at least ``hang_floor_seconds`` (300: also the limit before the first step is seen).
+        local_every_n_steps: also checkpoint every this many optimizer steps to ``local_dir`` on this node
+            (not uploaded; ``ModelCheckpoint``'s saves are unchanged), copied to ``replication_factor - 1``
+            ranks of other nodes. Resume with ``fit(ckpt_path=lightning_air.NEWEST)``: the newest step
+            every rank's state exists for, here, on a partner or under ``ModelCheckpoint.dirpath``.
+        local_dir: that node-local folder (NVMe or ``/dev/shm``).
+        replication_factor: copies of each rank's local checkpoint, its own included.
     """
 
     def __init__(
@@ -98,8 +106,12 @@ class AirCallback(Callback):
         hang_watchdog: bool | None = None,
         hang_timeout_seconds: float | None = None,
         hang_floor_seconds: float = 300.0,
+        local_every_n_steps: int | None = None,
+        local_dir: str | None = None,
+        replication_factor: int = 2,
     ) -> None:
         self.config = settings_of(SessionConfig, locals(), owner="AirCallback")
+        self._local_name: str | None = None  # the local-tier save being dumped
         self.session: TrainingSession | None = None
         """The session of the running (or last) fit."""
         self._saves_at_step: dict[int, int] = defaultdict(int)
@@ -160,6 +172,25 @@ class AirCallback(Callback):
         replace(strategy, PROCESS_DATALOADER, _TrackTrainLoaders(trainer, self))
         if root:
             self.session.open(str(root))
+        if self.config.local_every_n_steps:
+            if not root or saves_sharded(strategy):
+                raise ConfigError(
+                    "AirCallback(local_every_n_steps=...) needs a ModelCheckpoint with a dirpath (the job's "
+                    "root) and a DDP or single-device strategy (sharded saves are not supported yet)."
+                )
+            self.session.local_files(lambda: self._local_files(trainer))
+
+    def _local_files(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """This rank's part of a local-tier checkpoint: rank 0 the whole ``.ckpt``, the others their state."""
+        assert self.session is not None
+        name = tier_name(trainer.global_step, trainer.world_size)
+        if not trainer.is_global_zero:
+            return {self.session.state_file(name): self.session.rank_state()}
+        self._local_name = name
+        try:
+            return {f"{name}.ckpt": dump_checkpoint(trainer)}
+        finally:
+            self._local_name = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -240,10 +271,13 @@ class AirCallback(Callback):
         if self.session is None or self.session.closed:
             return  # a save after fit (a notebook's): no data position to resume
         step = trainer.global_step
+        part = self.session.rank_state()
+        if self._local_name is not None:  # a local-tier save: its parts are the tier's
+            checkpoint[AIR_KEY] = {"name": self._local_name, "rank_state": part}
+            return
         seq = self._saves_at_step[step]
         self._saves_at_step[step] += 1
         name = f"ckpt-{step:09d}-{self.session.launch_id[:8]}-{seq}"
-        part = self.session.rank_state()
         checkpoint[AIR_KEY] = {"name": name, "rank_state": part}
         if trainer.is_global_zero or saves_sharded(trainer.strategy):
             return  # in rank 0's file, or every rank's sharded save carries its own part
@@ -273,6 +307,8 @@ class AirCallback(Callback):
                 for e in both:
                     e["ready"], e["started"] = e["ready"] + 1, e["started"] + 1
         air = checkpoint.get(AIR_KEY)
+        if air is not None and air.get("fresh"):
+            return  # NEWEST found nothing anywhere: a fresh start
         states: dict[int, Any] = {}
         if air is not None:  # rank 0's part is in the .ckpt; the plugin loaded the other ones needed
             states = {0: air["rank_state"], **self.session.loaded_rank_states}

@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 AIR_KEY = "air"
 """Key of the plugin's entry in a Lightning checkpoint dict: {"name": ..., "rank_state": ...}."""
+NEWEST = "air:newest"
+"""``Trainer.fit(ckpt_path=NEWEST)``: resume from the newest complete state in any tier (``AirCallback``'s
+local tier, a partner's copy, or ``ModelCheckpoint.dirpath``), or start fresh when there is none."""
 _NEVER_BY_COUNT = 1 << 30  # ModelCheckpoint decides retention; the core only cleans partial saves
 
 
@@ -244,10 +247,36 @@ class AirCheckpointIO(CheckpointIO):
             CorruptCheckpointError: ``path`` is damaged, or belongs to a save that never committed.
         """
         path = str(path)
+        if path == NEWEST:
+            return self._load_newest(map_location, weights_only)
+        return self._load(path, map_location, weights_only)
+
+    def _load_newest(self, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+        """Every rank: the newest complete state across the tiers (``NEWEST``); a fresh start's dict (the
+        module's own weights, no loop, optimizer or scheduler state) when nothing was saved anywhere."""
+        import lightning.pytorch as pl
+
+        session = self.session
+        root = session.checkpointer.config.root if session.checkpointer is not None else None
+        remote = self.latest_checkpoint(root) if root else None
+        info = self.commit_of(remote) if remote else None
+        resumed = session.recover(info.step if info is not None else None)
+        if resumed is not None:
+            return self._load(f"{resumed.root}/{resumed.name}.ckpt", map_location, weights_only, resumed.tier)
+        if remote is not None:
+            return self._load(remote, map_location, weights_only)
+        logger.info("AirCheckpointIO: nothing saved in any tier; starting fresh")
+        state = self._module.state_dict() if self._module is not None else {}
+        return {"pytorch-lightning_version": pl.__version__, "state_dict": state, "optimizer_states": [],
+                "lr_schedulers": [], AIR_KEY: {"fresh": True}}  # fmt: skip
+
+    def _load(
+        self, path: str, map_location: Any, weights_only: bool | None, tier: Any = "remote"
+    ) -> dict[str, Any]:
         if path.startswith(("http://", "https://")):
             return self._load_unverified(path, map_location, weights_only, why="a URL")
         place = self._place(path)
-        with self.session.reader(place.root) as ckpt, ckpt.restoring():
+        with self.session.reader(place.root) as ckpt, ckpt.restoring(tier=tier):
             info = self._commit_of(ckpt, place, path)
             if info is None:
                 return self._load_unverified(path, map_location, weights_only, why="named by no commit")

@@ -13,6 +13,8 @@ hooks); these have none:
 - ``_FitLoop._combined_loader``: the fit's train loaders, whose batch count an elastic resume corrects.
 - ``_FitLoop.restarted_mid_epoch`` and ``reset_restart_stage`` (public names of the private loop class):
   the restart stage a resume from an epoch's last batch leaves open (``AirCallback.on_train_start``).
+- ``Trainer._checkpoint_connector.dump_checkpoint``: the checkpoint dict of a local-tier save, which
+  ``Trainer.save_checkpoint`` would write on rank 0 only.
 - ``lightning.fabric.utilities.load._METADATA_FILENAME``: the name of a sharded folder's ``meta.pt``.
 - ``FSDPStrategy._configure_launcher`` (overridden): the first call where a CPU accelerator is known.
 
@@ -55,6 +57,11 @@ WORKER_INIT_FN = _lightning(
 COMBINED_LOADER = _lightning(
     "_FitLoop._combined_loader", "the fit loop exposes its train loaders only there during a fit"
 )
+CHECKPOINT_CONNECTOR = _lightning(
+    "Trainer._checkpoint_connector",
+    "a checkpoint dict without writing it (a local-tier save of every rank) has no public call: "
+    "Trainer.save_checkpoint writes on rank 0 only, through the strategy",
+)
 RESTARTED_MID_EPOCH = _lightning(
     "_FitLoop.restarted_mid_epoch", "the fit loop's restart stage is visible only on its private class"
 )
@@ -91,6 +98,11 @@ def saves_sharded_itself(strategy: Any) -> bool:
 def add_worker_init_fn(dataloader: Any, rank: int) -> None:
     """Lightning's worker seeding (``seed_everything(workers=True)``), added to ``dataloader``."""
     WORKER_INIT_FN.imported()(dataloader, rank)
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """The checkpoint dict ``Trainer.save_checkpoint`` would write now (callbacks' hooks included)."""
+    return CHECKPOINT_CONNECTOR.get(trainer).dump_checkpoint(weights_only=False)  # type: ignore[no-any-return]
 
 
 def train_loaders(fit_loop: Any) -> Any:

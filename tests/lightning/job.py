@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
 
-from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
+from lightning_air import NEWEST, AirCallback, AirCheckpointIO, latest_checkpoint
 from tests import stalls
 from tests.kill_at import Journal, KillAt
 from tests.lightning.model import Model, NumberedData, make_loader
@@ -87,6 +87,8 @@ def main() -> None:
     p.add_argument("--dump-loaded", action="store_true", help="each rank saves its weights at train start")
     p.add_argument("--hang", default="", help="STEP:RANK: that rank sleeps forever in that step, once")
     p.add_argument("--hang-timeout", type=float, default=3.0, help="with --hang: that rank's hang timeout")
+    p.add_argument("--local-every", type=int, default=0, help="AirCallback(local_every_n_steps=...)")
+    p.add_argument("--die", type=int, default=0, help="STEP: SIGKILL every rank before that step, once")
     args = p.parse_args()
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
@@ -122,7 +124,10 @@ def main() -> None:
                 mlflow_experiment=args.experiment,
                 elastic=args.elastic,
                 hang_timeout_seconds=_hang_timeout(args),
+                local_every_n_steps=args.local_every or None,
+                local_dir=os.path.join(args.workdir, "local"),
             ),
+            *([DieOnce(args.workdir, args.die)] if args.die else []),
             ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=args.top_k),
             *([SaveLoaded(args.workdir)] if args.dump_loaded else []),
             *([HangOnce(args.workdir, args.hang)] if args.hang else []),
@@ -134,7 +139,7 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     model = Model(args.workdir, args.workers, args.loader, args.source)
-    ckpt_path = latest_checkpoint(root, storage_options=opts)
+    ckpt_path = NEWEST if args.local_every else latest_checkpoint(root, storage_options=opts)
     if args.source == "fit":
         trainer.fit(model, make_loader(args.loader, args.workers), ckpt_path=ckpt_path)
     elif args.source == "datamodule":
@@ -143,6 +148,18 @@ def main() -> None:
         trainer.fit(model, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         torch.save(model.state_dict(), os.path.join(args.workdir, "final.pt"))
+
+
+class DieOnce(pl.Callback):
+    """--die STEP: SIGKILL before step STEP (1-based) of the first launch (a marker file)."""
+
+    def __init__(self, workdir: str, step: int) -> None:
+        self.marker, self.step = os.path.join(workdir, f"died-once-{os.environ.get('RANK', '0')}"), step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step + 1 == self.step and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _hang_timeout(args: argparse.Namespace) -> float | None:
