@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from accelerate import Accelerator
@@ -335,7 +335,7 @@ class AirAccelerator(Accelerator):
         *,
         flat: bool,
         args: tuple[dict | None, dict[str, Any]] = (None, {}),
-        tier: str = "remote",
+        tier: Literal["remote", "local", "replica"] = "remote",
     ) -> None:
         """Load the commit ``info`` of ``ckpt`` (None: its newest), whose files are in a folder of its root
         (or at the root itself: ``flat``)."""
