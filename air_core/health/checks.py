@@ -113,7 +113,48 @@ def check_staging(
     staging_dir: str | None, *, expected_bytes: int | None, rank: int = 0, probe_bytes: int = 16 << 20
 ) -> CheckResult:
     """Free space of the staging folder against one checkpoint of this rank, and a timed write+fsync."""
-    folder = staging_dir or tempfile.gettempdir()
+    return _check_disk(
+        "staging",
+        staging_dir or tempfile.gettempdir(),
+        expected_bytes=expected_bytes,
+        rank=rank,
+        probe_bytes=probe_bytes,
+        unwritable="Free space on the staging disk, or set staging_dir to a writable local (NVMe) folder.",
+        too_small="Free space on the staging disk or point staging_dir at a larger local disk.",
+        tight="Free space: a save in flight and the cached newest commit need two.",
+    )
+
+
+def check_local_tier(
+    local_dir: str, *, expected_bytes: int | None, copies: int, rank: int = 0, probe_bytes: int = 16 << 20
+) -> CheckResult:
+    """Free space of the local tier's folder against what it keeps of this rank: its newest local
+    checkpoint and one in flight, and as many of each copy it keeps for partners (``copies``)."""
+    return _check_disk(
+        "local",
+        local_dir,
+        expected_bytes=expected_bytes * (1 + copies) if expected_bytes else None,
+        rank=rank,
+        probe_bytes=probe_bytes,
+        unwritable="Point local_dir at a writable node-local folder (NVMe or /dev/shm).",
+        too_small="Free space on the local disk, use a larger local_dir, or lower replication_factor.",
+        tight="Free space: the local tier keeps a newest checkpoint and one in flight of each part it holds.",
+    )
+
+
+def _check_disk(
+    check: str,
+    folder: str,
+    *,
+    expected_bytes: int | None,
+    rank: int,
+    probe_bytes: int,
+    unwritable: str,
+    too_small: str,
+    tight: str,
+) -> CheckResult:
+    """Free space of ``folder`` against ``expected_bytes`` (one copy; two are needed), and a timed
+    write+fsync of ``probe_bytes``."""
     started = time.perf_counter()
     try:
         os.makedirs(folder, exist_ok=True)
@@ -133,10 +174,10 @@ def check_staging(
         write_seconds = time.perf_counter() - t0
     except OSError as exc:
         return CheckResult(
-            "staging",
+            check,
             "bad",
             f"cannot write {probe_bytes >> 20} MiB to {folder}: {exc}.",
-            "Free space on the staging disk, or set staging_dir to a writable local (NVMe) folder.",
+            unwritable,
             seconds=time.perf_counter() - started,
             rank=rank,
         )
@@ -146,25 +187,25 @@ def check_staging(
     described = f"{folder}: {_gib(free)} free, write+fsync {rate:.0f} MiB/s"
     if expected_bytes and free < expected_bytes:
         return CheckResult(
-            "staging",
+            check,
             "bad",
             f"{described}; a checkpoint of this rank needs about {_gib(expected_bytes)}.",
-            "Free space on the staging disk or point staging_dir at a larger local disk.",
+            too_small,
             seconds=seconds,
             rank=rank,
             data=data,
         )
     if expected_bytes and free < 2 * expected_bytes:
         return CheckResult(
-            "staging",
+            check,
             "warn",
             f"{described}; room for less than two checkpoints of {_gib(expected_bytes)}.",
-            "Free space: a save in flight and the cached newest commit need two.",
+            tight,
             seconds=seconds,
             rank=rank,
             data=data,
         )
-    return CheckResult("staging", "ok", described + ".", seconds=seconds, rank=rank, data=data)
+    return CheckResult(check, "ok", described + ".", seconds=seconds, rank=rank, data=data)
 
 
 def check_memory(

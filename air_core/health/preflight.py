@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, HealthCheckError
-from .checks import SEVERITY, CheckResult, check_memory, check_staging, check_storage
+from .checks import SEVERITY, CheckResult, check_local_tier, check_memory, check_staging, check_storage
 from .collective import Clock, check_clocks, check_links, gather_objects
 from .gpu import check_gpu
 
 logger = logging.getLogger(__name__)
 
-LOCAL_CHECKS = ("storage", "staging", "memory", "gpu")
+LOCAL_CHECKS = ("storage", "staging", "local", "memory", "gpu")
 JOB_CHECKS = ("links", "clocks")
 CHECKS = LOCAL_CHECKS + JOB_CHECKS
 """Every check, in the order they run; ``preflight=[...]`` of the adapters picks some."""
@@ -91,10 +91,13 @@ def run_preflight(
     world_size: int = 1,
     storage_timeout_seconds: float = 30.0,
     clock: Clock | None = None,
+    local_dir: str | None = None,
+    local_copies: int = 0,
 ) -> PreflightReport:
     """Run ``checks`` on this rank and, with ``world_size > 1``, exchange results over the default
     process group (every rank must call this). ``expected_bytes``: this rank's share of a checkpoint
-    (None: the size checks only report free space)."""
+    (None: the size checks only report free space). ``local_dir``: the local tier's folder (``local``
+    checks it; None: no tier), where this rank keeps ``local_copies`` copies of partners' parts."""
     started = time.perf_counter()
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     mine: list[CheckResult] = []
@@ -106,6 +109,10 @@ def run_preflight(
         )
     if "staging" in checks:
         mine.append(check_staging(staging_dir, expected_bytes=expected_bytes, rank=rank))
+    if "local" in checks and local_dir:
+        mine.append(
+            check_local_tier(local_dir, expected_bytes=expected_bytes, copies=local_copies, rank=rank)
+        )
     if "memory" in checks:
         mine.append(
             check_memory(

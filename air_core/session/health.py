@@ -78,6 +78,8 @@ class SessionHealth:
             expected_bytes=3 * parameter_bytes if parameter_bytes else None,
             rank=self.rank,
             world_size=self.world_size,
+            local_dir=self.config.local_dir if self.config.local_every_n_steps else None,
+            local_copies=self.config.replication_factor - 1,
         )
         self.report = report
         if self.rank == 0:

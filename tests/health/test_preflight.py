@@ -301,3 +301,15 @@ def test_the_preflight_lands_in_the_goodput_log_air_report_and_mlflow(
     run = client.search_runs([client.get_experiment_by_name("preflight").experiment_id])[0]
     assert run.data.metrics["preflight_status"] == 0
     assert 0 < run.data.metrics["preflight_seconds"] < 60
+
+
+def test_the_local_tier_folder_is_checked_against_what_the_tier_keeps(tmp_path):
+    from air_core.health.checks import check_local_tier
+
+    ok = check_local_tier(str(tmp_path / "local"), expected_bytes=1 << 20, copies=1)
+    assert (ok.check, ok.status) == ("local", "ok") and ok.data["expected_bytes"] == 2 << 20
+    bad = check_local_tier(str(tmp_path / "local"), expected_bytes=1 << 60, copies=1)
+    assert bad.status == "bad" and "local_dir" in bad.fix
+    report = run_preflight(["local"], root=None, local_dir=str(tmp_path / "local"), expected_bytes=1 << 20)
+    assert [r.check for r in report.results] == ["local"]
+    assert run_preflight(["local"], root=None).results == [], "no local tier: nothing to check"
