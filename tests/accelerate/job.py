@@ -220,7 +220,9 @@ def main() -> None:
         for ids, x in loader:
             with open(ids_file, "a") as f:
                 record = {"step": step, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
-                record.update(epoch=epoch, pid=os.getpid(), world=accelerator.num_processes)
+                record.update(epoch=epoch, pid=os.getpid(), world=accelerator.num_processes, t=time.time())
+                if not args.stock:
+                    record["launch"] = accelerator.air_session.launch_id[:8]
                 f.write(json.dumps(record) + "\n")
             loss = (model(x) - x).pow(2).mean()
             if args.hang:

@@ -1,17 +1,25 @@
-"""A node lost under torchrun's elastic agents: the survivor resumes from the partner copy it holds.
+"""A node lost under torchrun's elastic agents, then replaced: the job shrinks, resumes from the partner
+copy the survivor holds, and grows back when a new node joins.
 
 Two agents on 127.0.0.1 act as nodes A and B (``tests/torchrun_nodes.py``), one worker each, running
 ``tests/accelerate/job.py`` with ``AirPlugin(elastic=True, local_every_n_steps=2)`` and a root save every
-5 steps. Before step 10, node B's worker kills its agent and itself (B is gone). A's worker fails on the
-broken process group, A's agent re-forms the job at world 1, and ``resume()`` continues from the newest
-step both ranks' local checkpoints exist for on A (A's own and its copy of B's): step 8, not the root's
-step 5. Every sample of the interrupted epoch is consumed exactly once across the world change.
+5 steps (8 steps an epoch at world 2, 16 at world 1):
+
+1. Before step 7, node B's worker kills its agent and itself (B is gone). A's worker fails on the broken
+   process group, A's agent re-forms the job at world 1, and ``resume()`` continues from the newest step
+   both ranks' local checkpoints exist for on A (A's own and its copy of B's): step 6, not the root's 5.
+2. Once that run is well into epoch 1, node C's agent joins. A's agent stops its worker (SIGTERM) and
+   re-forms the job at world 2; C's worker has no local state and receives A's part from A.
+3. The job finishes at world 2.
+
+Each interrupted epoch's samples are consumed exactly once across the world changes.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -21,37 +29,72 @@ from tests.sameness import records
 from tests.torchrun_nodes import agent, free_port
 
 pytestmark = pytest.mark.slow
-LOCAL_EVERY, ROOT_EVERY, DIE_BEFORE = 2, 5, 10
+LOCAL_EVERY, ROOT_EVERY, DIE_BEFORE = 2, 5, 7
 
 
-def test_a_lost_node_resumes_from_the_replica_on_the_survivor_each_sample_once(tmp_path):
+def _every_record(workdir: Path) -> list[dict]:
+    return [
+        rec
+        for path in sorted(workdir.glob("ids-rank*.jsonl"))
+        for rec in records(workdir, int(path.stem[8:]))
+    ]
+
+
+def _launches(workdir: Path) -> list[list[dict]]:
+    """The records of each launch (every process of it), in the order the launches ran."""
+    by_launch: dict[str, list[dict]] = {}
+    for rec in _every_record(workdir):
+        by_launch.setdefault(rec["launch"], []).append(rec)
+    return sorted(by_launch.values(), key=lambda recs: min(r["t"] for r in recs))
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_a_lost_node_resumes_from_the_replica_and_a_new_node_grows_the_job_back(tmp_path):
     port = free_port()
     args = ("--every", str(ROOT_EVERY), "--local-every", str(LOCAL_EVERY), "--epochs", "2", "--elastic",
-            "--die", f"{DIE_BEFORE}:B:agent", "--step-sleep", "0.05")  # fmt: skip
+            "--die", f"{DIE_BEFORE}:B:agent", "--step-sleep", "0.15")  # fmt: skip
     a = agent("A", port, JOB, str(tmp_path), *args, workdir=tmp_path)
     time.sleep(1.0)  # A hosts the rendezvous store
     b = agent("B", port, JOB, str(tmp_path), *args, workdir=tmp_path)
+    c = None
     try:
+
+        def alone() -> bool:
+            return any(
+                r["world"] == 1 and r["epoch"] == 1 and r["step"] >= 12 for r in _every_record(tmp_path)
+            )
+
+        _wait_for(alone, 180, "the survivor to train alone into epoch 1")
+        c = agent("C", port, JOB, str(tmp_path), *args, workdir=tmp_path)
         assert a.wait(timeout=240) == 0, (tmp_path / "agent-A.log").read_text()[-4000:]
+        assert c.wait(timeout=60) == 0, (tmp_path / "agent-C.log").read_text()[-4000:]
     finally:
-        for p in (a, b):
-            if p.poll() is None:
+        for p in (a, b, c):
+            if p is not None and p.poll() is None:
                 p.kill()
-    log = (tmp_path / "agent-A.log").read_text()
     assert b.wait(timeout=10) != 0, "node B was lost"
-    assert "resuming from local tier step 8 (replica)" in log, log[-4000:]
-    every = [
-        rec
-        for rank in range(2)
-        if (tmp_path / f"ids-rank{rank}.jsonl").exists()
-        for rec in records(tmp_path, rank)
-    ]
-    first, later = [r for r in every if r["world"] == 2], [r for r in every if r["world"] == 1]
-    resumed = min(r["step"] for r in later)
-    assert resumed == 8, "resumed at the local tier's step, not the root's (5)"
-    assert max(r["step"] for r in first) - resumed + 1 <= LOCAL_EVERY, "at most K steps lost"
-    before = [i for r in first if r["step"] < resumed for i in r["ids"]]
-    rest = [i for r in later if r["epoch"] == 0 for i in r["ids"]]
-    assert Counter(before + rest) == Counter(range(N_SAMPLES)), "every sample of epoch 0 exactly once"
-    assert {i for r in later if r["epoch"] == 1 for i in r["ids"]} == set(range(N_SAMPLES)), "epoch 1 whole"
-    assert (tmp_path / "final.pt").exists(), "training completed on the survivor"
+    log_a, log_c = (tmp_path / "agent-A.log").read_text(), (tmp_path / "agent-C.log").read_text()
+    assert f"resuming from local tier step {DIE_BEFORE - 1} (replica)" in log_a, log_a[-4000:]
+    first, alone_run, grown = _launches(tmp_path)[-3:]
+    assert [first[0]["world"], alone_run[0]["world"], grown[0]["world"]] == [2, 1, 2], "2 -> 1 -> 2 processes"
+    shrunk_at = min(r["step"] for r in alone_run)
+    assert shrunk_at == DIE_BEFORE - 1, "resumed at the local tier's step, not the root's"
+    assert max(r["step"] for r in first) - shrunk_at + 1 <= LOCAL_EVERY, (
+        "at most K steps lost to the node loss"
+    )
+    grown_at = min(r["step"] for r in grown)
+    from_tier = f"resuming from local tier step {grown_at}" in log_a + log_c
+    assert from_tier or grown_at % ROOT_EVERY == 0, "the grown job resumed from the newest state, tier or root"
+    before = [i for r in first if r["step"] < shrunk_at for i in r["ids"]]
+    epoch0 = before + [i for r in alone_run if r["epoch"] == 0 for i in r["ids"]]
+    assert Counter(epoch0) == Counter(range(N_SAMPLES)), "every sample of epoch 0 exactly once (2 -> 1)"
+    epoch1 = [i for r in alone_run if r["epoch"] == 1 and r["step"] < grown_at for i in r["ids"]]
+    epoch1 += [i for r in grown if r["epoch"] == 1 for i in r["ids"]]
+    assert Counter(epoch1) == Counter(range(N_SAMPLES)), "every sample of epoch 1 exactly once (1 -> 2)"
+    assert (tmp_path / "final.pt").exists(), "training completed"

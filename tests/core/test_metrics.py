@@ -47,8 +47,11 @@ def test_checkpoint_and_restore_records_are_published_at_their_step_with_totals(
     for step in (10, 20):
         recorder.on_event(SaveRecord("c", step, 0, 0.0, 0.02, 1.0, 2.0, 0.1, 3.2, 4_000_000, 0))
     recorder.on_event(RestoreRecord("c", 20, 0, 1.5, "cache", 4_000_000))
-    (first, s1), (second, s2), (restore, s3) = published
-    assert (s1, s2, s3) == (10, 20, 20)
+    recorder.on_event(RestoreRecord("c", 24, 0, 0.5, "local", 4_000_000, tier="replica"))
+    (first, s1), (second, s2), (restore, s3), (from_copy, s4) = published
+    assert (s1, s2, s3, s4) == (10, 20, 20, 24)
     assert first["checkpoint_upload_seconds"] == 2.0 and first["checkpoint_bytes"] == 4_000_000
     assert second["checkpoints_committed_total"] == 2 and second["checkpoint_blocking_seconds_total"] == 0.04
-    assert restore == {"restore_seconds": 1.5, "restore_from_remote": 0.0}
+    tiers = {"restore_from_local_tier": 0.0, "restore_from_replica": 0.0}
+    assert restore == {"restore_seconds": 1.5, "restore_from_remote": 0.0, **tiers}
+    assert from_copy["restore_from_local_tier"] == from_copy["restore_from_replica"] == 1.0

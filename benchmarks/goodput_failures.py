@@ -1,0 +1,396 @@
+"""Goodput under failures: root saves every N steps alone, against root saves every N plus the local tier
+every K, side by side in one run.
+
+    python benchmarks/goodput_failures.py [--quick] [--json] [--seed S] [--steps T] [--width W]
+
+An Accelerate job (an MLP of ``--width``, AdamW, trained flat out, loader with 2 workers) runs a fixed
+number of steps to a local root through NVMe staging (``--root-dir``; the root's saves are
+``save_state()`` every N steps). Each configuration runs:
+
+1. once without failures: the mean step time, save stalls included, gives the local tier's step
+   slowdown, and the saves' blocking time how many snapshot times apart the local saves are;
+2. once with process failures: SIGKILLs of the training process at seeded random steps (the same
+   steps for both configurations), each followed by a relaunch that resumes by itself (``resume()``).
+   Lost steps per failure: the newest step the killed launch reached minus the step it resumed from.
+   Goodput: the job's own (``accelerator.air_goodput``: productive step time over wall time, across
+   launches). Restore seconds are the resumed launches' restore records, by tier.
+
+Then, with the local tier, one node loss: two torchrun agents on 127.0.0.1 as two nodes (c10d,
+``--nnodes 1:2``); at a seeded step node B's worker kills its agent and itself, node A's agent re-forms
+the job at world 1, and the log says which tier its resume came from and at which step.
+
+The last line with ``--json`` is::
+
+    {"local_every": K, "remote_every": N,
+     "remote_only": {"lost_steps_per_failure": x, "goodput": g, ...},
+     "two_tier": {"lost_steps_per_failure": x, "goodput": g, "step_slowdown": s, ...},
+     "node_loss": {"recovered_from": "replica" or "remote", "lost_steps": n}}
+
+``--quick`` (a few minutes on 2 cores): 60 steps, N = 20, K = 4, 3 failures, width 512.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = str(Path(__file__).resolve().parent.parent)
+
+
+# -- the job (one launch) ------------------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from accelerate_air import AirAccelerator, AirPlugin
+
+    work = Path(args.worker)
+    node = os.environ.get("AIR_NODE_NAME", "node")
+    plugin = AirPlugin(
+        str(work / "root"),
+        staging_dir=str(work / f"nvme-{node}"),
+        keep_last=2,
+        mlflow=False,
+        preflight=False,
+        elastic=True,
+        straggler_threshold=None,
+        log_every_n_steps=1000,
+        flush_timeout_seconds=10,
+        local_every_n_steps=args.local_every or None,
+        local_dir=str(work / f"local-{node}"),
+    )
+    accelerator = AirAccelerator(air_plugin=plugin, cpu=True)
+    torch.manual_seed(0)
+    w = args.width
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = TensorDataset(torch.randn(args.steps * 16 // max(accelerator.num_processes, 1) + 64, w))
+    loader = DataLoader(data, batch_size=16, shuffle=True, num_workers=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    accelerator.resume()
+    step = accelerator.completed_steps
+    kills = {int(s) for s in args.kill_at.split(",") if s}
+    log = open(work / f"steps-{node}.jsonl", "a")  # noqa: SIM115  # closed at exit
+    started = time.time()
+    while step < args.steps:
+        for (x,) in loader:
+            _maybe_die(work, step + 1, kills, args.node_loss)
+            t0 = time.perf_counter()
+            loss = model(x).pow(2).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if step % args.remote_every == 0:
+                accelerator.save_state()
+            row = {"step": step, "t": time.time(), "d": time.perf_counter() - t0, "pid": os.getpid()}
+            log.write(json.dumps(row | {"world": accelerator.num_processes}) + "\n")
+            log.flush()
+            if step >= args.steps:
+                break
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        records = accelerator.air_records
+        stats = {
+            "pid": os.getpid(),
+            "started": started,
+            "restores": [
+                {"tier": r.tier, "seconds": r.seconds, "bytes": r.bytes, "step": r.step}
+                for r in records.restores
+            ],  # fmt: skip
+            "blocking": [r.blocking_seconds for r in records.saves if not r.error],
+            "goodput": accelerator.air_goodput.goodput if accelerator.air_goodput is not None else None,
+        }
+        (work / "stats.json").write_text(json.dumps(stats))
+
+
+def _maybe_die(work: Path, step: int, kills: set[int], node_loss: str) -> None:
+    """SIGKILL before ``step`` if it is a failure step not yet taken (a marker per step); with
+    ``node_loss`` (a node name) only on that node, taking its torchrun agent along."""
+    if step not in kills or (node_loss and os.environ.get("AIR_NODE_NAME") != node_loss):
+        return
+    marker = work / f"killed-{step}"
+    if marker.exists():
+        return
+    marker.touch()
+    if node_loss:
+        os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- the driver ----------------------------------------------------------------------------------------
+def launch(work: Path, args: argparse.Namespace, local_every: int, kill_at: list[int]) -> list[int]:
+    """Run the job until it finishes, relaunching after each kill; the return codes of the launches."""
+    command = [sys.executable, __file__, "--worker", str(work), *_job_args(args, local_every, kill_at)]
+    codes = []
+    env = {**os.environ, "PYTHONPATH": REPO}
+    while True:
+        out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+        codes.append(out.returncode)
+        if out.returncode == 0:
+            return codes
+        if out.returncode != -signal.SIGKILL or len(codes) > len(kill_at) + 1:
+            raise SystemExit(f"the job failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
+
+
+def _job_args(args: argparse.Namespace, local_every: int, kill_at: list[int]) -> list[str]:
+    every = ["--remote-every", str(args.remote_every), "--local-every", str(local_every)]
+    kills = ["--kill-at", ",".join(map(str, kill_at))]
+    return ["--steps", str(args.steps), "--width", str(args.width), *every, *kills]
+
+
+def steps_of(work: Path, node: str = "node") -> list[dict]:
+    return [json.loads(line) for line in (work / f"steps-{node}.jsonl").read_text().splitlines()]
+
+
+def lost_steps(rows: list[dict]) -> list[int]:
+    """Per relaunch: the newest step the launch before reached minus the step it resumed from."""
+    lost, reached, pid = [], 0, None
+    for row in rows:
+        if pid is not None and row["pid"] != pid:
+            lost.append(reached - (row["step"] - 1))
+        pid, reached = row["pid"], max(reached, row["step"])
+    return lost
+
+
+def failure_free(args: argparse.Namespace, root: Path, local_every: int) -> dict:
+    work = root / f"clean-k{local_every}"
+    launch(work, args, local_every, [])
+    rows = steps_of(work)
+    times = [b["t"] - a["t"] for a, b in zip(rows, rows[1:], strict=False)]
+    stats = json.loads((work / "stats.json").read_text())
+    snapshot = statistics.median(stats["blocking"]) if stats["blocking"] else 0.0
+    return {"mean_step_seconds": statistics.fmean(times), "snapshot_seconds": snapshot}
+
+
+def with_failures(args: argparse.Namespace, root: Path, local_every: int, kill_at: list[int]) -> dict:
+    work = root / f"failures-k{local_every}"
+    started = time.monotonic()
+    codes = launch(work, args, local_every, kill_at)
+    wall = time.monotonic() - started
+    lost = lost_steps(steps_of(work))
+    stats = json.loads((work / "stats.json").read_text())
+    by_tier: dict[str, list[float]] = {}
+    for r in stats["restores"]:
+        by_tier.setdefault(r["tier"], []).append(r["seconds"])
+    return {
+        "failures": len(codes) - 1,
+        "lost_steps": lost,
+        "lost_steps_per_failure": statistics.fmean(lost) if lost else 0.0,
+        "goodput": stats["goodput"],
+        "wall_seconds": wall,
+        "restore_seconds": {tier: statistics.fmean(s) for tier, s in by_tier.items()},
+    }
+
+
+def node_loss(args: argparse.Namespace, root: Path, local_every: int, at: int) -> dict:
+    from tests.torchrun_nodes import agent, free_port
+
+    work = root / "node-loss"
+    work.mkdir()
+    port = free_port()
+    job = ["--worker", str(work), *_job_args(args, local_every, [at]), "--node-loss", "B"]
+    a = agent("A", port, __file__, *job, workdir=work)
+    time.sleep(1.0)  # A hosts the rendezvous store
+    b = agent("B", port, __file__, *job, workdir=work)
+    try:
+        code = a.wait(timeout=900)
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.kill()
+    log = (work / "agent-A.log").read_text()
+    if code != 0:
+        raise SystemExit(f"the node-loss job failed on node A:\n{log[-4000:]}")
+    found = re.search(r"resuming from local tier step (\d+) \((\w+)\)", log)
+    rows = steps_of(work, "A")
+    first = [r for r in rows if r["world"] == 2]
+    resumed = int(found.group(1)) if found else min(r["step"] for r in rows if r["world"] == 1) - 1
+    reached = max(r["step"] for r in first)
+    tier = found.group(2) if found else "remote"
+    return {"recovered_from": tier, "lost_steps": reached - resumed, "killed_before_step": at}
+
+
+def transfer_speed(size_mib: int) -> dict:
+    """A partner's copy (the tier's ``exchange``, checked and placed) against a raw gloo send of the same
+    bytes, between two processes on loopback."""
+    out = subprocess.run([sys.executable, __file__, "--transfer", str(size_mib)], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=600)  # fmt: skip
+    if out.returncode != 0:
+        raise SystemExit(out.stderr[-4000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _transfer_worker(rank: int, size_mib: int, port: int, folder: str, result: object) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from air_core import AsyncCheckpointer
+    from air_core.tiers.partners import side_group
+    from air_core.tiers.transfer import exchange, local_storage, place_package, read_package
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group = side_group(600)
+    n = size_mib << 20
+    raw = torch.zeros(n, dtype=torch.uint8)
+    for _ in range(2):  # the second is timed: connections made, pages touched
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(raw, 1, group=group)
+        else:
+            dist.recv(raw, 0, group=group)
+        raw_seconds = time.perf_counter() - t0
+    if rank == 0:
+        with AsyncCheckpointer(os.path.join(folder, "own")) as ckpt:
+            ckpt.save_files({"w.pt": {"w": torch.randn(n // 4)}}, step=1, name="local-s000000001-w2")
+        package = read_package(local_storage(os.path.join(folder, "own")), "local-s000000001-w2")
+    for _ in range(2):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        if rank == 0:
+            exchange({1: package}, [], group)
+        else:
+            copy = exchange({}, [0], group)[0]
+            place_package(local_storage(os.path.join(folder, "replica-00000")), copy)
+        tier_seconds = time.perf_counter() - t0
+    if rank == 1:
+        size = copy.nbytes
+        ideal = size / (n / raw_seconds)
+        row = {"bytes": size, "loopback_mib_per_s": n / raw_seconds / 2**20, "copy_seconds": tier_seconds}
+        print(json.dumps(row | {"bytes_over_bandwidth_seconds": ideal, "ratio": tier_seconds / ideal}))
+    dist.destroy_process_group()
+
+
+def local_restore_speed(size_mib: int, folder: Path) -> dict:
+    """A restore from the rank's own local tier (find, agree, link, verify, ``torch.load``) against
+    ``torch.load`` of the same file from the same local disk, page cache warm for both."""
+    import torch
+
+    from air_core import AsyncCheckpointer
+    from air_core.tiers import recover, tier_name
+
+    base = folder / "tier"
+    state = {"w": torch.randn((size_mib << 20) // 4)}
+    with AsyncCheckpointer(str(base / "rank-00000")) as ckpt:
+        ckpt.save_files({"step-1/model.pt": state}, step=1, name=tier_name(1, 1))
+    plain = folder / "plain.pt"
+    torch.save(state, plain)
+    torch.load(plain, weights_only=True)  # warm
+    t0 = time.perf_counter()
+    torch.load(plain, weights_only=True)
+    load_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    resumed = recover(str(base), rank=0, world_size=1, newer_than=None, group=None, node="n")
+    assert resumed is not None
+    with AsyncCheckpointer(resumed.root, read_only=True) as reader:
+        reader.load(reader.latest(), rank=0)
+    tier_seconds = time.perf_counter() - t0
+    row = {"bytes": size_mib << 20, "torch_load_seconds": load_seconds, "restore_seconds": tier_seconds}
+    return row | {"ratio": tier_seconds / load_seconds}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=0)
+    p.add_argument("--width", type=int, default=0)
+    p.add_argument("--remote-every", type=int, default=0)
+    p.add_argument("--local-every", type=int, default=0)
+    p.add_argument("--failures", type=int, default=0)
+    p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    p.add_argument("--kill-at", default="", help=argparse.SUPPRESS)
+    p.add_argument("--node-loss", default="", help=argparse.SUPPRESS)
+    p.add_argument("--transfer", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.transfer:
+        import torch.multiprocessing as mp
+
+        from tests.torchrun_nodes import free_port
+
+        with tempfile.TemporaryDirectory() as folder:
+            mp.spawn(_transfer_worker, args=(args.transfer, free_port(), folder, None), nprocs=2)
+        return None
+    quick = args.quick
+    args.steps = args.steps or (60 if quick else 300)
+    args.width = args.width or (512 if quick else 1536)
+    args.remote_every = args.remote_every or (20 if quick else 100)
+    k = args.local_every or (4 if quick else 10)
+    failures = args.failures or (3 if quick else 5)
+    rng = random.Random(args.seed)
+    kill_at = sorted(rng.sample(range(args.remote_every // 2, args.steps - 2), failures))
+    node_at = rng.randrange(args.remote_every + k + 1, args.steps - 2)
+    root = Path(tempfile.mkdtemp(prefix="air-goodput-"))
+    try:
+        print(f"{args.steps} steps, width {args.width}, root every {args.remote_every}, local every {k}; "
+              f"failures before steps {kill_at}; node B lost before step {node_at}", flush=True)  # fmt: skip
+        clean = {0: failure_free(args, root, 0), k: failure_free(args, root, k)}
+        results = {}
+        for name, every in (("remote_only", 0), ("two_tier", k)):
+            results[name] = with_failures(args, root, every, kill_at) | clean[every]
+        two = results["two_tier"]
+        two["step_slowdown"] = clean[k]["mean_step_seconds"] / clean[0]["mean_step_seconds"]
+        snapshot = clean[k]["snapshot_seconds"]
+        two["local_every_in_snapshot_times"] = (
+            k * clean[0]["mean_step_seconds"] / snapshot if snapshot else float("inf")
+        )
+        lost_node = node_loss(args, root, k, node_at)
+        own = local_restore_speed(64 if quick else 512, root)
+        partner = transfer_speed(64 if quick else 512)
+        for name, r in results.items():
+            tiers = json.dumps({t: round(sec, 3) for t, sec in r["restore_seconds"].items()})
+            print(
+                f"{name:12} failures {r['failures']}: lost steps {r['lost_steps']} "
+                f"(mean {r['lost_steps_per_failure']:.1f}); goodput {r['goodput']:.3f}; restore s by tier "
+                f"{tiers}; mean step {r['mean_step_seconds'] * 1e3:.1f} ms"
+            )
+        print(
+            f"local tier step slowdown {two['step_slowdown']:.3f}x (a local save every "
+            f"{two['local_every_in_snapshot_times']:.0f} snapshot times)"
+        )
+        print(
+            f"node loss: recovered from {lost_node['recovered_from']}, {lost_node['lost_steps']} steps lost"
+        )
+        print(
+            f"restore from the own local tier: {own['restore_seconds']:.3f} s vs torch.load "
+            f"{own['torch_load_seconds']:.3f} s of {own['bytes'] >> 20} MiB: {own['ratio']:.2f}x"
+        )
+        print(
+            f"a partner's copy: {partner['copy_seconds']:.3f} s for {partner['bytes'] >> 20} MiB; bytes "
+            f"over loopback bandwidth ({partner['loopback_mib_per_s']:.0f} MiB/s) "
+            f"{partner['bytes_over_bandwidth_seconds']:.3f} s: {partner['ratio']:.2f}x"
+        )
+        if args.json:
+            remote = results["remote_only"]
+            summary = {
+                "local_every": k,
+                "remote_every": args.remote_every,
+                "remote_only": {k_: remote[k_] for k_ in ("lost_steps_per_failure", "goodput")},
+                "two_tier": {k_: two[k_] for k_ in ("lost_steps_per_failure", "goodput", "step_slowdown")},
+                "node_loss": {k_: lost_node[k_] for k_ in ("recovered_from", "lost_steps")},
+                "restore": {"own_local_vs_torch_load": own["ratio"], "partner_vs_loopback": partner["ratio"]},
+            }
+            print(json.dumps(summary))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return None
+
+
+if __name__ == "__main__":
+    main()
