@@ -99,8 +99,8 @@ class LocalTier:
         self._send_to, self._receive_from = send_to, receive_from
         self._replicas = {s: local_storage(replica_root(base, s)) for s in receive_from}
         self._queue: queue.Queue[SaveHandle | None] = queue.Queue()
-        self.replicated: list[str] = []
-        """The local checkpoints whose exchange with the partners finished."""
+        self.settled: list[str] = []
+        """The local checkpoints committed and copied to every partner (as far as this rank's sends go)."""
         self.broken = ""
         """Why replication stopped (a partner is gone), or ""."""
         self._thread = threading.Thread(target=self._run, name=f"air-local-r{rank}", daemon=True)
@@ -127,6 +127,8 @@ class LocalTier:
             package = self._committed(handle)
             if (self._send_to or self._receive_from) and not self.broken:
                 self._replicate(package)
+            if package.name and not self.broken:
+                self.settled.append(package.name)
             if package.name:
                 for info in self.checkpointer.list(settle=False):
                     if info.name != package.name and info.status == "committed":
@@ -147,8 +149,6 @@ class LocalTier:
             self.broken = f"{type(exc).__name__}: {exc}"
             logger.warning("rank %d: replication of local checkpoints stopped: %s", self.rank, self.broken)
             return
-        if package.name:
-            self.replicated.append(package.name)
         for src, copy in received.items():
             if not copy.name:
                 continue

@@ -152,7 +152,7 @@ def _die_once(args, accelerator, step: int) -> None:
     if tier is not None:
         tier.checkpointer.flush()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and tier.replicated[-1:] != [tier.checkpointer.list()[-1].name]:
+        while time.monotonic() < deadline and tier.settled[-1:] != [tier.checkpointer.list()[-1].name]:
             time.sleep(0.05)
     if agent:
         os.kill(os.getppid(), signal.SIGKILL)

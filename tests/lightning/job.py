@@ -88,7 +88,11 @@ def main() -> None:
     p.add_argument("--hang", default="", help="STEP:RANK: that rank sleeps forever in that step, once")
     p.add_argument("--hang-timeout", type=float, default=3.0, help="with --hang: that rank's hang timeout")
     p.add_argument("--local-every", type=int, default=0, help="AirCallback(local_every_n_steps=...)")
-    p.add_argument("--die", type=int, default=0, help="STEP: SIGKILL every rank before that step, once")
+    p.add_argument(
+        "--die",
+        default="",
+        help="STEP[:NODE]: SIGKILL before that step, once (NODE: that node, and its torchrun agent)",
+    )
     args = p.parse_args()
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
@@ -115,7 +119,9 @@ def main() -> None:
         max_epochs=args.epochs,
         accelerator="cpu",
         devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
+        # Under torchrun's agents each start has its own world size: as many nodes as it says.
+        num_nodes=max(int(os.environ.get("WORLD_SIZE", "1")) // args.devices, 1),
+        strategy="ddp" if args.devices > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1 else "auto",
         plugins=[plugin],
         callbacks=[
             AirCallback(
@@ -125,9 +131,9 @@ def main() -> None:
                 elastic=args.elastic,
                 hang_timeout_seconds=_hang_timeout(args),
                 local_every_n_steps=args.local_every or None,
-                local_dir=os.path.join(args.workdir, "local"),
+                local_dir=os.path.join(args.workdir, "local-" + os.environ.get("AIR_NODE_NAME", "node")),
             ),
-            *([DieOnce(args.workdir, args.die)] if args.die else []),
+            *([DieOnce(args.workdir, *args.die.split(":"))] if args.die else []),
             ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=args.top_k),
             *([SaveLoaded(args.workdir)] if args.dump_loaded else []),
             *([HangOnce(args.workdir, args.hang)] if args.hang else []),
@@ -151,14 +157,29 @@ def main() -> None:
 
 
 class DieOnce(pl.Callback):
-    """--die STEP: SIGKILL before step STEP (1-based) of the first launch (a marker file)."""
+    """--die STEP[:NODE]: SIGKILL before step STEP (1-based) of the first launch (a marker file), once the
+    local tier's newest checkpoint is replicated; with NODE, only on the node of that ``AIR_NODE_NAME``,
+    its torchrun agent first (the node is lost)."""
 
-    def __init__(self, workdir: str, step: int) -> None:
-        self.marker, self.step = os.path.join(workdir, f"died-once-{os.environ.get('RANK', '0')}"), step
+    def __init__(self, workdir: str, step: str, node: str = "") -> None:
+        self.step, self.node = int(step), node
+        self.marker = os.path.join(workdir, f"died-once-{node or os.environ.get('RANK', '0')}")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.node and os.environ.get("AIR_NODE_NAME") != self.node:
+            return
         if trainer.global_step + 1 == self.step and not os.path.exists(self.marker):
             open(self.marker, "w").close()
+            air = next(c for c in trainer.callbacks if isinstance(c, AirCallback))
+            tier = air.session.local_tier if air.session is not None else None
+            if tier is not None:  # its newest local checkpoint reached the partner (a deterministic test)
+                tier.checkpointer.flush()
+                newest = tier.checkpointer.list()[-1].name
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and newest not in tier.settled and not tier.broken:
+                    time.sleep(0.05)
+            if self.node:
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -84,7 +84,7 @@ class Model(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         ids, x = batch
         record = {"step": self.global_step, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
-        record["epoch"] = self.current_epoch
+        record.update(epoch=self.current_epoch, world=self.trainer.world_size, pid=os.getpid())
         with open(os.path.join(self.workdir, f"ids-rank{self.global_rank}.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
         loss = (self.net(x) - x).pow(2).mean()
