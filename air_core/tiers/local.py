@@ -5,8 +5,9 @@ the root) through an ``AsyncCheckpointer`` of its own node-local root, with one 
 buffers reused across saves, writer thread and manifest-and-CRC commit as the root's saves, but nothing
 uploaded. A thread of the tier then sends each committed one to the rank's partners (``partners.py``)
 and places the copies it receives from its sources, verified, in their replica roots; then it drops the
-older commits. Every rank saves at the same steps, so the exchanges pair up in order; a save that failed
-still takes part (an empty package), and a failure of the tier is logged, never raised into training.
+older commits, but the newest one every partner has a copy of. Every rank saves at the same steps, so
+the exchanges pair up in order; a save that failed still takes part (an empty package), and a failure
+of the tier is logged, never raised into training.
 
 On disk, under ``<local_dir>/air-<job>/``: ``rank-<r>/`` (this rank's own), ``replica-<s>/`` (copies of
 rank ``s``'s), ``restore-<r>/`` (the checkpoint a resume assembled, ``recover.py``).
@@ -30,7 +31,7 @@ from ..checkpointer import AsyncCheckpointer
 from ..config import CheckpointerConfig
 from ..handle import SaveHandle
 from ..storage import location
-from .transfer import EMPTY, Package, exchange, local_storage, place_package, read_package
+from .transfer import EMPTY, Package, StagedFiles, exchange, local_storage, read_package
 
 logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^local-s(\d{9})-w(\d+)$")
@@ -129,10 +130,10 @@ class LocalTier:
                 self._replicate(package)
             if package.name and not self.broken:
                 self.settled.append(package.name)
-            if package.name:
-                for info in self.checkpointer.list(settle=False):
-                    if info.name != package.name and info.status == "committed":
-                        self.checkpointer.delete(info.name, even_newest=True)
+            keep = {package.name, *self.settled[-1:]}  # a newest the partners lack keeps the one they have
+            for info in self.checkpointer.list(settle=False):
+                if info.name not in keep and info.status == "committed":
+                    self.checkpointer.delete(info.name, even_newest=True)
 
     def _committed(self, handle: SaveHandle) -> Package:
         try:
@@ -143,17 +144,21 @@ class LocalTier:
             return EMPTY
 
     def _replicate(self, package: Package) -> None:
+        sinks = {src: StagedFiles(self._replicas[src]) for src in self._receive_from}
         try:
-            received = exchange({dst: package for dst in self._send_to}, self._receive_from, self._group)
+            received = exchange(package, self._send_to, dict(sinks), self._group)
         except Exception as exc:  # a partner is gone (its node, most likely): no more copies this launch
+            for sink in sinks.values():
+                sink.abort()
             self.broken = f"{type(exc).__name__}: {exc}"
             logger.warning("rank %d: replication of local checkpoints stopped: %s", self.rank, self.broken)
             return
         for src, copy in received.items():
             if not copy.name:
+                sinks[src].abort()
                 continue
             try:
-                place_package(self._replicas[src], copy)
+                sinks[src].commit(copy)
             except Exception as exc:
                 logger.warning(
                     "rank %d: the copy of rank %d's %s was not kept: %s", self.rank, src, copy.name, exc

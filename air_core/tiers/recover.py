@@ -25,7 +25,7 @@ from .. import layout
 from ..catalog import read_catalog
 from ..manifest import FileEntry, Manifest
 from .local import parse_name, tier_name
-from .transfer import Package, checked, exchange, local_storage, read_package
+from .transfer import EMPTY, Received, UnsyncedFiles, exchange, local_storage, read_package
 
 logger = logging.getLogger(__name__)
 Tier = Literal["local", "replica"]
@@ -109,19 +109,24 @@ def recover(
         return None
     step, world = chosen
     name = tier_name(step, world)
-    parts: dict[int, Package] = {}
+    parts: dict[int, Received] = {}
     local: dict[int, Held] = {}
     for h in sorted(mine, key=lambda h: h.kind != "local"):  # own copies before replicas
         if (h.step, h.world) == chosen:
             local.setdefault(h.saved_rank, h)
     fetched = 0
+    dest = restore_root(base, rank)
+    shutil.rmtree(dest, ignore_errors=True)
     for receiver, saved, holder in _plan(reports, chosen, world_size):
         if rank == holder:
-            exchange({receiver: read_package(local_storage(_root_of(mine, saved, chosen)), name)}, [], group)
+            exchange(read_package(local_storage(_root_of(mine, saved, chosen)), name), [receiver], {}, group)
         elif rank == receiver:
-            parts[saved] = exchange({}, [holder], group)[holder]
+            sink = UnsyncedFiles(dest)  # written as it arrives, checked when complete (``_assemble``)
+            try:
+                parts[saved] = exchange(EMPTY, [], {holder: sink}, group)[holder]
+            finally:
+                sink.close()
             fetched += parts[saved].nbytes
-    dest = restore_root(base, rank)
     _assemble(dest, name, step, world, local, parts)
     kinds = {local[s].kind if s in local else _holder(reports, chosen, s)[1] for s in range(world)}
     tier: Tier = "replica" if "replica" in kinds else "local"
@@ -160,20 +165,17 @@ def _root_of(mine: list[Held], saved: int, chosen: tuple[int, int]) -> str:
 
 
 def _assemble(
-    dest: str, name: str, step: int, world: int, local: dict[int, Held], parts: dict[int, Package]
+    dest: str, name: str, step: int, world: int, local: dict[int, Held], parts: dict[int, Received]
 ) -> None:
     """One committed checkpoint of ``world`` ranks in ``dest``: each part's files (linked from this node's
-    copy, or the bytes received, already checked), then a manifest naming every file with its rank."""
-    shutil.rmtree(dest, ignore_errors=True)
+    copy, or received: written as they arrived, checked here), then a manifest naming every file with its
+    rank."""
     storage = local_storage(dest)
     entries: list[FileEntry] = []
     launch = ""
     for saved in range(world):
         if saved in parts:
-            package = parts[saved]
-            manifest = checked(package, where=f"rank {saved}'s part of {name}")
-            for f in manifest.files:
-                storage.write_bytes(f.path, package.files[f.path])
+            manifest = parts[saved].check(where=f"rank {saved}'s part of {name}")
         else:
             source = local[saved].root
             manifest = Manifest.from_json(

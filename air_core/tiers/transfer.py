@@ -1,47 +1,39 @@
-"""Moving committed checkpoints between ranks: a ``Package`` (manifest and files of one commit) read from a
-local root, sent and received over a gloo process group, verified and placed as a committed copy.
+"""Moving committed checkpoints between ranks: a ``Package`` (one commit of a local root) sent over a gloo
+process group, each file streamed into a ``Sink`` as it arrives, checked against the manifest, placed.
 
 The group is the tier's own (``partners.side_group``), never the training's, so a replication running on
-a background thread issues no collective on the group the training thread uses. Every exchange is three
-rounds of non-blocking point-to-point messages (sizes, headers, bytes), all posted before any is waited
-for, so two ranks that send to each other cannot deadlock. A receiver checks each file's CRC-32 against
-the manifest before it places the manifest, so a copy is committed by the same rule as the original.
+a background thread issues no collective on the group the training thread uses. An exchange is three
+rounds of point-to-point messages: sizes, headers, then the bytes. In the last round every sender posts
+all its sends at once, from its files mapped into memory (copy-on-write, nothing copied before gloo reads
+it), and only then receives, so two ranks that send to each other cannot deadlock. A receiver takes each
+file in ``CHUNK``-sized messages into a few reused buffers: it computes the CRC-32 of one chunk and
+writes it out while the next arrives, and never holds a whole part in memory. A copy is committed by the
+same rule as its original: every file's size and CRC-32 match the manifest before the manifest is
+placed (``StagedFiles.commit``).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .. import layout
 from ..errors import CorruptCheckpointError
-from ..manifest import Manifest
+from ..manifest import FileEntry, Manifest
 from ..storage import Storage
 
-
-@dataclass(frozen=True)
-class Package:
-    """One commit of a local root: its manifest and every file it names (bytes in memory)."""
-
-    name: str
-    """The checkpoint's name; "" for an empty package (the sender had nothing to send)."""
-    manifest: bytes = b""
-    files: dict[str, bytes] = field(default_factory=dict)
-
-    def info(self, *, where: str) -> Manifest:
-        return Manifest.from_json(self.manifest, where=where)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.manifest) + sum(len(b) for b in self.files.values())
-
-
-EMPTY = Package("")
+CHUNK = 8 << 20
+"""Bytes per message of a file."""
+WINDOW = 4
+"""A receiver's messages in flight (and its reused buffers of ``CHUNK`` bytes)."""
 
 
 def local_storage(root: str) -> Storage:
@@ -49,48 +41,133 @@ def local_storage(root: str) -> Storage:
     return Storage(root, storage_options={}, retries=2, retry_backoff_seconds=0.1)
 
 
+@dataclass(frozen=True)
+class Package:
+    """One committed checkpoint of a local root, to send: its manifest, and the folder its files are in."""
+
+    name: str
+    """The checkpoint's name; "" for an empty package (the sender had nothing to send)."""
+    root: str = ""
+    manifest: bytes = b""
+
+    def entries(self) -> tuple[FileEntry, ...]:
+        return Manifest.from_json(self.manifest, where=f"{self.root}/{self.name}").files if self.name else ()
+
+
+EMPTY = Package("")
+
+
 def read_package(storage: Storage, name: str) -> Package:
-    """The committed checkpoint ``name`` of the local root ``storage``."""
-    data = storage.read_bytes(layout.manifest_path(name))
-    manifest = Manifest.from_json(data, where=storage.display(layout.manifest_path(name)))
-    return Package(name, data, {f.path: storage.read_bytes(f.path) for f in manifest.files})
+    """The committed checkpoint ``name`` of the local root ``storage`` (its manifest read; files stay)."""
+    return Package(name, storage.path(""), storage.read_bytes(layout.manifest_path(name)))
 
 
-def place_package(storage: Storage, package: Package, *, keep: frozenset[str] = frozenset()) -> Manifest:
-    """Write ``package`` into the local root ``storage`` as a committed checkpoint: every file checked
-    against its CRC-32 and placed, the manifest last; then every other commit there goes but ``keep``.
+@dataclass(frozen=True)
+class Received:
+    """What one sender's package came to: its manifest, and each file's size and CRC-32 as received (the
+    bytes went to the receiver's sink)."""
 
-    Raises:
-        CorruptCheckpointError: a file does not match the manifest (nothing is committed).
-    """
-    manifest = checked(package, where=storage.display(layout.manifest_path(package.name)))
-    for entry in manifest.files:
-        storage.write_bytes(entry.path, package.files[entry.path])
-    storage.write_bytes(layout.manifest_path(package.name), package.manifest)
-    drop_commits(storage, keep={package.name, *keep})
-    return manifest
+    name: str
+    manifest: bytes = b""
+    sizes: dict[str, int] = field(default_factory=dict)
+    crc32: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.manifest) + sum(self.sizes.values())
+
+    def check(self, *, where: str) -> Manifest:
+        """The manifest, once every file it names arrived whole with its CRC-32.
+
+        Raises:
+            CorruptCheckpointError: a file is missing or does not match.
+        """
+        manifest = Manifest.from_json(self.manifest, where=where)
+        for entry in manifest.files:
+            if self.sizes.get(entry.path) != entry.size or self.crc32.get(entry.path) != entry.crc32:
+                raise CorruptCheckpointError(
+                    f"{where}: the copy of {entry.path} received does not match its manifest",
+                    path=entry.path,
+                    reason="damaged in transfer",
+                )
+        return manifest
 
 
-def checked(package: Package, *, where: str) -> Manifest:
-    """``package``'s manifest, once every file it names is there with its size and CRC-32.
+NOTHING = Received("")
 
-    Raises:
-        CorruptCheckpointError: a file is missing or does not match.
-    """
-    manifest = package.info(where=where)
-    for entry in manifest.files:
-        data = package.files.get(entry.path)
-        if data is None or len(data) != entry.size or zlib.crc32(data) != entry.crc32:
-            raise CorruptCheckpointError(
-                f"{where}: the copy of {entry.path} received does not match its manifest",
-                path=entry.path,
-                reason="damaged in transfer",
-            )
-    return manifest
+
+class Sink(Protocol):
+    """Where a receiver writes each chunk of each file as it arrives."""
+
+    def write(self, path: str, offset: int, data: memoryview) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class UnsyncedFiles:
+    """A ``Sink`` into a transient local root (``restore-<r>/``: read right away, rebuilt at every resume):
+    each file at its final place, no fsync, no rename."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._open: dict[str, int] = {}
+
+    def target(self, path: str) -> str:
+        return layout.local_path(self.root, path)
+
+    def write(self, path: str, offset: int, data: memoryview) -> None:
+        fd = self._open.get(path)
+        if fd is None:
+            target = self.target(path)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            fd = self._open[path] = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(fd, data, offset)
+
+    def close(self, *, sync: bool = False) -> None:
+        for fd in self._open.values():
+            if sync:
+                os.fsync(fd)
+            os.close(fd)
+        self._open.clear()
+
+
+class StagedFiles(UnsyncedFiles):
+    """A ``Sink`` into a replica root: files land beside their final places, and only ``commit`` (every
+    CRC checked) makes them a commit: fsynced, renamed, the manifest last, the older copies dropped."""
+
+    def __init__(self, storage: Storage) -> None:
+        super().__init__(storage.path(""))
+        self.storage = storage
+        self._temps: dict[str, str] = {}
+
+    def target(self, path: str) -> str:
+        return self._temps.setdefault(path, self.storage.local_temp(path))
+
+    def commit(self, received: Received) -> Manifest:
+        """Place ``received`` as a committed checkpoint (``CorruptCheckpointError``: nothing placed)."""
+        try:
+            manifest = received.check(where=self.storage.display(layout.manifest_path(received.name)))
+            self.close(sync=True)
+            for entry in manifest.files:
+                self.storage.place_local(self._temps.pop(entry.path), entry.path)
+        except BaseException:
+            self.abort()
+            raise
+        self.storage.write_bytes(layout.manifest_path(received.name), received.manifest)
+        drop_commits(self.storage, keep={received.name})
+        return manifest
+
+    def abort(self) -> None:
+        """Remove what arrived of a copy that will not be committed."""
+        self.close()
+        for temp in self._temps.values():
+            if os.path.exists(temp):
+                os.remove(temp)
+        self._temps.clear()
 
 
 def drop_commits(storage: Storage, *, keep: set[str] | frozenset[str]) -> None:
-    """Remove every checkpoint of the local root ``storage`` (its files, then its records) but ``keep``."""
+    """Remove every checkpoint of the local root ``storage`` (its manifest, files, records) but ``keep``."""
     sizes = storage.sizes()
     names = {n for rel in sizes if (n := layout.checkpoint_of(rel)) is not None} - keep
     for name in sorted(names):
@@ -109,54 +186,121 @@ def drop_commits(storage: Storage, *, keep: set[str] | frozenset[str]) -> None:
                 sizes.pop(rel)
 
 
-def exchange(outgoing: dict[int, Package], incoming: list[int], group: Any) -> dict[int, Package]:
-    """Send each ``outgoing[dst]`` to rank ``dst`` and receive one package from each rank of ``incoming``,
-    over ``group`` (global ranks). Every rank of an exchange must call it with matching pairs."""
-    headers = {dst: _header(p) for dst, p in outgoing.items()}
-    lengths = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
+def exchange(
+    package: Package, send_to: list[int], receive_from: dict[int, Sink], group: Any
+) -> dict[int, Received]:
+    """Send ``package`` to each rank of ``send_to`` and receive one package from each rank of
+    ``receive_from`` into its sink, over ``group`` (global ranks). Every rank of an exchange calls it with
+    matching pairs; an empty package (``EMPTY``) still takes part."""
+    entries = package.entries()
+    header = json.dumps(
+        {
+            "name": package.name,
+            "paths": [e.path for e in entries],
+            "sizes": [len(package.manifest), *(e.size for e in entries)],
+        }
+    ).encode()
+    lengths = {src: torch.zeros(1, dtype=torch.int64) for src in receive_from}
     _run(
-        [
-            dist.isend(torch.tensor([len(h)], dtype=torch.int64), dst, group=group)
-            for dst, h in headers.items()
-        ]
+        [dist.isend(torch.tensor([len(header)], dtype=torch.int64), dst, group=group) for dst in send_to]
         + [dist.irecv(t, src, group=group) for src, t in lengths.items()]
     )
     got = {src: torch.empty(int(t.item()), dtype=torch.uint8) for src, t in lengths.items()}
     _run(
-        [dist.isend(_tensor(h), dst, group=group) for dst, h in headers.items()]
+        [dist.isend(_tensor(bytearray(header)), dst, group=group) for dst in send_to]
         + [dist.irecv(t, src, group=group) for src, t in got.items()]
     )
     heads = {src: json.loads(bytes(t.numpy())) for src, t in got.items()}
-    sends = []
-    for dst, package in outgoing.items():
-        sends += [dist.isend(_tensor(b), dst, group=group) for b in _bodies(package) if b]
-    buffers: dict[int, list[torch.Tensor]] = {
-        src: [torch.empty(n, dtype=torch.uint8) for n in head["sizes"]] for src, head in heads.items()
-    }
-    recvs = [dist.irecv(t, src, group=group) for src, ts in buffers.items() for t in ts if t.numel()]
-    _run(sends + recvs)
-    result = {}
-    for src, head in heads.items():
-        blobs = [bytes(t.numpy()) for t in buffers[src]]
-        if not head["name"]:
-            result[src] = EMPTY
-            continue
-        result[src] = Package(head["name"], blobs[0], dict(zip(head["paths"], blobs[1:], strict=True)))
-    return result
+    with _Mapped(package, entries) as bodies:
+        sends = [dist.isend(c, dst, group=group) for body in bodies for c in _chunks(body) for dst in send_to]
+        received = {src: _receive(src, heads[src], receive_from[src], group) for src in sorted(receive_from)}
+        _run(sends)
+    return received
 
 
-def _header(package: Package) -> bytes:
-    paths = list(package.files)
-    sizes = [len(b) for b in _bodies(package)] if package.name else []
-    return json.dumps({"name": package.name, "paths": paths, "sizes": sizes}).encode()
+def _receive(src: int, head: dict[str, Any], sink: Sink, group: Any) -> Received:
+    """Rank ``src``'s package: the manifest into memory, each file chunk by chunk into ``sink``."""
+    if not head["name"]:
+        return NOTHING
+    manifest = torch.empty(head["sizes"][0], dtype=torch.uint8)
+    _run([dist.irecv(c, src, group=group) for c in _chunks(manifest)])
+    paths, sizes = head["paths"], head["sizes"][1:]
+    plan = [
+        (k, offset, min(CHUNK, size - offset))
+        for k, size in enumerate(sizes)
+        for offset in range(0, size, CHUNK)
+    ]
+    crcs = [0] * len(paths)
+    ring = [
+        torch.empty(min(CHUNK, max(sizes, default=0)), dtype=torch.uint8)
+        for _ in range(min(WINDOW, len(plan)))
+    ]
+    pending: deque[tuple[int, int, int, int, Any]] = deque()
+
+    def post(slot: int, step: int) -> None:
+        k, offset, n = plan[step]
+        pending.append((k, offset, n, slot, dist.irecv(ring[slot][:n], src, group=group)))
+
+    for slot in range(len(ring)):
+        post(slot, slot)
+    posted = len(ring)
+    while pending:
+        k, offset, n, slot, work = pending.popleft()
+        work.wait()
+        data = ring[slot][:n].numpy().data
+        crcs[k] = zlib.crc32(data, crcs[k])
+        sink.write(paths[k], offset, data)
+        if posted < len(plan):
+            post(slot, posted)
+            posted += 1
+    for path, size in zip(paths, sizes, strict=True):
+        if size == 0:  # no message carried it: the file is created empty
+            sink.write(path, 0, memoryview(b""))
+    return Received(
+        head["name"],
+        bytes(manifest.numpy()),
+        dict(zip(paths, sizes, strict=True)),
+        dict(zip(paths, crcs, strict=True)),
+    )
 
 
-def _bodies(package: Package) -> list[bytes]:
-    return [package.manifest, *package.files.values()] if package.name else []
+class _Mapped:
+    """The manifest and every file of a package as tensors to send: the files mapped copy-on-write (gloo
+    reads the page cache; nothing is copied first), unmapped when the sends are done."""
+
+    def __init__(self, package: Package, entries: tuple[FileEntry, ...]) -> None:
+        self._package, self._entries = package, entries
+        self._maps: list[mmap.mmap] = []
+
+    def __enter__(self) -> list[torch.Tensor]:
+        if not self._package.name:
+            return []
+        bodies = [_tensor(bytearray(self._package.manifest))]
+        for entry in self._entries:
+            if entry.size == 0:
+                bodies.append(torch.empty(0, dtype=torch.uint8))
+                continue
+            with open(layout.local_path(self._package.root, entry.path), "rb") as f:
+                mapped = mmap.mmap(f.fileno(), entry.size, access=mmap.ACCESS_COPY)
+            self._maps.append(mapped)
+            bodies.append(torch.frombuffer(mapped, dtype=torch.uint8))
+        return bodies
+
+    def __exit__(self, *exc: object) -> None:
+        for mapped in self._maps:
+            try:
+                mapped.close()
+            except BufferError:  # a tensor still views it: it goes with the tensor
+                pass
+        self._maps.clear()
 
 
-def _tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def _chunks(t: torch.Tensor) -> list[torch.Tensor]:
+    return [t[i : i + CHUNK] for i in range(0, t.numel(), CHUNK)]
+
+
+def _tensor(data: bytearray) -> torch.Tensor:
+    return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def _run(works: list[Any]) -> None:

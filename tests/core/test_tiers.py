@@ -4,16 +4,21 @@ as commits, retention, partners and the settings' errors."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from air_core import AsyncCheckpointer, ConfigError, CorruptCheckpointError
 from air_core.catalog import read_catalog
 from air_core.session import SessionConfig
 from air_core.tiers import Held, choose, holdings, tier_name
-from air_core.tiers.partners import partners, sources
-from air_core.tiers.transfer import local_storage, place_package, read_package
+from air_core.tiers.partners import partners, side_group, sources
+from air_core.tiers.transfer import EMPTY, Package, StagedFiles, exchange, local_storage, read_package
+from tests.torchrun_nodes import free_port
 
 
 def held(saved: int, step: int, world: int = 2, kind: str = "local") -> Held:
@@ -37,25 +42,54 @@ def test_partners_sit_on_other_nodes_and_sources_are_their_inverse():
 
 def _committed(root: str, step: int) -> str:
     with AsyncCheckpointer(root) as ckpt:
+        state = {"w": torch.arange(3_000_000.0) + step}  # 12 MB: more than one message of the transfer
         ckpt.save_files(
-            {f"step-{step}/w.pt": {"w": torch.arange(10.0) + step}}, step=step, name=tier_name(step, 1)
+            {f"step-{step}/w.pt": state, f"step-{step}/empty.txt": {}}, step=step, name=tier_name(step, 1)
         )
     return tier_name(step, 1)
 
 
-def test_a_copy_is_placed_as_a_commit_only_when_every_crc_matches(tmp_path):
-    name = _committed(str(tmp_path / "own"), 3)
-    package = read_package(local_storage(str(tmp_path / "own")), name)
-    damaged = dataclasses.replace(package, files={k: b"x" + v[1:] for k, v in package.files.items()})
-    replica = local_storage(str(tmp_path / "replica-00000"))
-    with pytest.raises(CorruptCheckpointError, match="does not match"):
-        place_package(replica, damaged)
-    assert read_catalog(replica).committed == [], "nothing committed from a damaged copy"
-    place_package(replica, package)
-    assert [i.name for i in read_catalog(replica).committed] == [name]
-    newer = read_package(local_storage(str(tmp_path / "own")), _committed(str(tmp_path / "own"), 5))
-    place_package(replica, newer)
-    assert [i.name for i in read_catalog(replica).committed] == [newer.name], "the older copy is dropped"
+def _damaged(package: Package) -> Package:
+    body = json.loads(package.manifest)
+    body["files"][0]["crc32"] ^= 1
+    return dataclasses.replace(package, manifest=json.dumps(body).encode())
+
+
+def _copy_worker(rank: int, port: int, folder: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group = side_group(60)
+    own, replica = os.path.join(folder, "own"), local_storage(os.path.join(folder, "replica-00000"))
+    seen = []
+    for step in (3, 4, 5):
+        if rank == 0:
+            package = read_package(local_storage(own), _committed(own, step))
+            exchange(_damaged(package) if step == 3 else package, [1], {}, group)
+            continue
+        sink = StagedFiles(replica)
+        got = exchange(EMPTY, [], {0: sink}, group)[0]
+        try:
+            sink.commit(got)
+            outcome = "committed"
+        except CorruptCheckpointError:
+            outcome = "refused"
+        seen.append([step, outcome, [i.name for i in read_catalog(replica).committed]])
+    if rank == 1:
+        with open(os.path.join(folder, "seen.json"), "w") as f:
+            json.dump(seen, f)
+    dist.destroy_process_group()
+
+
+def test_a_copy_between_two_processes_is_committed_only_when_every_crc_matches(tmp_path):
+    mp.spawn(_copy_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen == [
+        [3, "refused", []],
+        [4, "committed", [tier_name(4, 1)]],
+        [5, "committed", [tier_name(5, 1)]],
+    ], "a damaged copy commits nothing; a newer copy drops the older one"
+    copy = torch.load(tmp_path / "replica-00000/step-5/w.pt", weights_only=True)
+    assert torch.equal(copy["w"], torch.arange(3_000_000.0) + 5)
+    assert not [p for p in (tmp_path / "replica-00000").rglob("*") if ".air-tmp" in p.name], "no temp left"
     found = holdings(str(tmp_path), "n")
     assert {(h.saved_rank, h.step, h.kind) for h in found} == {(0, 5, "replica")}
 
