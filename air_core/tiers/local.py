@@ -130,10 +130,16 @@ class LocalTier:
                 self._replicate(package)
             if package.name and not self.broken:
                 self.settled.append(package.name)
-            keep = {package.name, *self.settled[-1:]}  # a newest the partners lack keeps the one they have
-            for info in self.checkpointer.list(settle=False):
-                if info.name not in keep and info.status == "committed":
-                    self.checkpointer.delete(info.name, even_newest=True)
+            if package.name:
+                self._drop_older(handle.step)
+
+    def _drop_older(self, step: int) -> None:
+        """Drop the commits before ``step``, but the newest one every partner has (while ``step``'s copies
+        are missing); later saves, committed meanwhile, are the next round's."""
+        keep = set(self.settled[-1:])
+        for info in self.checkpointer.list(settle=False):
+            if info.status == "committed" and info.step < step and info.name not in keep:
+                self.checkpointer.delete(info.name, even_newest=True)
 
     def _committed(self, handle: SaveHandle) -> Package:
         try:
