@@ -72,6 +72,7 @@ def worker(args: argparse.Namespace) -> None:
         straggler_threshold=None,
         log_every_n_steps=1000,
         flush_timeout_seconds=10,
+        hang_timeout_seconds=60,  # a hang (none expected) costs a minute, not the 300 s floor; it is logged
         local_every_n_steps=args.local_every or None,
         local_dir=str(work / f"local-{node}"),
     )

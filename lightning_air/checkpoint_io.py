@@ -264,6 +264,7 @@ class AirCheckpointIO(CheckpointIO):
         if resumed is not None:
             return self._load(f"{resumed.root}/{resumed.name}.ckpt", map_location, weights_only, resumed.tier)
         if remote is not None:
+            logger.info("AirCheckpointIO: resuming from %s (nothing newer in the local tier)", remote)
             return self._load(remote, map_location, weights_only)
         logger.info("AirCheckpointIO: nothing saved in any tier; starting fresh")
         state = self._module.state_dict() if self._module is not None else {}

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_air import AirCallback, AirCheckpointIO
+from lightning_air import NEWEST, AirCallback, AirCheckpointIO
 
 
 class NumberedData(Dataset):
@@ -99,13 +99,18 @@ class DemoModel(pl.LightningModule):
 
 
 class AirCLI(LightningCLI):
-    """LightningCLI that resumes from the newest committed checkpoint when no --ckpt_path is given."""
+    """LightningCLI that resumes from the newest complete state when no --ckpt_path is given: across the
+    tiers (``NEWEST``) with ``AirCallback(local_every_n_steps=...)``, else the newest committed checkpoint."""
 
     def before_fit(self) -> None:
         config = self.config_init[self.subcommand]
         plugin = self.trainer.strategy.checkpoint_io
-        if config.get("ckpt_path") is None and isinstance(plugin, AirCheckpointIO):
-            config["ckpt_path"] = plugin.latest_checkpoint(self.trainer.checkpoint_callback.dirpath)
+        if config.get("ckpt_path") is not None or not isinstance(plugin, AirCheckpointIO):
+            return
+        callbacks = self.trainer.callbacks
+        tiers = any(isinstance(c, AirCallback) and c.config.local_every_n_steps for c in callbacks)
+        dirpath = self.trainer.checkpoint_callback.dirpath
+        config["ckpt_path"] = NEWEST if tiers else plugin.latest_checkpoint(dirpath)
 
 
 def main() -> None:
