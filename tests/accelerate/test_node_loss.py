@@ -90,7 +90,7 @@ def test_a_lost_node_resumes_from_the_replica_and_a_new_node_grows_the_job_back(
     )
     grown_at = min(r["step"] for r in grown)
     from_tier = f"resuming from local tier step {grown_at}" in log_a + log_c
-    assert from_tier or grown_at % ROOT_EVERY == 0, "the grown job resumed from the newest state, tier or root"
+    assert from_tier or grown_at % ROOT_EVERY == 0, "the grown job resumed from the newest, tier or root"
     before = [i for r in first if r["step"] < shrunk_at for i in r["ids"]]
     epoch0 = before + [i for r in alone_run if r["epoch"] == 0 for i in r["ids"]]
     assert Counter(epoch0) == Counter(range(N_SAMPLES)), "every sample of epoch 0 exactly once (2 -> 1)"
