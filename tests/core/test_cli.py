@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from air_core import AsyncCheckpointer, commit
+from air_core import AsyncCheckpointer, RestoreRecord, commit
 from air_core.manifest import FailureRecord
 from air_core.session import GoodputLog
 from air_core.storage import Storage
@@ -77,3 +77,19 @@ def test_report_prints_latency_fetch_and_goodput_and_draws_a_plot(tmp_path):
 def test_an_unreachable_root_is_a_clear_error_not_a_traceback(tmp_path):
     out = air("ls", "nosuchscheme://bucket/x")
     assert out.returncode == 2 and "air ls:" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_report_says_which_tier_each_restore_came_from_and_the_steps_it_lost(tmp_path):
+    root = str(tmp_path / "root")
+    storage = Storage(root, storage_options={}, retries=0, retry_backoff_seconds=0.0)
+    first = GoodputLog(storage, "a" * 32)
+    for step in range(1, 12):  # the first launch reached step 11, then died
+        first.step(step, 0.1, 0.01)
+    first.close()
+    second = GoodputLog(storage, "c" * 32)  # in the same second, launches sort by id: "a..." first
+    second.restore(RestoreRecord("local-s000000008-w2", 8, 0, 0.2, "local", 1000, tier="replica"))
+    second.step(9, 0.1, 0.01)
+    second.close()
+    out = air("report", root)
+    assert out.returncode == 0, out.stderr
+    assert "restore: step 8 from the replica tier (local copy) in 0.20 s; 3 step(s) lost" in out.stdout
