@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -37,6 +37,7 @@ from air_core import (
     dcp,
 )
 from air_core.session import Place, TrainingSession, entry_of_commit
+from air_core.tiers import Resume
 
 from .folders import Folders, retention
 from .internals import (
@@ -335,11 +336,15 @@ class AirAccelerator(Accelerator):
         *,
         flat: bool,
         args: tuple[dict | None, dict[str, Any]] = (None, {}),
-        tier: Literal["remote", "local", "replica"] = "remote",
+        resumed: Resume | None = None,
     ) -> None:
         """Load the commit ``info`` of ``ckpt`` (None: its newest), whose files are in a folder of its root
-        (or at the root itself: ``flat``)."""
-        stack.enter_context(ckpt.restoring(tier=tier))  # every file and shard it reads: one restore
+        (or at the root itself: ``flat``); ``resumed``: the local tier's assembly it is (its tier and time
+        go into the restore record)."""
+        restore = (
+            ckpt.restoring() if resumed is None else ckpt.restoring(tier=resumed.tier, before=resumed.seconds)
+        )
+        stack.enter_context(restore)  # every file and shard it reads: one restore
         local = self._air_fetch(ckpt, info)
         folder = "" if flat else entry_of_commit(local.info)
         view = stack.enter_context(folder_view(local.paths, folder))
@@ -473,7 +478,7 @@ class AirAccelerator(Accelerator):
             with contextlib.ExitStack() as stack:
                 stack.enter_context(self.air_session.watchdog_paused())
                 ckpt = stack.enter_context(self.air_session.reader(resumed.root))
-                self._air_load_commit(ckpt, None, stack, flat=False, tier=resumed.tier)
+                self._air_load_commit(ckpt, None, stack, flat=False, resumed=resumed)
             return self.start_epoch
         if latest is None:
             logger.info("AirAccelerator: nothing committed under %s; starting fresh", self.air_plugin.root)

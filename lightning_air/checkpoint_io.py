@@ -33,6 +33,7 @@ from air_core import (
 from air_core.config import settings_of
 from air_core.session import Owner, Place, TrainingSession, entry_of, safe_name
 from air_core.session import split as split_place
+from air_core.tiers import Resume
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +263,7 @@ class AirCheckpointIO(CheckpointIO):
         info = self.commit_of(remote) if remote else None
         resumed = session.recover(info.step if info is not None else None)
         if resumed is not None:
-            return self._load(f"{resumed.root}/{resumed.name}.ckpt", map_location, weights_only, resumed.tier)
+            return self._load(f"{resumed.root}/{resumed.name}.ckpt", map_location, weights_only, resumed)
         if remote is not None:
             logger.info("AirCheckpointIO: resuming from %s (nothing newer in the local tier)", remote)
             return self._load(remote, map_location, weights_only)
@@ -272,12 +273,19 @@ class AirCheckpointIO(CheckpointIO):
                 "lr_schedulers": [], AIR_KEY: {"fresh": True}}  # fmt: skip
 
     def _load(
-        self, path: str, map_location: Any, weights_only: bool | None, tier: Any = "remote"
+        self, path: str, map_location: Any, weights_only: bool | None, resumed: Resume | None = None
     ) -> dict[str, Any]:
         if path.startswith(("http://", "https://")):
             return self._load_unverified(path, map_location, weights_only, why="a URL")
         place = self._place(path)
-        with self.session.reader(place.root) as ckpt, ckpt.restoring(tier=tier):
+        with (
+            self.session.reader(place.root) as ckpt,
+            (
+                ckpt.restoring()
+                if resumed is None
+                else ckpt.restoring(tier=resumed.tier, before=resumed.seconds)
+            ),
+        ):
             info = self._commit_of(ckpt, place, path)
             if info is None:
                 return self._load_unverified(path, map_location, weights_only, why="named by no commit")

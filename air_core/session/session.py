@@ -126,8 +126,6 @@ class TrainingSession:
         self.loaded_rank_states: dict[int, Any] = {}
         """The saved ranks' ``rank_state`` parts the last load read besides the framework's own files
         (the adapter's IO reads them, its callback restores them)."""
-        self.resumed_from: Resume | None = None
-        """The local-tier checkpoint this launch resumed from (``recover``), or None."""
         self._tier: LocalTier | None = None
         self._tier_files: Callable[[], Mapping[str, Any]] | None = None
         self._tier_due: int | None = None
@@ -423,7 +421,7 @@ class TrainingSession:
         if not self.config.local_every_n_steps or self._ckpt is None:
             return None
         with self.watchdog_paused():
-            self.resumed_from = recover(
+            return recover(
                 self._tier_base(),
                 rank=self.rank,
                 world_size=self.world_size,
@@ -431,7 +429,6 @@ class TrainingSession:
                 group=self._tier_group,
                 node=tier_partners.node_name(),
             )
-        return self.resumed_from
 
     # -- per-rank state -------------------------------------------------------------------------------
     def rank_state(self) -> dict[str, Any]:

@@ -53,10 +53,9 @@ class Resume:
     step: int
     world: int
     tier: Tier
-    """Where this rank's own part came from: its node's own local checkpoint, or a partner's copy."""
-    fetched_bytes: int
-    """Bytes received from other ranks."""
+    """``replica`` when any part came from a copy (here or from a partner), else ``local``."""
     seconds: float
+    """Listing, agreeing, receiving and assembling: the restore's time before the adapter loads."""
 
 
 def restore_root(base: str, rank: int) -> str:
@@ -109,59 +108,46 @@ def recover(
         return None
     step, world = chosen
     name = tier_name(step, world)
-    parts: dict[int, Received] = {}
-    local: dict[int, Held] = {}
-    for h in sorted(mine, key=lambda h: h.kind != "local"):  # own copies before replicas
-        if (h.step, h.world) == chosen:
-            local.setdefault(h.saved_rank, h)
-    fetched = 0
+    holders = _holders(reports, chosen)
     dest = restore_root(base, rank)
     shutil.rmtree(dest, ignore_errors=True)
-    for receiver, saved, holder in _plan(reports, chosen, world_size):
-        if rank == holder:
-            exchange(read_package(local_storage(_root_of(mine, saved, chosen)), name), [receiver], {}, group)
-        elif rank == receiver:
-            sink = UnsyncedFiles(dest)  # written as it arrives, checked when complete (``_assemble``)
-            try:
-                parts[saved] = exchange(EMPTY, [], {holder: sink}, group)[holder]
-            finally:
-                sink.close()
-            fetched += parts[saved].nbytes
-    _assemble(dest, name, step, world, local, parts)
-    kinds = {local[s].kind if s in local else _holder(reports, chosen, s)[1] for s in range(world)}
-    tier: Tier = "replica" if "replica" in kinds else "local"
-    resume = Resume(dest, name, step, world, tier, fetched, time.monotonic() - started)
-    where = ", ".join(f"rank {s}: {'here' if s in local else 'received'}" for s in range(world))
-    logger.info("rank %d: resuming from local tier step %d (%s) [%s]", rank, step, tier, where)
-    return resume
-
-
-def _plan(reports: list[list[Held]], chosen: tuple[int, int], world_size: int) -> list[tuple[int, int, int]]:
-    """(receiver, saved rank, holder) for every part a rank's node lacks, in one order on every rank."""
-    step, world = chosen
-
-    def has(report: list[Held], saved: int) -> bool:  # on the receiver's node (a link, not a transfer)
-        return any((h.step, h.world, h.saved_rank) == (step, world, saved) for h in report)
-
-    plan = []
-    for receiver in range(world_size):
+    parts: dict[int, Received] = {}
+    for receiver in range(world_size):  # the same order on every rank: each transfer pairs up
         for saved in range(world):
-            if not has(reports[receiver], saved):
-                plan.append((receiver, saved, _holder(reports, chosen, saved)[0]))
-    return plan
+            if any(r == receiver for r, _ in holders[saved]):
+                continue  # on the receiver's node: linked, not sent
+            holder, held = holders[saved][0]
+            if rank == holder:
+                exchange(read_package(local_storage(held.root), name), [receiver], {}, group)
+            elif rank == receiver:
+                sink = UnsyncedFiles(dest)  # written as it arrives, checked when complete (``_assemble``)
+                try:
+                    parts[saved] = exchange(EMPTY, [], {holder: sink}, group)[holder]
+                finally:
+                    sink.close()
+    local = {s: here for s in range(world) if s not in parts and (here := _here(holders[s], rank))}
+    _assemble(dest, name, step, world, local, parts)
+    used = {s: local[s] if s in local else holders[s][0][1] for s in range(world)}
+    tier: Tier = "replica" if any(h.kind == "replica" for h in used.values()) else "local"
+    where = ", ".join(f"rank {s}: {'here' if s in local else f'from node {h.node}'}" for s, h in used.items())
+    logger.info("rank %d: resuming from local tier step %d (%s) [%s]", rank, step, tier, where)
+    return Resume(dest, name, step, world, tier, time.monotonic() - started)
 
 
-def _holder(reports: list[list[Held]], chosen: tuple[int, int], saved: int) -> tuple[int, Tier]:
-    """The rank that sends saved rank ``saved``'s part, and its kind: the first that has it as its own
-    local checkpoint, else the first that keeps a copy."""
-    found = [(h.kind != "local", r, h.kind) for r, report in enumerate(reports) for h in report
-             if (h.step, h.world, h.saved_rank) == (*chosen, saved)]  # fmt: skip
-    _, rank, kind = min(found)
-    return rank, kind
+def _holders(reports: list[list[Held]], chosen: tuple[int, int]) -> dict[int, list[tuple[int, Held]]]:
+    """For each saved rank of the ``chosen`` step, every (reporting rank, part) that holds its part, the
+    one to send first: own local checkpoints before copies, then the lowest rank."""
+    found: dict[int, list[tuple[int, Held]]] = {}
+    for r, report in enumerate(reports):
+        for h in report:
+            if (h.step, h.world) == chosen:
+                found.setdefault(h.saved_rank, []).append((r, h))
+    return {s: sorted(hs, key=lambda e: (e[1].kind != "local", e[0])) for s, hs in found.items()}
 
 
-def _root_of(mine: list[Held], saved: int, chosen: tuple[int, int]) -> str:
-    return next(h.root for h in mine if (h.step, h.world, h.saved_rank) == (*chosen, saved))
+def _here(holders: list[tuple[int, Held]], rank: int) -> Held | None:
+    """The part among ``holders`` that ``rank``'s node holds (its best), or None."""
+    return next((h for r, h in holders if r == rank), None)
 
 
 def _assemble(
