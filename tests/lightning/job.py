@@ -31,7 +31,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 from lightning_air import NEWEST, AirCallback, AirCheckpointIO, latest_checkpoint
 from tests import stalls
-from tests.kill_at import Journal, KillAt
+from tests.kill_at import Journal, KillAt, die_once_replicated
 from tests.lightning.model import Model, NumberedData, make_loader
 
 
@@ -157,9 +157,9 @@ def main() -> None:
 
 
 class DieOnce(pl.Callback):
-    """--die STEP[:NODE]: SIGKILL before step STEP (1-based) of the first launch (a marker file), once the
-    local tier's newest checkpoint is replicated; with NODE, only on the node of that ``AIR_NODE_NAME``,
-    its torchrun agent first (the node is lost)."""
+    """--die STEP[:NODE]: SIGKILL before step STEP (1-based) of the first launch (a marker file;
+    ``kill_at.die_once_replicated``); with NODE, only on the node of that ``AIR_NODE_NAME``, its torchrun
+    agent first (the node is lost)."""
 
     def __init__(self, workdir: str, step: str, node: str = "") -> None:
         self.step, self.node = int(step), node
@@ -171,16 +171,9 @@ class DieOnce(pl.Callback):
         if trainer.global_step + 1 == self.step and not os.path.exists(self.marker):
             open(self.marker, "w").close()
             air = next(c for c in trainer.callbacks if isinstance(c, AirCallback))
-            tier = air.session.local_tier if air.session is not None else None
-            if tier is not None:  # its newest local checkpoint reached the partner (a deterministic test)
-                tier.checkpointer.flush()
-                newest = tier.checkpointer.list()[-1].name
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline and newest not in tier.settled and not tier.broken:
-                    time.sleep(0.05)
-            if self.node:
-                os.kill(os.getppid(), signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
+            die_once_replicated(
+                air.session.local_tier if air.session is not None else None, agent=bool(self.node)
+            )
 
 
 def _hang_timeout(args: argparse.Namespace) -> float | None:
