@@ -238,9 +238,9 @@ class AirAccelerator(Accelerator):
         gathered = self.gather(torch.tensor(values, dtype=torch.float64, device=self.device))
         return gathered.view(self.num_processes, -1).tolist()
 
-    def _air_record_fetch(self, seconds: float) -> None:
+    def _air_record_fetch(self, seconds: float, samples: int) -> None:
         if any(m.training for m in models(self)) or not models(self):  # training batches only
-            self.air_session.record_fetch(seconds)
+            self.air_session.record_fetch(seconds, samples)
         else:  # an evaluation batch: progress for the hang watchdog, not a step
             self.air_session.record_progress()
 

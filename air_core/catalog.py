@@ -27,6 +27,8 @@ class Catalog:
     infos: tuple[CheckpointInfo, ...]
     recorded_files: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """For each checkpoint without a readable manifest: the data files its part records name."""
+    sizes: dict[str, int] = field(default_factory=dict)
+    """Every file of the listing with its size."""
 
     @property
     def committed(self) -> list[CheckpointInfo]:
@@ -42,6 +44,16 @@ class Catalog:
         if info.manifest is not None:
             return tuple(f.path for f in info.manifest.files)
         return self.recorded_files.get(info.name, ())
+
+    def owned_files(self, info: CheckpointInfo) -> tuple[str, ...]:
+        """The files deleting ``info`` removes: its own, not those another checkpoint here also names (a
+        file rewritten in place, like Lightning's ``last.ckpt``, belongs to the newer one)."""
+        shared = {path for o in self.infos if o.name != info.name for path in self.files_of(o)}
+        return tuple(path for path in self.files_of(info) if path not in shared)
+
+    def bytes_of(self, info: CheckpointInfo) -> int:
+        """The listed bytes of ``owned_files(info)``."""
+        return sum(self.sizes.get(path, 0) for path in self.owned_files(info))
 
     def without(self, name: str) -> Catalog:
         """This catalog after checkpoint ``name`` was deleted."""
@@ -68,7 +80,7 @@ def read_catalog(storage: Storage) -> Catalog:
                 info = replace(info, step=step, reason="; ".join([reason, *failures]))
         infos.append(info)
     infos.sort(key=lambda i: (i.step, i.time or 0.0, i.name))
-    return Catalog(tuple(infos), recorded)
+    return Catalog(tuple(infos), recorded, sizes)
 
 
 def scan(storage: Storage) -> list[CheckpointInfo]:

@@ -2,8 +2,9 @@
 
     air ls ROOT                      every checkpoint: step, time, size, status (committed/partial/corrupt)
     air verify ROOT [NAME ...]       re-read committed checkpoints and check sizes and CRC-32 checksums
-    air report ROOT [--plot F.png]   checkpoint latencies, fetch_seconds, stragglers and goodput of
-                                     every launch
+    air report ROOT [--plot F.png]   checkpoint latencies, fetch_seconds, stragglers, goodput, bytes
+                                     moved and work repeated of every launch; --json for one object,
+                                     --gpu-hour-price etc. for cost lines
     air preflight [ROOT] [--json F]  check this node (storage, staging disk, memory, GPUs; under
                                      torchrun also links and clocks between ranks) before a job
 
@@ -28,17 +29,10 @@ from .errors import AirError, ConfigError, CorruptCheckpointError
 from .layout import hang_stacks_path
 from .manifest import CheckpointInfo
 from .recovery import fetch
+from .session.accounting import Prices, account, human_bytes, lines
 from .session.goodput import analyze, read_events
 from .session.metrics import summarize
 from .storage import Storage
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _when(info: CheckpointInfo) -> str:
@@ -53,7 +47,7 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
     print(f"{'name':32} {'step':>9} {'time':19} {'size':>10}  status")
     for i in infos:
         status = i.status if i.status == "committed" else f"{i.status}: {i.reason}"
-        print(f"{i.name:32} {i.step:9d} {_when(i):19} {_size(i.total_bytes):>10}  {status}")
+        print(f"{i.name:32} {i.step:9d} {_when(i):19} {human_bytes(i.total_bytes):>10}  {status}")
     return 0
 
 
@@ -101,6 +95,12 @@ def _verify_one(storage: Storage, info: CheckpointInfo) -> str:
 
 def cmd_report(storage: Storage, args: argparse.Namespace) -> int:
     launches = read_events(storage)
+    prices = Prices(args.gpu_hour_price, args.storage_gb_month_price, args.egress_gb_price)
+    if args.json:
+        result = analyze(launches)
+        accounting = account(launches, sum(storage.sizes().values()), prices)
+        print(json.dumps({"goodput": result.as_metrics(), **accounting}))
+        return 0
     if not launches:
         print(
             f"no goodput events under {storage.display()} (written by the Lightning and Accelerate adapters)"
@@ -139,6 +139,7 @@ def cmd_report(storage: Storage, args: argparse.Namespace) -> int:
                   f"{hang_stacks_path(e['launch'], e['rank'])}")  # fmt: skip
     result = analyze(launches)
     print(result.report())
+    print("\n".join(lines(account(launches, sum(storage.sizes().values()), prices))))
     if args.plot:
         _plot(args.plot, launches, result)
         print(f"plot: {args.plot}")
@@ -196,6 +197,16 @@ def _plot(path: str, launches: list[list[dict[str, Any]]], result: Any) -> None:
     ax3.set(title=f"goodput {result.goodput:.1%} of {result.wall:.1f} s", xlabel="s")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def _price(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a price: pass a number >= 0, e.g. 2.5")
+    return value
 
 
 USAGE = 64
@@ -270,6 +281,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = sub.add_parser("report", help="latency, fetch and goodput summary")
     report.add_argument("root")
     report.add_argument("--plot", default=None, help="also draw it to this PNG file")
+    report.add_argument(
+        "--json", action="store_true", help="print one JSON object (goodput, bytes, work, cost)"
+    )
+    for flag, what in (
+        ("--gpu-hour-price", "price of one GPU (rank) for an hour: cost lines for lost GPU time"),
+        ("--storage-gb-month-price", "price of storing a GB (10^9 bytes) for a month"),
+        ("--egress-gb-price", "price of downloading a GB from the root"),
+    ):
+        report.add_argument(flag, type=_price, default=None, help=what)
     pre = sub.add_parser("preflight", help="check this node before a job (exit 0 ok, 1 warn, 2 bad node)")
     pre.add_argument("root", nargs="?", default=None, help="checkpoint root to put a canary object under")
     pre.add_argument("--staging-dir", default=None, help="local staging folder (default: the temp folder)")

@@ -162,14 +162,11 @@ def retention_victims(catalog: Catalog, *, keep_last: int, busy: frozenset[str])
 def delete_checkpoint(storage: Storage, info: CheckpointInfo, catalog: Catalog) -> Catalog:
     """Delete one checkpoint: the manifest first, then its files, then its records; return the rest.
 
-    A file that another checkpoint in ``catalog`` also names (a file rewritten in place, like
-    Lightning's ``last.ckpt``) is left alone: it belongs to that checkpoint now.
+    A file that another checkpoint in ``catalog`` also names is left alone (``Catalog.owned_files``).
     """
     storage.remove(layout.manifest_path(info.name))
-    shared = {path for o in catalog.infos if o.name != info.name for path in catalog.files_of(o)}
-    for path in catalog.files_of(info):
-        if path not in shared:
-            storage.remove(path)
+    for path in catalog.owned_files(info):
+        storage.remove(path)
     storage.remove(layout.record_dir(info.name))
     logger.info("deleted checkpoint %s (step %d, %s)", info.name, info.step, info.status)
     return catalog.without(info.name)

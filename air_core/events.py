@@ -62,6 +62,16 @@ class SaveRecord:
     bytes: int
     spilled_bytes: int
     error: str = ""
+    staged_bytes: int = 0
+    """Written into the local staging folder (0 for a local root written in place)."""
+    uploaded_bytes: int = 0
+    """Sent to the root by a copy or over the network."""
+    linked_bytes: int = 0
+    """Handed to a local root on the staging folder's filesystem by a hard link: no byte copied."""
+    staging_disk_bytes: int = 0
+    """What this node's staging folder held once this save was staged: its peak disk use for the save."""
+    # On rank 0 of a multi-rank save that committed, staged, uploaded and linked bytes are every rank's
+    # (from their part records); elsewhere, this rank's.
 
     @property
     def throughput_bytes_per_second(self) -> float:
@@ -94,7 +104,17 @@ class RestoreRecord:
     (``air_core.tiers``; then ``seconds`` also counts gathering the pieces)."""
 
 
-Event = PhaseEvent | SaveRecord | RestoreRecord
+@dataclass(frozen=True)
+class DeleteRecord:
+    """Retention (or an explicit removal) deleted one checkpoint from the root (rank 0)."""
+
+    name: str
+    step: int
+    bytes: int
+    """The listed bytes of the files the delete removed."""
+
+
+Event = PhaseEvent | SaveRecord | RestoreRecord | DeleteRecord
 
 
 class Listener(Protocol):

@@ -20,7 +20,8 @@ This module's touches, checked against torch 2.13.0 and torchdata 0.11.0 (numpy 
 - ``STATEFUL_ITERATOR``, ``STATEFUL_INITIAL_ITER``: torchdata's ``StatefulDataLoader`` iterator and
   its flag for the iterator a first ``state_dict()`` started (``accelerate_air/layout.py``);
 - ``S3_CALL``: s3fs's ``S3FileSystem._call_s3`` (checked against s3fs 2026.9.0), a ranged
-  ``get_object`` streamed into a file at its offset (``download.py``).
+  ``get_object`` streamed into a file at its offset (``download.py``) and a multipart upload whose
+  parts are read as they go (``upload.py``).
 """
 
 from __future__ import annotations
@@ -155,5 +156,6 @@ S3_CALL = Touch(
     "S3FileSystem._call_s3",
     "2026.9.0",
     "s3fs has no public call that streams a ranged get_object body into a file at an offset (its "
-    "cat_file reads the range into memory first), and it applies the filesystem's retries and credentials",
+    "cat_file reads the range into memory first) or uploads a file in parts read as they are sent (its "
+    "put_file reads up to 500 MiB ahead), and it applies the filesystem's retries and credentials",
 )

@@ -89,6 +89,8 @@ class PartRecord:
     finalizer (a ``torch.distributed.checkpoint`` save's ``.metadata``)."""
     attempt: int = 1
     """Which save of this name in this launch (2 after one failed): an earlier attempt's record is stale."""
+    moved: dict[str, int] = field(default_factory=dict)
+    """Bytes this rank ``staged``, ``uploaded`` and ``linked`` for this save (``events.SaveRecord``)."""
 
     def to_json(self) -> bytes:
         return _dump("air-part", self)
@@ -132,6 +134,8 @@ def _dump(kind: str, record: Manifest | PartRecord, indent: int | None = None) -
         del body["extents"]  # plain saves' records stay as they were
     if body.get("attempt") == 1:
         del body["attempt"]  # and so do first attempts'
+    if body.get("moved") == {}:
+        del body["moved"]
     return json.dumps(body, indent=indent).encode()
 
 

@@ -1,10 +1,12 @@
 """Where a save's files are written before they reach the root: the direct or staged destination.
 
 The one place "direct or staged" is decided (``choose_destination``, once per checkpointer): a local
-root without ``staging_dir`` is written in place (temp file, fsync, rename: staging twice would double
-the I/O); anything else is serialized into the local staging folder, uploaded ``max_transfers`` at a
-time, and kept there as the local cache that later loads read first. Each ``Destination`` also reads
-back verified local copies. It never decides *when* (the writer) or whether a save commits (commit).
+root without ``staging_dir`` is written in place (temp file, fsync, rename); anything else is serialized
+into the local staging folder, uploaded ``max_transfers`` at a time, and kept there as the local cache
+that later loads read first. A local root on the staging folder's filesystem gets each staged file by a
+hard link (``Storage.put_file``): one write and one fsync, as in place, and the cache for free. Each
+``Destination`` also reads back verified local copies. It never decides *when* (the writer) or whether
+a save commits (commit).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import shutil
 import tempfile
 import uuid
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, Protocol
 
 from . import layout
@@ -25,7 +28,8 @@ from .commit import keep_newest
 from .config import CheckpointerConfig
 from .errors import ConfigError, CorruptCheckpointError
 from .manifest import FileEntry, Manifest
-from .storage import Storage, fix_for, transfer_all
+from .storage import Put, Storage, fix_for, transfer_all
+from .upload import Growing
 
 logger = logging.getLogger(__name__)
 Source = Literal["local", "cache", "remote"]
@@ -36,6 +40,7 @@ class Destination(Protocol):
     """How one save's files get to the root. Called on the writer thread, in this order, per save:
 
     1. ``temp_paths``: where the serializer writes each file (``fsync`` says whether it must sync);
+       ``follow``: start uploading them as they are written (None: upload after ``place``);
     2. ``place``: move the finished temp files to where ``to_upload`` reads them (or to the root);
     3. ``to_upload``: local file per root path still to upload (empty: nothing to upload);
     4. after the commit, ``remember`` the manifest; after retention, ``trim`` the local cache.
@@ -60,11 +65,13 @@ class Destination(Protocol):
 
     def temp_paths(self, files: tuple[str, ...]) -> dict[str, str]: ...
 
+    def follow(self, temps: dict[str, str]) -> Following | None: ...
+
     def place(self, temps: dict[str, str]) -> None: ...
 
     def to_upload(self, files: tuple[str, ...]) -> dict[str, str]: ...
 
-    def upload(self, staged: dict[str, str]) -> None: ...
+    def upload(self, staged: dict[str, str]) -> list[Put]: ...
 
     def kept_locally(self, files: tuple[str, ...]) -> list[str]:
         """Local files a placed save keeps (removed again if the save fails)."""
@@ -95,6 +102,9 @@ class Direct:
     def temp_paths(self, files: tuple[str, ...]) -> dict[str, str]:
         return {rel: self._storage.local_temp(rel) for rel in files}
 
+    def follow(self, temps: dict[str, str]) -> Following | None:
+        return None
+
     def place(self, temps: dict[str, str]) -> None:
         for rel, tmp in temps.items():
             self._storage.place_local(tmp, rel)
@@ -102,8 +112,8 @@ class Direct:
     def to_upload(self, files: tuple[str, ...]) -> dict[str, str]:
         return {}
 
-    def upload(self, staged: dict[str, str]) -> None:
-        pass  # placed at the root already
+    def upload(self, staged: dict[str, str]) -> list[Put]:
+        return []  # placed at the root already
 
     def kept_locally(self, files: tuple[str, ...]) -> list[str]:
         return []  # placed files are the root's: a failed save leaves a partial that retention removes
@@ -147,6 +157,14 @@ class Staged:
             self._make_room(path)
         return {rel: f"{path}{layout.TEMP_MARK}" for rel, path in local.items()}
 
+    def follow(self, temps: dict[str, str]) -> Following | None:
+        """Upload the files as the serializer writes them, where the root allows (S3)."""
+        if not self._storage.follows:
+            return None
+        finals = self._local(tuple(temps))
+        return Following(self._storage, {rel: Growing(tmp, finals[rel]) for rel, tmp in temps.items()},
+                         max_transfers=self._max_transfers)  # fmt: skip
+
     def place(self, temps: dict[str, str]) -> None:
         for rel, tmp in temps.items():
             os.replace(tmp, layout.local_path(self.cache_dir, rel))
@@ -154,9 +172,10 @@ class Staged:
     def to_upload(self, files: tuple[str, ...]) -> dict[str, str]:
         return self._local(files)
 
-    def upload(self, staged: dict[str, str]) -> None:
-        """Upload each staged file to its root path, ``max_transfers`` at a time."""
-        transfer_all(
+    def upload(self, staged: dict[str, str]) -> list[Put]:
+        """Upload each staged file to its root path, ``max_transfers`` at a time (``Storage.put_file``:
+        hard-linked to a local root on the staging folder's filesystem)."""
+        return transfer_all(
             lambda item: self._storage.put_file(item[1], item[0]),
             staged.items(),
             max_transfers=self._max_transfers,
@@ -229,6 +248,42 @@ class Staged:
         os.makedirs(parent, exist_ok=True)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)  # what stays makes the write fail, saying where
+
+
+class Following:
+    """The uploads of one save's files that started while the serializer writes them.
+
+    ``finish`` (every file written) or ``abandon`` (the save failed), then ``wait`` for the puts. The
+    files upload ``max_transfers`` at a time, in the order the serializer writes them.
+    """
+
+    def __init__(self, storage: Storage, files: dict[str, Growing], *, max_transfers: int) -> None:
+        self._files = files
+        workers = max(1, min(max_transfers, len(files)))
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="air-upload")
+        self._futures = [
+            self._pool.submit(storage.put_file, growing.final, rel, growing) for rel, growing in files.items()
+        ]
+        self._pool.shutdown(wait=False)
+
+    def finish(self, sizes: dict[str, int]) -> None:
+        for rel, growing in self._files.items():
+            growing.finish(sizes[rel])
+
+    def abandon(self) -> None:
+        """Stop every upload (each aborts what it sent) and wait for them."""
+        for growing in self._files.values():
+            growing.abandon()
+        for future in self._futures:
+            future.exception()
+
+    def wait(self) -> list[Put]:
+        """Every file's put, once all are at the root; the first failure is raised (the rest abandoned)."""
+        try:
+            return [future.result() for future in self._futures]
+        except BaseException:
+            self.abandon()
+            raise
 
 
 def choose_destination(config: CheckpointerConfig, storage: Storage) -> Destination:

@@ -24,13 +24,13 @@ from . import commit
 from .catalog import Catalog, read_catalog
 from .config import CheckpointerConfig
 from .errors import SaveError
-from .events import Emitter, Phase, PhaseEvent, SaveRecord
+from .events import DeleteRecord, Emitter, Phase, PhaseEvent, SaveRecord
 from .manifest import CheckpointInfo, FailureRecord, FileEntry, Manifest, PartRecord, library_versions
 from .priority import WriterPriority, own_nice
 from .serializer import Serializer, Written
 from .snapshot import BufferPool, Snapshot
-from .staging import Destination
-from .storage import Storage
+from .staging import Destination, Following
+from .storage import Put, Storage
 
 logger = logging.getLogger(__name__)
 _IDLE_EXIT_SECONDS = 0.5
@@ -89,6 +89,11 @@ class _Progress:
     """Local files a failure must remove (temp files, then staged copies)."""
     attempt: int = 1
     """Which save of this checkpoint name this is (a name saved again after it failed: 2, ...)."""
+    moved: dict[str, int] = field(default_factory=lambda: {"staged": 0, "uploaded": 0, "linked": 0})
+    """Bytes staged, uploaded and linked (``SaveRecord``); rank 0's become every rank's at the commit."""
+    staging_disk: int = 0
+    following: Following | None = None
+    """The uploads that started while serializing (``Destination.follow``), if the root allows."""
 
 
 class Writer:
@@ -233,6 +238,9 @@ class Writer:
             raise failed
         temps = self._dest.temp_paths(job.files)
         run.leftovers = [*temps.values(), *self._dest.kept_locally(job.files)]
+        run.following = self._dest.follow(temps)
+        if run.following is not None:
+            self._phase(job, "upload_start")
         priority = self._priority
         priority.begin(
             self._serializer.native_id, training_nice=self._training_nice, nbytes=job.snapshot.nbytes
@@ -241,23 +249,35 @@ class Writer:
             written = self._serializer.write(job.snapshot, temps, fsync=self._dest.fsync, tick=priority.check)
         finally:
             priority.finish()
+        if run.following is not None:
+            run.following.finish({rel: w.size for rel, w in written.items()})
         job.snapshot.remove_spill()
         self._dest.place(temps)
         run.leftovers = self._dest.kept_locally(job.files)
         run.size = sum(w.size for w in written.values())
+        if self._dest.cache_dir is not None:
+            run.moved["staged"] += run.size
+            run.staging_disk = folder_bytes(self._dest.cache_dir)
         run.seconds["staging"] = time.monotonic() - t0
         self._phase(job, "staged")
         return written
 
     def _upload(self, job: SaveJob, run: _Progress) -> None:
-        """Copy staged files to the root, ``max_transfers`` at a time (nothing for a direct destination)."""
-        staged = self._dest.to_upload(job.files)
-        if not staged:
-            return
-        run.phase = "upload"
-        self._phase(job, "upload_start")
+        """Copy staged files to the root, ``max_transfers`` at a time (nothing for a direct destination),
+        or wait for the uploads that followed the serializer. ``upload_seconds`` is the time after
+        staging until the files are at the root."""
         t0 = time.monotonic()
-        self._dest.upload(staged)
+        if run.following is not None:
+            run.phase = "upload"
+            _count(run, run.following.wait())
+            run.following = None
+        else:
+            staged = self._dest.to_upload(job.files)
+            if not staged:
+                return
+            run.phase = "upload"
+            self._phase(job, "upload_start")
+            _count(run, self._dest.upload(staged))
         run.seconds["upload"] = time.monotonic() - t0
         self._phase(job, "uploaded")
 
@@ -266,7 +286,9 @@ class Writer:
         cfg = self._config
         entries = tuple(FileEntry(rel, written[rel].size, written[rel].crc32, cfg.rank) for rel in job.files)
         extents = {rel: [list(e) for e in w.extents] for rel, w in written.items() if w.extents}
-        part = PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, entries, True, extents, run.attempt)
+        part = PartRecord(
+            job.name, job.step, cfg.rank, cfg.launch_id, entries, True, extents, run.attempt, dict(run.moved)
+        )
         if cfg.world_size > 1:
             commit.write_part(self._storage, part)
             self._phase(job, "part_written")
@@ -283,6 +305,9 @@ class Writer:
                     storage, part, world_size=cfg.world_size, timeout_seconds=cfg.commit_timeout_seconds
                 )
             extra = self._finalize(job.finalize, parts, run) if job.finalize is not None else ()
+            for other in parts[1:]:  # the save's bytes moved, every rank's
+                for key, n in other.moved.items():
+                    run.moved[key] = run.moved.get(key, 0) + n
             manifest = Manifest(
                 name=job.name,
                 step=job.step,
@@ -313,7 +338,9 @@ class Writer:
                 if self._dest.fsync:
                     os.fsync(f.fileno())
         self._dest.place(temps)
-        self._dest.upload(self._dest.to_upload(files))
+        if self._dest.cache_dir is not None:
+            run.moved["staged"] += sum(len(data) for data in made.values())
+        _count(run, self._dest.upload(self._dest.to_upload(files)))
         run.leftovers = []
         return tuple(
             FileEntry(rel, len(data), zlib.crc32(data), self._config.rank) for rel, data in made.items()
@@ -335,6 +362,8 @@ class Writer:
 
     def _fail(self, job: SaveJob, run: _Progress, exc: Exception) -> None:
         cfg = self._config
+        if run.following is not None:  # the uploads abort what they sent before the files go
+            run.following.abandon()
         for leftover in run.leftovers:
             with contextlib.suppress(OSError):
                 os.unlink(leftover)
@@ -406,8 +435,10 @@ class Writer:
     def _delete(self, info: CheckpointInfo, catalog: Catalog) -> Catalog:
         self._fence(f"deleting checkpoint {info.name!r}")
         self._emit(PhaseEvent("retention_start", info.name, info.step, self._config.rank))
+        nbytes = catalog.bytes_of(info)
         catalog = commit.delete_checkpoint(self._storage, info, catalog)
         self._emit(PhaseEvent("retention_deleted", info.name, info.step, self._config.rank))
+        self._emit(DeleteRecord(info.name, info.step, nbytes))
         return catalog
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -439,5 +470,24 @@ class Writer:
                 bytes=run.size,
                 spilled_bytes=job.snapshot.spilled_bytes,
                 error=error,
+                staged_bytes=run.moved["staged"],
+                uploaded_bytes=run.moved["uploaded"],
+                linked_bytes=run.moved["linked"],
+                staging_disk_bytes=run.staging_disk,
             )
         )
+
+
+def _count(run: _Progress, puts: list[Put]) -> None:
+    for put in puts:
+        run.moved["linked" if put.linked else "uploaded"] += put.size
+
+
+def folder_bytes(path: str) -> int:
+    """The bytes of every file below ``path`` (a staging folder: a few files per checkpoint)."""
+    total = 0
+    for folder, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):  # another rank of the node may remove one meanwhile
+                total += os.lstat(os.path.join(folder, name)).st_size
+    return total

@@ -44,12 +44,21 @@ import threading
 import time
 from collections.abc import Callable
 
-METHODS = ["torch.save", "lightning_async", "dcp_async_save", "air_thread", "air_process", "air_budget"]
+METHODS = [
+    "torch.save",
+    "lightning_async",
+    "dcp_async_save",
+    "air_thread",
+    "air_staged",
+    "air_process",
+    "air_budget",
+]
 LABELS = {
     "torch.save": "torch.save (+fsync)",
     "lightning_async": "Lightning AsyncCheckpointIO",
     "dcp_async_save": "DCP async_save",
     "air_thread": "air_core (thread writer)",
+    "air_staged": "air_core (staged, same disk)",
     "air_process": "air_core (process writer)",
     "air_budget": "air_core (thread, budget 1/4)",
 }
@@ -253,7 +262,22 @@ class Durable:
         self.at = time.perf_counter()
 
 
-def worker(method: str, size_mib: int, device: str, workdir: str, repeats: int, load: str) -> dict:
+Method = tuple[Callable[..., "Durable"], Callable[[], None]]
+"""What a method factory returns: ``save(state, path, i) -> Durable`` and ``cleanup()``."""
+
+
+def worker(
+    method: str,
+    size_mib: int,
+    device: str,
+    workdir: str,
+    repeats: int,
+    load: str,
+    methods: Callable[[str, str, int], Method] | None = None,
+    path_of: Callable[[int], str] | None = None,
+) -> dict:
+    """Time one method's saves under one load; ``methods`` (default: this file's) makes the method and
+    ``path_of(i)`` names save ``i``'s destination (default: a folder of ``workdir``)."""
     import torch
 
     if load == "idle":
@@ -282,12 +306,12 @@ def worker(method: str, size_mib: int, device: str, workdir: str, repeats: int, 
     def state() -> dict:
         return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
-    save, cleanup = _method(method, workdir, state_bytes)
+    save, cleanup = (methods or _method)(method, workdir, state_bytes)
     timed_steps(step, 3 if load != "idle" else 10)  # the step's own allocations precede the baseline
     mem = PeakMemory()
     results, idle = [], []
     for i in range(1 + repeats):  # the first save warms up (allocations, process start) and is not timed
-        path = os.path.join(workdir, f"ckpt-{i}")
+        path = path_of(i) if path_of is not None else os.path.join(workdir, f"ckpt-{i}")
         os.sync()  # every save starts with no dirty pages queued: earlier writes must not bill this one
         if i:
             idle += idle_steps(step, load)  # right before each timed save, same conditions
@@ -316,12 +340,13 @@ def worker(method: str, size_mib: int, device: str, workdir: str, repeats: int, 
         "steps_during_save": len(during),
         "step_slowdown": (statistics.median(during) / statistics.median(idle)) if during else None,
         "peak_extra_mib": extra / (1 << 20),
+        "bytes_per_second": state_bytes / statistics.median(r[1] for r in results),
         "budget_mib": state_bytes / 4 / (1 << 20) if method == "air_budget" else None,
         "augment_rounds": rounds,
     }
 
 
-def _method(method: str, workdir: str, state_bytes: int):
+def _method(method: str, workdir: str, state_bytes: int) -> Method:
     """Return (save(state, path, i) -> Durable, cleanup)."""
     import torch
 
@@ -369,7 +394,7 @@ def _method(method: str, workdir: str, state_bytes: int):
         writer=kind,
         host_budget_bytes=budget,
         keep_last=16,
-        staging_dir=os.path.join(workdir, "stage") if budget else None,
+        staging_dir=os.path.join(workdir, "stage") if method in ("air_budget", "air_staged") else None,
     )
 
     def save(state, path, i):

@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..events import RestoreRecord, SaveRecord
+from ..events import DeleteRecord, RestoreRecord, SaveRecord
 from ..layout import EVENTS_DIR, is_hang_record
 from ..storage import Storage
 
@@ -55,7 +55,9 @@ class GoodputLog:
         flush_every_seconds: how often a segment is written.
     """
 
-    def __init__(self, storage: Storage, launch_id: str, *, flush_every_seconds: float = 10.0) -> None:
+    def __init__(
+        self, storage: Storage, launch_id: str, *, world_size: int = 1, flush_every_seconds: float = 10.0
+    ) -> None:
         self._storage = storage
         started = process_start_time()
         self._dir = f"{EVENTS_DIR}/{time.strftime('%Y%m%dT%H%M%S', time.gmtime(started))}-{launch_id[:8]}"
@@ -66,7 +68,7 @@ class GoodputLog:
         self._closing = threading.Event()
         self._wake = threading.Event()
         self._warned = False
-        self._append({"e": "start", "t": started, "launch": launch_id})
+        self._append({"e": "start", "t": started, "launch": launch_id, "world": world_size})
         self._thread = threading.Thread(target=self._run, name="air-goodput", daemon=True)
         self._thread.start()
 
@@ -79,17 +81,30 @@ class GoodputLog:
         with self._lock:
             self._buffer.append(line)
 
-    def step(self, step: int, seconds: float, fetch_seconds: float) -> None:
-        self._append({"e": "step", "s": step, "t": time.time(), "d": seconds, "f": fetch_seconds})
+    def step(self, step: int, seconds: float, fetch_seconds: float, samples: int = 0) -> None:
+        """Rank 0's step ``step``: its end, duration, data wait and the samples rank 0 fetched for it."""
+        event = {"e": "step", "s": step, "t": time.time(), "d": seconds, "f": fetch_seconds}
+        self._append(event | {"n": samples} if samples else event)
 
     def save(self, record: SaveRecord) -> None:
         event = {"e": "save", "s": record.step, "t": time.time(), "blocking": record.blocking_seconds}
-        self._append(event | {"committed": not record.error, "total": record.total_seconds})
+        event |= {"committed": not record.error, "total": record.total_seconds, "bytes": record.bytes}
+        moved = {"staged": record.staged_bytes, "uploaded": record.uploaded_bytes}
+        moved |= {"linked": record.linked_bytes, "staging_disk": record.staging_disk_bytes}
+        self._append(event | moved)
         self._wake.set()  # a commit is a good moment to make the log durable up to it
 
     def restore(self, record: RestoreRecord) -> None:
         event = {"e": "restore", "s": record.step, "t": time.time(), "seconds": record.seconds}
-        self._append(event | {"source": record.source, "tier": record.tier})
+        self._append(event | {"source": record.source, "tier": record.tier, "bytes": record.bytes})
+
+    def delete(self, record: DeleteRecord) -> None:
+        """Retention deleted a checkpoint of ``record.bytes`` from the root."""
+        self._append({"e": "delete", "s": record.step, "t": time.time(), "bytes": record.bytes})
+
+    def counts(self, step: int, counts: dict[str, float]) -> None:
+        """Every rank's cumulative counts of this launch at a metrics window (data cache, restore bytes)."""
+        self._append({"e": "counts", "s": step, "t": time.time(), **counts})
 
     def preflight(self, seconds: float, status: str, problems: list[dict[str, Any]]) -> None:
         """The pre-flight checks of every rank: their time (start-up), worst status and what was not ok."""
@@ -240,16 +255,34 @@ class Goodput:
         return "\n".join(lines)
 
 
-def analyze(launches: list[list[dict[str, Any]]]) -> Goodput:
-    """Split the wall time of these launches (from ``read_events``) into productive and lost time."""
-    if not launches:
-        return Goodput(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
-    productive = stalls = waits = startup = restore = recomputed = hangs = 0.0
-    steps_total = recomputed_steps = hang_count = 0
-    first_start = min(e["t"] for e in launches[0] if e["e"] == "start")
-    last_seen = max(e["t"] for events in launches for e in events)
+@dataclass(frozen=True)
+class LaunchTime:
+    """Where one launch's time went (``analyze`` adds the launches up; ``accounting`` weighs each by its
+    world size)."""
+
+    world: int
+    productive: float = 0.0
+    checkpoint_stalls: float = 0.0
+    data_waits: float = 0.0
+    startup: float = 0.0
+    restore: float = 0.0
+    recomputed: float = 0.0
+    hangs: float = 0.0
+    steps: int = 0
+    recomputed_steps: int = 0
+    recomputed_samples: int = 0
+    """Samples of the recomputed steps: rank 0's (its step events' ``n``) times the world size."""
+    hung: bool = False
+    span: float = 0.0
+    """From the launch's process start to its last event."""
+
+
+def per_launch(launches: list[list[dict[str, Any]]]) -> list[LaunchTime]:
+    """Each launch's time (from ``read_events``): a launch's steps beyond the checkpoint the next launch
+    resumed from count as recomputed."""
+    out = []
     for i, events in enumerate(launches):
-        start = next(e["t"] for e in events if e["e"] == "start")
+        start = next(e for e in events if e["e"] == "start")
         steps = [e for e in events if e["e"] == "step"]
         # The steps this launch ran beyond the checkpoint the next launch restored were done again.
         resumed = (
@@ -259,45 +292,68 @@ def analyze(launches: list[list[dict[str, Any]]]) -> Goodput:
         )
         redone = {e["s"] for e in steps if resumed is not None and e["s"] > resumed}
         blocking = {e["s"]: e["blocking"] for e in events if e["e"] == "save"}
+        t: dict[str, Any] = {"world": start.get("world", 1)}
+        t["span"] = max(e["t"] for e in events) - start["t"]
         if steps:
             first = steps[0]["t"] - steps[0]["d"]
-            before = max(first - start, 0.0)
+            before = max(first - start["t"], 0.0)
             # The restores this launch made before its first step (a load mid-run is in step or other time).
             restored = sum(e["seconds"] for e in events if e["e"] == "restore" and e["t"] <= first)
-            restore += min(restored, before)
-            startup += before - min(restored, before)
+            t["restore"] = min(restored, before)
+            t["startup"] = before - t["restore"]
         # A hang: from the stopped rank's last progress to its exit (ranks that fired together, once).
         stopped = [e["since"] for e in events if e["e"] == "hang"]
         if stopped:
-            hangs += max(stopped)
-            hang_count += 1
+            t["hangs"], t["hung"] = max(stopped), True
+        productive = stalls = waits = recomputed = 0.0
+        recomputed_samples = 0
         for e in steps:
-            steps_total += 1
             if e["s"] in redone:
                 recomputed += e["d"]
-                recomputed_steps += 1
+                recomputed_samples += e.get("n", 0) * t["world"]
                 continue
             # A save called after step s blocks the loop before step s + 1 ends.
             stall = min(blocking.get(e["s"] - 1, 0.0), e["d"])
             productive += max(e["d"] - e["f"] - stall, 0.0)
             waits += e["f"]
             stalls += stall
-    wall = last_seen - first_start
-    other = max(wall - productive - stalls - waits - startup - restore - recomputed - hangs, 0.0)
+        out.append(
+            LaunchTime(
+                **t,
+                productive=productive,
+                checkpoint_stalls=stalls,
+                data_waits=waits,
+                recomputed=recomputed,
+                steps=len(steps),
+                recomputed_steps=len(redone),
+                recomputed_samples=recomputed_samples,
+            )
+        )
+    return out
+
+
+def analyze(launches: list[list[dict[str, Any]]]) -> Goodput:
+    """Split the wall time of these launches (from ``read_events``) into productive and lost time."""
+    if not launches:
+        return Goodput(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
+    times = per_launch(launches)
+    first_start = min(e["t"] for e in launches[0] if e["e"] == "start")
+    wall = max(e["t"] for events in launches for e in events) - first_start
+
+    def total(name: str) -> float:
+        return sum(getattr(t, name) for t in times)
+
+    names = ("productive", "checkpoint_stalls", "data_waits", "startup", "restore", "recomputed", "hangs")
+    parts = {name: total(name) for name in names}
+    other = max(wall - sum(parts.values()), 0.0)
     return Goodput(
-        wall,
-        productive,
-        stalls,
-        waits,
-        startup,
-        restore,
-        recomputed,
-        other,
-        len(launches),
-        steps_total,
-        recomputed_steps,
-        hangs,
-        hang_count,
+        wall=wall,
+        other=other,
+        launches=len(launches),
+        steps=sum(t.steps for t in times),
+        recomputed_steps=sum(t.recomputed_steps for t in times),
+        hang_count=sum(t.hung for t in times),
+        **parts,
     )
 
 

@@ -28,7 +28,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 from torch.utils.data import DataLoader, IterableDataset
@@ -58,7 +58,8 @@ class TrackedLoader(LoaderProxy):
         loader: the loader the framework iterates.
         epoch: the epoch number the consumer is about to iterate (read at each ``__iter__``).
         lookahead: batches the consumer fetches ahead of what it hands to training.
-        on_fetch: called with the seconds each fetched batch took (``fetch_seconds``).
+        on_fetch: called with the seconds each fetched batch took (``fetch_seconds``) and its samples
+            (the loader's batch size; 0 where it has none).
         between_steps: called before each fetch, once what the last fetch's step changed is settled: the
             point between two steps at which the session takes a local checkpoint that is due.
         exact_state: ``(state_dict, load_state_dict)`` giving the loader's state at the consumed position
@@ -77,7 +78,7 @@ class TrackedLoader(LoaderProxy):
         *,
         epoch: Callable[[], int],
         lookahead: int = 0,
-        on_fetch: Callable[[float], None] | None = None,
+        on_fetch: Callable[[float, int], None] | None = None,
         exact_state: LoaderState | None = None,
         reenter: bool = False,
         layout: Layout | None = None,
@@ -110,6 +111,7 @@ class TrackedLoader(LoaderProxy):
                 type(loader).__name__,
             )
         self._workers = loader.num_workers if isinstance(loader, DataLoader) else 0
+        self._batch_samples = _batch_samples(loader)
         # The workers' RNG, carried back with each batch.
         self._ledger = _worker_ledger(loader, lookahead) if self._workers and self.mode != "reread" else None
         self._epoch = 0
@@ -290,7 +292,7 @@ class TrackedLoader(LoaderProxy):
                     return
                 batch = self._unwrap(batch)
                 if self._on_fetch is not None:
-                    self._on_fetch(time.perf_counter() - started)
+                    self._on_fetch(time.perf_counter() - started, self._batch_samples)
                 self._taken += 1
                 yield batch
         except GeneratorExit:  # the consumer broke out: its next pass starts the epoch afresh
@@ -413,3 +415,11 @@ def _worker_ledger(loader: DataLoader, lookahead: int) -> WorkerLedger | None:
         "augmentation drawn from the workers' RNG cannot be resumed exactly; use in_order=True."
     )
     return None
+
+
+def _batch_samples(loader: Iterable[Any]) -> int:
+    """Samples per batch of ``loader`` (its ``batch_size``, or its batch sampler's); 0 if unknown."""
+    size = getattr(loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) else 0

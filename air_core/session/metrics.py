@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..events import RestoreRecord, SaveRecord
+from ..events import DeleteRecord, RestoreRecord, SaveRecord
 
 logger = logging.getLogger(__name__)
 Publish = Callable[[dict[str, float], int], None]
@@ -80,6 +80,9 @@ class Recorder:
         self.tag: Tag | None = None
         """Sets an MLflow tag (rank 0, once attached)."""
         self._pending_fetch = 0.0
+        self._pending_samples = 0
+        self._downloaded = 0.0
+        """Bytes this rank's restores downloaded from the root (summed over ranks with the counters)."""
         self._last_end: float | None = None
         self._window_fetch: list[float] = []
         self._window_steps: list[float] = []
@@ -93,23 +96,24 @@ class Recorder:
             self._publish_restore(r)
 
     # -- the training thread ---------------------------------------------------------------------
-    def record_fetch(self, seconds: float) -> None:
-        """One batch fetched for training, after waiting ``seconds``."""
+    def record_fetch(self, seconds: float, samples: int = 0) -> None:
+        """One batch of ``samples`` fetched for training, after waiting ``seconds``."""
         if self._last_end is None:
             self._last_end = time.monotonic() - seconds
         self._pending_fetch += seconds
+        self._pending_samples += samples
 
     def record_step(self, step: int) -> None:
         """Training step ``step`` (1-based count of steps done) just ended."""
         now = time.monotonic()
         start = self._last_end if self._last_end is not None else now
-        duration, fetch = now - start, self._pending_fetch
-        self._last_end, self._pending_fetch = now, 0.0
+        duration, fetch, samples = now - start, self._pending_fetch, self._pending_samples
+        self._last_end, self._pending_fetch, self._pending_samples = now, 0.0, 0
         self.fetch_seconds.append(fetch)
         self._window_fetch.append(fetch)
         self._window_steps.append(duration)
         if self.goodput is not None:
-            self.goodput.step(step, duration, fetch)
+            self.goodput.step(step, duration, fetch, samples)
         if len(self._window_fetch) >= self.log_every_n_steps:
             self.close_window(step)
 
@@ -122,6 +126,7 @@ class Recorder:
         fetch, steps = self._window_fetch, self._window_steps
         self._window_fetch, self._window_steps = [], []
         counts = {k: v for source in self.counters for k, v in source().items()}
+        counts["restore_downloaded_bytes"] = self._downloaded
         keys = sorted(counts)
         mine = [*fetch, sum(fetch) / max(sum(steps), 1e-12), *(counts[k] for k in keys)]
         parts = self.parts if reduce else []  # the last window is not gathered: no part's figures
@@ -139,6 +144,8 @@ class Recorder:
         if "data_cache_hits" in summed:
             reads = summed["data_cache_hits"] + summed["data_cache_misses"]
             summed["data_cache_hit_rate"] = summed["data_cache_hits"] / reads if reads else 0.0
+        if self.goodput is not None and (reduce or self.gather is None):  # every rank's counts
+            self.goodput.counts(step, summed)
         slowest = [max(r[i] for r in ranks) for i in range(n)]
         fractions = [r[n] for r in ranks]
         worst = max(range(len(ranks)), key=lambda r: fractions[r])
@@ -185,9 +192,13 @@ class Recorder:
                 self._publish_save(event)
         elif isinstance(event, RestoreRecord):
             self.restores.append(event)
+            if event.source == "remote":
+                self._downloaded += event.bytes
             if self.goodput is not None:
                 self.goodput.restore(event)
             self._publish_restore(event)
+        elif isinstance(event, DeleteRecord) and self.goodput is not None:
+            self.goodput.delete(event)
 
     def _publish_restore(self, r: RestoreRecord) -> None:
         if self.rank == 0 and self.publish is not None:
@@ -212,6 +223,10 @@ class Recorder:
             "checkpoint_commit_seconds": r.commit_seconds,
             "checkpoint_total_seconds": r.total_seconds,
             "checkpoint_bytes": float(r.bytes),
+            "checkpoint_staged_bytes": float(r.staged_bytes),
+            "checkpoint_uploaded_bytes": float(r.uploaded_bytes),
+            "checkpoint_linked_bytes": float(r.linked_bytes),
+            "checkpoint_staging_disk_bytes": float(r.staging_disk_bytes),
             "checkpoint_throughput_bytes_per_second": r.throughput_bytes_per_second,
             **self._ckpt_totals,
         }

@@ -31,7 +31,7 @@ class Positions:
         rank: int,
         world_size: int,
         records: Recorder,
-        on_fetch: Callable[[float], None],
+        on_fetch: Callable[[float, int], None],
         between_steps: Callable[[], None] | None = None,
     ) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
@@ -50,7 +50,7 @@ class Positions:
         epoch: Callable[[], int],
         lookahead: int = 0,
         exact_state: LoaderState | None = None,
-        on_fetch: Callable[[float], None] | None = None,
+        on_fetch: Callable[[float, int], None] | None = None,
         reenter: bool = False,
         layout: Layout | None = None,
     ) -> TrackedLoader:

@@ -35,11 +35,12 @@ from ..health.preflight import PreflightReport
 from ..health.stragglers import Stragglers
 from ..layout import rank_state_path
 from ..snapshot import stepped_tensors
-from ..storage import location
+from ..storage import Storage, location
 from ..tiers import LocalTier, Resume, job_folder, recover
 from ..tiers import partners as tier_partners
+from .accounting import account, as_metrics
 from .config import SessionConfig
-from .goodput import Goodput, GoodputLog, goodput_of
+from .goodput import Goodput, GoodputLog, analyze, read_events
 from .health import SessionHealth
 from .metrics import Gather, Recorder
 from .mlflow_sink import MlflowSink
@@ -201,7 +202,7 @@ class TrainingSession:
         if self._ckpt is None:
             self._ckpt = self._checkpointer(root)
             if self.rank == 0 and self._measure and self._goodput_log is None:
-                self._goodput_log = GoodputLog(self._ckpt.storage, self.launch_id)
+                self._goodput_log = GoodputLog(self._ckpt.storage, self.launch_id, world_size=self.world_size)
                 self.records.goodput = self._goodput_log
                 report = self.health.report
                 if report is not None:  # it ran before the root was opened: log it now
@@ -477,9 +478,9 @@ class TrainingSession:
         """The run this job's metrics go to (kept in each checkpoint so a resumed launch continues it)."""
         return (self._sink.run_id if self._sink is not None else None) or self.positions.resumed_run
 
-    def record_fetch(self, seconds: float) -> None:
-        """A training batch was fetched (after ``seconds``) and is handed to the step now."""
-        self.records.record_fetch(seconds)
+    def record_fetch(self, seconds: float, samples: int = 0) -> None:
+        """A training batch of ``samples`` was fetched (after ``seconds``) and is handed to the step now."""
+        self.records.record_fetch(seconds, samples)
         self.health.fetched()
 
     def before_backward(self) -> None:
@@ -556,12 +557,18 @@ class TrainingSession:
             self.records.log_summary()
             if self._goodput_log is not None:
                 self._goodput_log.close()
-                self.goodput = goodput_of(self._goodput_log.storage)
-                logger.info("%s: %s", self.config.owner, self.goodput.report())
-                if self._sink is not None:
-                    self._sink.log(self.goodput.as_metrics(), step)
+                self._report(self._goodput_log.storage, step)
             if self._sink is not None:
                 self._sink.close(status="FAILED" if self._failed is not None else "FINISHED")
+
+    def _report(self, storage: Storage, step: int) -> None:
+        """Rank 0 at the end: the goodput and accounting of every launch so far, logged and to MLflow."""
+        launches = read_events(storage)
+        self.goodput = analyze(launches)
+        logger.info("%s: %s", self.config.owner, self.goodput.report())
+        if self._sink is not None:
+            accounting = account(launches, sum(storage.sizes().values()))
+            self._sink.log({**self.goodput.as_metrics(), **as_metrics(accounting)}, step)
 
 
 class _Flush:

@@ -20,7 +20,7 @@ def test_a_window_publishes_per_step_fetch_of_the_slowest_rank_and_names_it():
     slow_rank = [0.5, 0.5, 0.5, 0.5]  # rank 1 waits far longer than rank 0
     recorder = Recorder(log_every_n_steps=4, rank=0)
     recorder.publish = lambda metrics, step: published.append((metrics, step))
-    recorder.gather = lambda mine: [mine, [*slow_rank, 0.9]]
+    recorder.gather = lambda mine: [mine, [*slow_rank, 0.9, 0.0]]  # fetches, fraction, restore bytes
     _run_steps(recorder, [1e-5, 2e-5, 3e-5, 4e-5])
     per_step = [(m["fetch_seconds"], s) for m, s in published if "fetch_seconds" in m]
     assert per_step == [(0.5, 1), (0.5, 2), (0.5, 3), (0.5, 4)], "max over ranks, at each step"

@@ -71,7 +71,7 @@ def test_local_put_leaves_no_partial_file_at_the_final_name(tmp_path):
     storage = Storage(str(tmp_path / "dst"), storage_options={}, retries=0, retry_backoff_seconds=0)
     src = tmp_path / "src.bin"
     src.write_bytes(os.urandom(1 << 20))
-    assert storage.put_file(str(src), "a/b.bin") == 1 << 20
+    assert storage.put_file(str(src), "a/b.bin").size == 1 << 20
     assert (tmp_path / "dst/a/b.bin").read_bytes() == src.read_bytes()
     assert [p.name for p in (tmp_path / "dst/a").iterdir()] == ["b.bin"], "no temp file may remain"
 

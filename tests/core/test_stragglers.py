@@ -131,9 +131,10 @@ def test_a_named_straggler_reaches_the_log_goodput_mlflow_tags_and_air_report(tm
     slow = {"median": 0.02}
 
     def gather(mine: list[float]) -> list[list[float]]:
-        # [3 fetches, data-wait fraction] as rank 0's, then rank 1's part: median, steps (, host once)
-        others = [slow["median"], 3.0, *(encode_host("node-b") if len(mine) > 6 else [])]
-        return [mine, mine[:4] + others]
+        # [3 fetches, data-wait fraction, restore bytes] as rank 0's, then rank 1's part: median, steps
+        # (, host once)
+        others = [slow["median"], 3.0, *(encode_host("node-b") if len(mine) > 7 else [])]
+        return [mine, mine[:5] + others]
 
     recorder.gather = gather
     with caplog.at_level(logging.INFO, logger="air_core.health.stragglers"):

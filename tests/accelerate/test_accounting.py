@@ -1,0 +1,96 @@
+"""``air report --json``'s bytes and work against what crossed the wire: an Accelerate job on an S3 root
+(moto on 127.0.0.1) behind a proxy that counts every object byte (``tests/s3_proxy.py``), killed once
+and resumed on a "new node" (an empty staging folder), so the restore downloads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+
+import pytest
+
+from air_core.layout import RESERVED_DIRS
+from tests.accelerate.runs import run_job
+from tests.conftest import REPO
+from tests.s3_proxy import CountingProxy
+from tests.zygote import python
+
+pytestmark = pytest.mark.slow
+BATCH = 4  # tests/accelerate/job.py
+
+
+def _data(key: str) -> bool:
+    """A checkpoint's data file (not a record, manifest or event log)."""
+    return not any(part in RESERVED_DIRS for part in key.split("/"))
+
+
+def _report(root: str, endpoint: str, *prices: str) -> dict:
+    options = json.dumps({"client_kwargs": {"endpoint_url": endpoint}})
+    out = subprocess.run(
+        [python(), "-m", "air_core.cli", "--storage-options", options, "report", "--json", root, *prices],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def test_report_bytes_match_the_bytes_the_s3_proxy_counted(tmp_path, s3_root):
+    bucket = s3_root.url.removeprefix("s3://").split("/")[0]
+    args = ("--workers", "0", "--every", "5", "--epochs", "2")
+    with CountingProxy(s3_root.endpoint) as proxy:
+        s3 = ("--root", s3_root.url, "--endpoint", proxy.url)
+        run_job(tmp_path, *args, *s3, "--kill", "15:upload_start", expect_signal=signal.SIGKILL)
+        shutil.rmtree(tmp_path / "nvme")  # the relaunch lands on a node without the staged copies
+        with proxy.lock:
+            before = dict(proxy.received)
+        run_job(tmp_path, *args, *s3)
+        prices = ("--gpu-hour-price", "3.6", "--storage-gb-month-price", "0.023", "--egress-gb-price", "0.09")
+        report = _report(s3_root.url, proxy.url, *prices)
+        with proxy.lock:
+            sent = {k: v for k, v in proxy.sent.items() if _data(k)}
+            deleted = {k: v for k, v in proxy.deleted.items() if _data(k)}
+            restored = {k: v - before.get(k, 0) for k, v in proxy.received.items() if _data(k)}
+            stored = sum(v for k, v in proxy.sizes.items() if k.startswith(f"{bucket}/run/"))
+
+    moved = report["bytes"]
+    assert moved["uploaded"] == sum(sent.values()) > 0, "every data byte sent, counted once"
+    assert moved["staged"] == moved["uploaded"], "an S3 root: everything staged is uploaded"
+    assert moved["linked"] == 0
+    assert moved["deleted"] == sum(deleted.values()) > 0, "keep_last=3 deleted the oldest saves"
+    assert moved["stored"] == stored, "what the bucket holds under the root"
+    assert moved["restore_downloaded"] == sum(restored.values()) > 0, "the new node downloaded step 10"
+    assert moved["staging_peak"] > 0
+
+    work = report["work"]
+    assert work["failures"] == 1
+    (failure,) = work["per_failure"]
+    assert failure["resumed_from_step"] == 10, "step 15's upload was killed: step 10 is the newest commit"
+    assert failure["recomputed_steps"] >= 1
+    assert failure["repeated_samples"] == failure["recomputed_steps"] * BATCH
+
+    cost = report["cost"]
+    assert cost["storage_per_month"] == pytest.approx(stored / 1e9 * 0.023)
+    assert cost["egress_restore"] == pytest.approx(moved["restore_downloaded"] / 1e9 * 0.09)
+    assert 0 < cost["gpu_recomputed_work"] < cost["gpu_total"]
+    assert 0 < report["goodput"]["goodput"] < 1
+
+
+def test_report_without_prices_has_no_cost_and_prices_must_be_numbers(tmp_path):
+    root = str(tmp_path / "empty")
+    out = subprocess.run(
+        [python(), "-m", "air_core.cli", "report", "--json", root], capture_output=True, text=True, cwd=REPO
+    )
+    report = json.loads(out.stdout)
+    assert "cost" not in report and report["bytes"]["uploaded"] == 0 and report["work"]["failures"] == 0
+    bad = subprocess.run(
+        [python(), "-m", "air_core.cli", "report", root, "--egress-gb-price", "cheap"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert bad.returncode == 2 and "--egress-gb-price: 'cheap' is not a price" in bad.stderr

@@ -1,0 +1,127 @@
+"""A staged save to a local root: handed over by hard link on one filesystem, copied across devices, and
+nothing lost when a link or rename fails halfway through a save's files."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from air_core import AsyncCheckpointer, SaveError, SaveRecord
+from air_core import storage as storage_module
+
+FILES = ("ck/a.pt", "ck/b.pt", "ck/c.pt")
+
+
+class Records:
+    def __init__(self):
+        self.saves: list[SaveRecord] = []
+
+    def on_event(self, event):
+        if isinstance(event, SaveRecord):
+            self.saves.append(event)
+
+
+def _files(step: int) -> dict[str, dict]:
+    return {rel: {"w": torch.full((256, 256), float(step * 10 + i))} for i, rel in enumerate(FILES)}
+
+
+def _save(ckpt: AsyncCheckpointer, step: int):
+    return ckpt.save_files({f.replace("ck", f"ck{step}"): v for f, v in _files(step).items()}, step=step)
+
+
+def _staged_and_root(ckpt: AsyncCheckpointer, root: str, info) -> list[tuple[os.stat_result, os.stat_result]]:
+    out = []
+    for entry in info.manifest.files:
+        cached = os.path.join(ckpt._cache_dir, entry.path)
+        out.append((os.stat(cached), os.stat(os.path.join(root, entry.path))))
+    return out
+
+
+def _check_loads(ckpt: AsyncCheckpointer, info, step: int) -> None:
+    paths = ckpt.fetch(info, ranks=[0]).paths
+    for i, entry in enumerate(info.manifest.files):
+        loaded = torch.load(paths[entry.path], weights_only=True)
+        assert torch.equal(loaded["w"], torch.full((256, 256), float(step * 10 + i))), entry.path
+
+
+def test_same_filesystem_links_the_staged_files_into_the_root(tmp_path):
+    records = Records()
+    root = str(tmp_path / "root")
+    with AsyncCheckpointer(root, staging_dir=str(tmp_path / "stage"), listeners=[records]) as ckpt:
+        info = _save(ckpt, 1).result(timeout=60)
+        for staged, at_root in _staged_and_root(ckpt, root, info):
+            assert staged.st_ino == at_root.st_ino and at_root.st_nlink == 2, "linked, not copied"
+        _check_loads(ckpt, info, 1)
+    (record,) = records.saves
+    assert record.staged_bytes == record.bytes == record.linked_bytes > 0
+    assert record.uploaded_bytes == 0
+    assert not [p for p in os.listdir(os.path.join(root, "ck1")) if p.startswith(".")], "no temp file stays"
+
+
+def test_another_device_gets_a_copy(tmp_path):
+    shm = "/dev/shm"
+    if not os.path.isdir(shm) or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.fail("the test needs /dev/shm on a filesystem of its own (a tmpfs), as on Linux")
+    records = Records()
+    root = str(tmp_path / "root")
+    stage = os.path.join(shm, f"air-test-{os.getpid()}-{tmp_path.name}")
+    try:
+        with AsyncCheckpointer(root, staging_dir=stage, listeners=[records]) as ckpt:
+            info = _save(ckpt, 1).result(timeout=60)
+            for staged, at_root in _staged_and_root(ckpt, root, info):
+                assert staged.st_dev != at_root.st_dev and at_root.st_nlink == 1
+            _check_loads(ckpt, info, 1)
+    finally:
+        import shutil
+
+        shutil.rmtree(stage, ignore_errors=True)
+    (record,) = records.saves
+    assert record.uploaded_bytes == record.bytes > 0 and record.linked_bytes == 0
+
+
+def test_a_filesystem_that_refuses_links_gets_a_copy(tmp_path, monkeypatch):
+    """A bind mount of the same disk has the same device number, and ``link`` fails with EXDEV."""
+
+    def refuse(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(storage_module.os, "link", refuse)
+    records = Records()
+    root = str(tmp_path / "root")
+    with AsyncCheckpointer(root, staging_dir=str(tmp_path / "stage"), listeners=[records]) as ckpt:
+        info = _save(ckpt, 1).result(timeout=60)
+        for staged, at_root in _staged_and_root(ckpt, root, info):
+            assert staged.st_ino != at_root.st_ino and at_root.st_nlink == 1
+        _check_loads(ckpt, info, 1)
+    assert records.saves[0].uploaded_bytes == records.saves[0].bytes
+
+
+@pytest.mark.parametrize("fails", ["link", "rename"])
+def test_a_link_or_rename_that_fails_halfway_loses_nothing(tmp_path, monkeypatch, fails):
+    root = str(tmp_path / "root")
+    real = {"link": os.link, "rename": os.replace}[fails]
+    calls = []
+
+    def second_fails(src, dst):  # the second file of save 2 to reach the root
+        if str(dst).startswith(os.path.join(root, "ck2")):
+            calls.append(dst)
+            if len(calls) == 2:
+                raise OSError(errno.EACCES if fails == "link" else errno.EROFS, f"{fails} refused (test)")
+        return real(src, dst)
+
+    with AsyncCheckpointer(root, staging_dir=str(tmp_path / "stage"), keep_last=3) as ckpt:
+        first = _save(ckpt, 1).result(timeout=60)
+        monkeypatch.setattr(storage_module.os, "link" if fails == "link" else "replace", second_fails)
+        with pytest.raises(SaveError, match=f"{fails} refused"):
+            _save(ckpt, 2).result(timeout=60)
+        monkeypatch.undo()
+        assert ckpt.latest().name == first.name, "the failed save is not committed"
+        _check_loads(ckpt, first, 1)
+        leftovers = [n for _, _, names in os.walk(root) for n in names if ".air-tmp" in n]
+        assert not leftovers, f"no temp file of the failed hand-over stays: {leftovers}"
+        again = _save(ckpt, 2).result(timeout=60)  # the same save, once the filesystem allows it
+        _check_loads(ckpt, again, 2)
+        assert ckpt.latest().name == again.name
