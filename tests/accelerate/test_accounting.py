@@ -1,5 +1,5 @@
 """``air report --json``'s bytes and work against what crossed the wire: an Accelerate job on an S3 root
-(moto on 127.0.0.1) behind a proxy that counts every object byte (``tests/s3_proxy.py``), killed once
+(moto on 127.0.0.1) behind a proxy that counts every object byte (``tests/faults/s3proxy.py``), killed once
 and resumed on a "new node" (an empty staging folder), so the restore downloads."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from air_core.layout import RESERVED_DIRS
 from tests.accelerate.runs import run_job
 from tests.conftest import REPO
-from tests.s3_proxy import CountingProxy
+from tests.faults.s3proxy import FaultProxy
 from tests.zygote import python
 
 pytestmark = pytest.mark.slow
@@ -42,20 +42,24 @@ def _report(root: str, endpoint: str, *prices: str) -> dict:
 def test_report_bytes_match_the_bytes_the_s3_proxy_counted(tmp_path, s3_root):
     bucket = s3_root.url.removeprefix("s3://").split("/")[0]
     args = ("--workers", "0", "--every", "5", "--epochs", "2")
-    with CountingProxy(s3_root.endpoint) as proxy:
+    proxy = FaultProxy(s3_root.endpoint)
+    try:
         s3 = ("--root", s3_root.url, "--endpoint", proxy.url)
         run_job(tmp_path, *args, *s3, "--kill", "15:upload_start", expect_signal=signal.SIGKILL)
         shutil.rmtree(tmp_path / "nvme")  # the relaunch lands on a node without the staged copies
         with proxy.lock:
-            before = dict(proxy.received)
+            before = dict(proxy.wire.received)
         run_job(tmp_path, *args, *s3)
         prices = ("--gpu-hour-price", "3.6", "--storage-gb-month-price", "0.023", "--egress-gb-price", "0.09")
         report = _report(s3_root.url, proxy.url, *prices)
         with proxy.lock:
-            sent = {k: v for k, v in proxy.sent.items() if _data(k)}
-            deleted = {k: v for k, v in proxy.deleted.items() if _data(k)}
-            restored = {k: v - before.get(k, 0) for k, v in proxy.received.items() if _data(k)}
-            stored = sum(v for k, v in proxy.sizes.items() if k.startswith(f"{bucket}/run/"))
+            wire = proxy.wire
+            sent = {k: v for k, v in wire.sent.items() if _data(k)}
+            deleted = {k: v for k, v in wire.deleted.items() if _data(k)}
+            restored = {k: v - before.get(k, 0) for k, v in wire.received.items() if _data(k)}
+            stored = sum(v for k, v in wire.sizes.items() if k.startswith(f"{bucket}/run/"))
+    finally:
+        proxy.close()
 
     moved = report["bytes"]
     assert moved["uploaded"] == sum(sent.values()) > 0, "every data byte sent, counted once"

@@ -1,19 +1,23 @@
-"""A fault-injecting HTTP proxy on 127.0.0.1 in front of moto's S3 server.
+"""A fault-injecting, byte-counting HTTP proxy on 127.0.0.1 in front of moto's S3 server.
 
 s3fs talks to the proxy as if it were S3; each request is forwarded to moto unchanged unless a rule
 matches it first. Rules answer what a real object store does on a bad day: throttling (503 SlowDown),
 access denied (403), a latency spike, a connection dropped half way through an upload, or an upload
-that is read and never answered.
+that is read and never answered. What passes is counted at the wire (``Wire``), so an accounting that
+misses or double counts a transfer cannot agree with it.
 """
 
 from __future__ import annotations
 
 import http.client
+import re
 import threading
 import time
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 _ERRORS = {
     503: ("SlowDown", "Please reduce your request rate."),
@@ -34,6 +38,63 @@ class Rule:
     hits: int = 0
 
 
+@dataclass
+class Wire:
+    """Object bytes that crossed the proxy, per ``bucket/key`` (path-style addressing, as botocore uses
+    for an ``http://127.0.0.1`` endpoint)."""
+
+    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Payload bytes uploaded per key (puts and parts, retries included)."""
+    received: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Body bytes of ``GetObject`` answers per key, ranged or not."""
+    sizes: dict[str, int] = field(default_factory=dict)
+    """What the bucket holds: each key's size once its put or multipart upload completed."""
+    deleted: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Each deleted key's size (``DeleteObject``, or a ``DeleteObjects`` batch naming it)."""
+    parts_sent: list[tuple[str, int]] = field(default_factory=list)
+    """(key, part number) of every part uploaded, in the order they completed."""
+    _parts: dict[str, dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
+
+    def record(self, method: str, path: str, headers: Any, body: bytes, status: int, data: bytes) -> None:
+        """Count one answered request (called under the proxy's lock)."""
+        parts = urlsplit(path)
+        key = unquote(parts.path.lstrip("/"))
+        query = parse_qs(parts.query, keep_blank_values=True)
+        payload = int(headers.get("x-amz-decoded-content-length", len(body)))
+        if not 200 <= status < 300:
+            return
+        if method == "PUT" and "/" in key:
+            self.sent[key] += payload
+            if "uploadId" in query:
+                self._parts[query["uploadId"][0]][int(query["partNumber"][0])] = payload
+                self.parts_sent.append((key, int(query["partNumber"][0])))
+            elif "x-amz-copy-source" not in headers:
+                self.sizes[key] = payload
+        elif method == "POST" and "uploadId" in query:  # the multipart upload completes
+            self.sizes[key] = sum(self._parts.pop(query["uploadId"][0]).values())
+        elif method == "DELETE" and "uploadId" in query:  # aborted
+            self._parts.pop(query["uploadId"][0], None)
+        elif method == "DELETE":
+            self._drop(key)
+        elif method == "POST" and "delete" in query:
+            bucket = key.split("/", 1)[0]
+            for name in re.findall(rb"<Key>(.*?)</Key>", body):
+                self._drop(f"{bucket}/{_xml_text(name)}")
+        elif method == "GET" and "/" in key:  # an object (a listing is GET /bucket?...)
+            self.received[key] += len(data)
+
+    def _drop(self, key: str) -> None:
+        if key in self.sizes:
+            self.deleted[key] += self.sizes.pop(key)
+
+
+def _xml_text(raw: bytes) -> str:
+    text = raw.decode()
+    for entity, char in (("&lt;", "<"), ("&gt;", ">"), ("&quot;", '"'), ("&apos;", "'"), ("&amp;", "&")):
+        text = text.replace(entity, char)
+    return text
+
+
 class FaultProxy:
     def __init__(self, upstream: str) -> None:
         self.upstream = urlsplit(upstream)
@@ -43,7 +104,13 @@ class FaultProxy:
         """``(path, Range header)`` of each ranged GET."""
         self.most_ranges_at_once = 0
         self._ranges_now = 0
-        self._lock = threading.Lock()
+        self.most_parts_at_once = 0
+        """The most ``UploadPart`` requests in flight at one time."""
+        self._parts_now = 0
+        self.wire = Wire()
+        self.lock = threading.Lock()
+        """Held while ``wire`` is updated: hold it to read ``wire`` consistently."""
+        self._lock = self.lock
         self._stop = threading.Event()
         proxy = self
 
@@ -91,17 +158,21 @@ class FaultProxy:
         rule = self._match(h.command, h.path)
         self.log.append((h.command, h.path, rule.action if rule else "pass"))
         ranged = h.command == "GET" and "Range" in h.headers
-        if ranged:
-            with self._lock:
+        part = h.command == "PUT" and "partNumber=" in h.path
+        with self._lock:
+            if ranged:
                 self.ranges.append((h.path, h.headers["Range"]))
                 self._ranges_now += 1
                 self.most_ranges_at_once = max(self.most_ranges_at_once, self._ranges_now)
+            if part:
+                self._parts_now += 1
+                self.most_parts_at_once = max(self.most_parts_at_once, self._parts_now)
         try:
             self._answer(h, rule, length)
         finally:
-            if ranged:
-                with self._lock:
-                    self._ranges_now -= 1
+            with self._lock:
+                self._ranges_now -= ranged
+                self._parts_now -= part
 
     def _answer(self, h: BaseHTTPRequestHandler, rule: Rule | None, length: int) -> None:
         if rule is not None and rule.action == "drop":  # half the body, then the connection is gone
@@ -126,6 +197,8 @@ class FaultProxy:
             conn.request(h.command, h.path, body=body, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
+            with self._lock:
+                self.wire.record(h.command, h.path, h.headers, body, resp.status, data)
             h.send_response(resp.status, resp.reason)
             head = h.command == "HEAD"  # a HEAD answer keeps the object's length
             skip = {"transfer-encoding", "connection", "server", "date"} | (
