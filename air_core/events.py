@@ -69,7 +69,8 @@ class SaveRecord:
     linked_bytes: int = 0
     """Handed to a local root on the staging folder's filesystem by a hard link: no byte copied."""
     staging_disk_bytes: int = 0
-    """What this node's staging folder held once this save was staged: its peak disk use for the save."""
+    """What this node's staging folder held once this save was serialized (its files, its spill and the
+    checkpoints the cache keeps): the save's peak disk use there."""
     # On rank 0 of a multi-rank save that committed, staged, uploaded and linked bytes are every rank's
     # (from their part records); elsewhere, this rank's.
 

@@ -251,13 +251,13 @@ class Writer:
             priority.finish()
         if run.following is not None:
             run.following.finish({rel: w.size for rel, w in written.items()})
+        run.size = sum(w.size for w in written.values())
+        if self._dest.cache_dir is not None:  # the peak: the cached saves, this one's files and its spill
+            run.moved["staged"] += run.size
+            run.staging_disk = folder_bytes(self._dest.cache_dir)
         job.snapshot.remove_spill()
         self._dest.place(temps)
         run.leftovers = self._dest.kept_locally(job.files)
-        run.size = sum(w.size for w in written.values())
-        if self._dest.cache_dir is not None:
-            run.moved["staged"] += run.size
-            run.staging_disk = folder_bytes(self._dest.cache_dir)
         run.seconds["staging"] = time.monotonic() - t0
         self._phase(job, "staged")
         return written

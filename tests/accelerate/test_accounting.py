@@ -26,17 +26,17 @@ def _data(key: str) -> bool:
     return not any(part in RESERVED_DIRS for part in key.split("/"))
 
 
-def _report(root: str, endpoint: str, *prices: str) -> dict:
+def _report(root: str, endpoint: str, *flags: str) -> str:
     options = json.dumps({"client_kwargs": {"endpoint_url": endpoint}})
     out = subprocess.run(
-        [python(), "-m", "air_core.cli", "--storage-options", options, "report", "--json", root, *prices],
+        [python(), "-m", "air_core.cli", "--storage-options", options, "report", root, *flags],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=REPO,
         check=True,
     )
-    return json.loads(out.stdout)
+    return out.stdout
 
 
 def test_report_bytes_match_the_bytes_the_s3_proxy_counted(tmp_path, s3_root):
@@ -51,7 +51,8 @@ def test_report_bytes_match_the_bytes_the_s3_proxy_counted(tmp_path, s3_root):
             before = dict(proxy.wire.received)
         run_job(tmp_path, *args, *s3)
         prices = ("--gpu-hour-price", "3.6", "--storage-gb-month-price", "0.023", "--egress-gb-price", "0.09")
-        report = _report(s3_root.url, proxy.url, *prices)
+        report = json.loads(_report(s3_root.url, proxy.url, "--json", *prices))
+        text = _report(s3_root.url, proxy.url, "--gpu-hour-price", "3.6")
         with proxy.lock:
             wire = proxy.wire
             sent = {k: v for k, v in wire.sent.items() if _data(k)}
@@ -82,6 +83,9 @@ def test_report_bytes_match_the_bytes_the_s3_proxy_counted(tmp_path, s3_root):
     assert cost["egress_restore"] == pytest.approx(moved["restore_downloaded"] / 1e9 * 0.09)
     assert 0 < cost["gpu_recomputed_work"] < cost["gpu_total"]
     assert 0 < report["goodput"]["goodput"] < 1
+    assert f"failure after launch 1: resumed from step 10; {failure['recomputed_steps']} step(s)" in text
+    assert "bytes: staged " in text and "cost: gpu recomputed work " in text
+    assert "cost: storage" not in text, "no storage price, no storage line"
 
 
 def test_report_without_prices_has_no_cost_and_prices_must_be_numbers(tmp_path):
