@@ -15,7 +15,8 @@ method in turn (interleaved, so a drift in the machine's load bills every method
 - ``dcp_async``: ``torch.distributed.checkpoint.async_save`` (thread mode, its default) to a
   ``FileSystemWriter``, on its own gloo group as torch advises (its thread runs collectives);
 - ``air``: ``air_core.dcp.save`` through one ``AsyncCheckpointer`` per rank, the root a local folder;
-- ``air_staged``: the same with ``staging_dir`` set, so files are written there and copied to the root;
+- ``air_staged``: the same with ``staging_dir`` set (a folder of the same disk), so files are written
+  there and hard-linked into the root;
 - ``air_overlap``: ``air`` with the parameters and AdamW state gated, as the adapters' sessions do with
   ``overlap_copies=True`` (``stepped_tensors``): copied on a thread during the next forward and backward,
   whose optimizer step waits for them (in the step slowdown, not in blocking).
