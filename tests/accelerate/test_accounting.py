@@ -27,6 +27,7 @@ def _data(key: str) -> bool:
 
 
 def _report(root: str, endpoint: str, *flags: str) -> str:
+    """``air report`` of ``root`` (the human lines are ``tests/core/test_accounting.py``'s)."""
     options = json.dumps({"client_kwargs": {"endpoint_url": endpoint}})
     out = subprocess.run(
         [python(), "-m", "air_core.cli", "--storage-options", options, "report", root, *flags],
@@ -41,18 +42,17 @@ def _report(root: str, endpoint: str, *flags: str) -> str:
 
 def test_report_bytes_match_the_bytes_the_s3_proxy_counted(tmp_path, s3_root):
     bucket = s3_root.url.removeprefix("s3://").split("/")[0]
-    args = ("--workers", "0", "--every", "5", "--epochs", "2")
+    args = ("--workers", "0", "--every", "3", "--epochs", "1")
     proxy = FaultProxy(s3_root.endpoint)
     try:
         s3 = ("--root", s3_root.url, "--endpoint", proxy.url)
-        run_job(tmp_path, *args, *s3, "--kill", "15:upload_start", expect_signal=signal.SIGKILL)
+        run_job(tmp_path, *args, *s3, "--kill", "12:upload_start", expect_signal=signal.SIGKILL)
         shutil.rmtree(tmp_path / "nvme")  # the relaunch lands on a node without the staged copies
         with proxy.lock:
             before = dict(proxy.wire.received)
         run_job(tmp_path, *args, *s3)
         prices = ("--gpu-hour-price", "3.6", "--storage-gb-month-price", "0.023", "--egress-gb-price", "0.09")
         report = json.loads(_report(s3_root.url, proxy.url, "--json", *prices))
-        text = _report(s3_root.url, proxy.url, "--gpu-hour-price", "3.6")
         with proxy.lock:
             wire = proxy.wire
             sent = {k: v for k, v in wire.sent.items() if _data(k)}
@@ -66,15 +66,15 @@ def test_report_bytes_match_the_bytes_the_s3_proxy_counted(tmp_path, s3_root):
     assert moved["uploaded"] == sum(sent.values()) > 0, "every data byte sent, counted once"
     assert moved["staged"] == moved["uploaded"], "an S3 root: everything staged is uploaded"
     assert moved["linked"] == 0
-    assert moved["deleted"] == sum(deleted.values()) > 0, "keep_last=3 deleted the oldest saves"
+    assert moved["deleted"] == sum(deleted.values()) > 0, "keep_last=3 deleted steps 3 and 6"
     assert moved["stored"] == stored, "what the bucket holds under the root"
-    assert moved["restore_downloaded"] == sum(restored.values()) > 0, "the new node downloaded step 10"
+    assert moved["restore_downloaded"] == sum(restored.values()) > 0, "the new node downloaded step 9"
     assert moved["staging_peak"] > 0
 
     work = report["work"]
     assert work["failures"] == 1
     (failure,) = work["per_failure"]
-    assert failure["resumed_from_step"] == 10, "step 15's upload was killed: step 10 is the newest commit"
+    assert failure["resumed_from_step"] == 9, "step 12's upload was killed: step 9 is the newest commit"
     assert failure["recomputed_steps"] >= 1
     assert failure["repeated_samples"] == failure["recomputed_steps"] * BATCH
 
@@ -83,22 +83,3 @@ def test_report_bytes_match_the_bytes_the_s3_proxy_counted(tmp_path, s3_root):
     assert cost["egress_restore"] == pytest.approx(moved["restore_downloaded"] / 1e9 * 0.09)
     assert 0 < cost["gpu_recomputed_work"] < cost["gpu_total"]
     assert 0 < report["goodput"]["goodput"] < 1
-    assert f"failure after launch 1: resumed from step 10; {failure['recomputed_steps']} step(s)" in text
-    assert "bytes: staged " in text and "cost: gpu recomputed work " in text
-    assert "cost: storage" not in text, "no storage price, no storage line"
-
-
-def test_report_without_prices_has_no_cost_and_prices_must_be_numbers(tmp_path):
-    root = str(tmp_path / "empty")
-    out = subprocess.run(
-        [python(), "-m", "air_core.cli", "report", "--json", root], capture_output=True, text=True, cwd=REPO
-    )
-    report = json.loads(out.stdout)
-    assert "cost" not in report and report["bytes"]["uploaded"] == 0 and report["work"]["failures"] == 0
-    bad = subprocess.run(
-        [python(), "-m", "air_core.cli", "report", root, "--egress-gb-price", "cheap"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert bad.returncode == 2 and "--egress-gb-price: 'cheap' is not a price" in bad.stderr

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from air_core.cli import main
 from air_core.session.accounting import Prices, account, as_metrics, lines
 
 
@@ -83,3 +86,12 @@ def test_a_launch_s_last_counts_hold_every_rank_s_restore_downloads():
     launch = _launch(0.0, 3, range(1, 5), restore, counts)
     assert account([launch], stored=0)["bytes"]["restore_downloaded"] == 300
     assert "cost" not in account([launch], stored=0)
+
+
+def test_air_report_json_without_prices_has_no_cost_and_a_price_must_be_a_number(tmp_path, capsys):
+    assert main(["report", "--json", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "cost" not in report and report["bytes"]["uploaded"] == 0 and report["work"]["failures"] == 0
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", str(tmp_path), "--egress-gb-price", "cheap"])
+    assert exit_.value.code == 2 and "--egress-gb-price: 'cheap' is not a price" in capsys.readouterr().err
