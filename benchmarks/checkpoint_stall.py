@@ -306,7 +306,7 @@ def worker(
     def state() -> dict:
         return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
-    save, cleanup = (methods or _method)(method, workdir, state_bytes)
+    save, cleanup = (methods or make_method)(method, workdir, state_bytes)
     timed_steps(step, 3 if load != "idle" else 10)  # the step's own allocations precede the baseline
     mem = PeakMemory()
     results, idle = [], []
@@ -346,7 +346,7 @@ def worker(
     }
 
 
-def _method(method: str, workdir: str, state_bytes: int) -> Method:
+def make_method(method: str, workdir: str, state_bytes: int) -> Method:
     """Return (save(state, path, i) -> Durable, cleanup)."""
     import torch
 
