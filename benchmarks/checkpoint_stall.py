@@ -405,8 +405,10 @@ def make_method(method: str, workdir: str, state_bytes: int) -> Method:
     return save, ckpt.close
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def fmt(value: float | None, spec: str, unit: str = "") -> str:
+    """``value`` formatted with its unit, or ``-`` (right-aligned to the same width) when there is none."""
+    width = int(spec.split(".")[0]) + len(unit)
+    return f"{'-':>{width}}" if value is None else format(value, spec) + unit
 
 
 LOAD_TITLES = {
@@ -431,7 +433,7 @@ def print_table(rows: dict[str, dict], load: str = "idle") -> None:
     for method, r in rows.items():
         line = (
             f"{LABELS[method]:32} {r['blocking_seconds']:10.3f} {r['durable_seconds']:10.3f} "
-            f"{_fmt(r['step_slowdown'], '13.2f')}x {r['peak_extra_mib']:10.0f}"
+            f"{fmt(r['step_slowdown'], '13.2f', 'x')} {r['peak_extra_mib']:10.0f}"
         )
         if base:
             line += (

@@ -156,11 +156,11 @@ def print_table(rows: dict[str, dict], load: str) -> None:
         slowdown = r["step_slowdown"]
         line = (
             f"{LABELS[method]:32} {r['blocking_seconds']:10.3f} {r['durable_seconds']:10.2f} "
-            f"{stall._fmt(slowdown, '13.2f')}x {r['bytes_per_second'] / 1e6:8.1f}"
+            f"{stall.fmt(slowdown, '13.2f', 'x')} {r['bytes_per_second'] / 1e6:8.1f}"
         )
         if dcp:
             ratio = slowdown / dcp["step_slowdown"] if slowdown and dcp["step_slowdown"] else None
-            line += f" {r['durable_seconds'] / dcp['durable_seconds']:12.2f} {stall._fmt(ratio, '13.2f')}"
+            line += f" {r['durable_seconds'] / dcp['durable_seconds']:12.2f} {stall.fmt(ratio, '13.2f')}"
         print(line)
 
 
