@@ -116,17 +116,36 @@ class DirectFile(io.RawIOBase):
         self._direct = False
 
 
-def copy_file(src: str, dst: str) -> None:
-    """Copy local file ``src`` to a new file ``dst``, reading and writing around the page cache.
-
-    Staged files reach a local root this way (not fsynced here: the caller syncs and places ``dst``).
-    """
+def open_read(path: str) -> int:
+    """A descriptor reading ``path`` around the page cache where the filesystem allows (``read_at``)."""
     try:
-        fd = os.open(src, os.O_RDONLY | _O_DIRECT)
+        return os.open(path, os.O_RDONLY | _O_DIRECT)
     except OSError as exc:
         if not _O_DIRECT or exc.errno != errno.EINVAL:
             raise
-        fd = os.open(src, os.O_RDONLY)
+        return os.open(path, os.O_RDONLY)
+
+
+def read_at(fd: int, buffer: mmap.mmap, offset: int) -> int:
+    """Read into ``buffer`` (page-aligned, as ``mmap`` gives) from ``offset`` (a multiple of 4 KiB) of
+    ``fd`` (from ``open_read``); the bytes read, fewer at the end of the file. Reading a checkpoint through
+    the page cache cost 0.5-1.1 s of CPU per 576 MiB on the 2-core machine, around it 0.16 s."""
+    try:
+        return os.preadv(fd, [buffer], offset)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL or not _O_DIRECT:
+            raise
+        _drop_direct(fd)
+        return os.preadv(fd, [buffer], offset)
+
+
+def copy_file(src: str, dst: str) -> None:
+    """Copy local file ``src`` to a new file ``dst``, reading and writing around the page cache.
+
+    Staged files reach a local root on another device this way (not fsynced here: the caller syncs and
+    places ``dst``).
+    """
+    fd = open_read(src)
     buffer = mmap.mmap(-1, COPY_CHUNK_BYTES)
     try:
         with DirectFile(dst, chunk_bytes=COPY_CHUNK_BYTES) as out:

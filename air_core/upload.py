@@ -4,8 +4,9 @@ the parts of a file the serializer is still writing sent as soon as they are wri
 s3fs's own ``put_file`` reads a file below 100 MiB whole into memory, and a larger one ten 50 MiB
 parts at a time: a save's size in memory again, on the host the snapshot already fills. Here an S3
 file above ``PART_BYTES`` goes up as a multipart upload whose parts are read from the staged file (on a
-worker thread, so the event loop keeps sending) only when one of ``PARTS_IN_FLIGHT`` slots is free:
-``PART_BYTES x PARTS_IN_FLIGHT`` bytes in memory per file, whatever its size. Parts of 16 MiB sent
+worker thread, so the event loop keeps sending, and around the page cache) only when one of
+``PARTS_IN_FLIGHT`` slots is free: ``PART_BYTES x PARTS_IN_FLIGHT`` bytes of bodies in memory per file,
+whatever its size, plus ``READ_BUFFERS`` read buffers. Parts of 16 MiB sent
 four at a time are what the AWS CLI does (8 MiB, ten at a time); moto, the S3 server the tests and
 benchmarks run, keeps parts up to 16 MiB in memory and writes larger ones to a temp file.
 
@@ -21,14 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import mmap
 import os
+import queue
 import threading
 from typing import Any
 
+from .directio import open_read, read_at
 from .internals import S3_CALL
 
 PART_BYTES = 16 << 20
 PARTS_IN_FLIGHT = 4
+READ_BUFFERS = 2
+"""Page-aligned buffers a file's parts are read into around the page cache (``directio.read_at``), each
+copied out at once into the part's body."""
 _SLACK = 4096
 """A file being written with O_DIRECT is padded to a 4 KiB block for a moment at its end: bytes that
 close to the end are not read until the file is finished."""
@@ -84,11 +92,12 @@ class Growing:
             return self._size
 
     def open(self) -> int:
-        """A descriptor of the file: at ``temp`` while written, at ``final`` once renamed."""
+        """A descriptor of the file (``directio.open_read``): at ``temp`` while written, at ``final`` once
+        renamed."""
         try:
-            return os.open(self.temp, os.O_RDONLY)
+            return open_read(self.temp)
         except FileNotFoundError:
-            return os.open(self.final, os.O_RDONLY)
+            return open_read(self.final)
 
 
 async def _grown(growing: Growing, end: int) -> int | None:
@@ -130,12 +139,26 @@ async def _put_s3(fs: Any, local_path: str, path: str, growing: Growing | None) 
         await _grown(growing, 0)  # the file exists (or is finished, and perhaps renamed)
         fd = growing.open()
     else:
-        fd = os.open(local_path, os.O_RDONLY)
+        fd = open_read(local_path)
+    buffers: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+    for _ in range(READ_BUFFERS):
+        buffers.put(mmap.mmap(-1, PART_BYTES))
+
+    def read_part(start: int, end: int) -> bytes:
+        buffer = buffers.get()
+        try:
+            n = read_at(fd, buffer, start)
+            if n < end - start:
+                raise OSError(errno.EIO, f"{local_path} ended at {start + n} bytes, before {end}")
+            return buffer[: end - start]  # the body: one copy out of the reused buffer
+        finally:
+            buffers.put(buffer)
+
     try:
         size = await wait(PART_BYTES) if growing is not None else os.fstat(fd).st_size
 
         async def read(start: int, end: int) -> bytes:
-            return await loop.run_in_executor(None, os.pread, fd, end - start, start)
+            return await loop.run_in_executor(None, read_part, start, end)
 
         if size is not None and size <= PART_BYTES:
             await call("put_object", Bucket=bucket, Key=key, Body=await read(0, size))
@@ -182,4 +205,7 @@ async def _put_s3(fs: Any, local_path: str, path: str, growing: Growing | None) 
             raise
     finally:
         os.close(fd)
+        while not buffers.empty():
+            with contextlib.suppress(BufferError):  # a cancelled part's read may still hold it
+                buffers.get().close()
         fs.invalidate_cache(path)
