@@ -445,6 +445,15 @@ def print_table(rows: dict[str, dict], load: str = "idle") -> None:
         print(line)
 
 
+def run_worker(cmd: list[str], what: str, env: dict[str, str] | None = None) -> dict | None:
+    """Run one worker process; its last line of output is its JSON row (None if it failed: stderr shown)."""
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if out.returncode != 0:
+        print(f"{what} failed:\n{out.stderr}", file=sys.stderr)
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def parse_loads(text: str) -> list[str]:
     """``all`` or a comma-separated list of ``LOADS``, in the order given."""
     loads = LOADS if text == "all" else [x.strip() for x in text.split(",") if x.strip()]
@@ -504,11 +513,10 @@ def main() -> int:
                     "--repeats",
                     str(args.repeats),
                 ]
-                out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-                if out.returncode != 0:
-                    print(f"{method} ({load}) failed:\n{out.stderr}", file=sys.stderr)
+                row = run_worker(cmd, f"{method} ({load})")
+                if row is None:
                     return 1
-                rows[method] = json.loads(out.stdout.strip().splitlines()[-1])
+                rows[method] = row
                 if not args.json:
                     print(f"measured {LABELS[method]} ({load})", file=sys.stderr, flush=True)
             finally:

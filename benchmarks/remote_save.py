@@ -207,17 +207,10 @@ def main() -> int:
                 try:
                     cmd = [sys.executable, __file__, "--worker", method, "--load", load, "--dir", workdir]
                     cmd += ["--size-mib", str(args.size_mib), "--repeats", str(args.repeats)]
-                    out = subprocess.run(
-                        cmd,
-                        capture_output=True,
-                        text=True,
-                        check=False,
-                        env=env | {"AIR_BENCH_BUCKET": bucket},
-                    )
-                    if out.returncode != 0:
-                        print(f"{method} ({load}) failed:\n{out.stderr}", file=sys.stderr)
+                    row = stall.run_worker(cmd, f"{method} ({load})", env | {"AIR_BENCH_BUCKET": bucket})
+                    if row is None:
                         return 1
-                    rows[method] = json.loads(out.stdout.strip().splitlines()[-1])
+                    rows[method] = row
                     if not args.json:
                         print(f"measured {LABELS[method]} ({load})", file=sys.stderr, flush=True)
                 finally:
