@@ -12,7 +12,8 @@ save every 5 steps (8 steps an epoch at world 2, 16 at world 1):
    re-forms the job at world 2; C's worker has no local state and receives A's part from A.
 3. The job finishes at world 2.
 
-Each interrupted epoch's samples are consumed exactly once across the world changes.
+Each interrupted epoch's samples are consumed once across the world changes (growing may pad the
+epoch's last step, as Accelerate pads an epoch).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.accelerate.job import N_SAMPLES
+from tests.accelerate.job import BATCH, N_SAMPLES
 from tests.accelerate.runs import JOB
 from tests.sameness import records
 from tests.torchrun_nodes import agent, free_port
@@ -97,5 +98,10 @@ def test_a_lost_node_resumes_from_the_replica_and_a_new_node_grows_the_job_back(
     epoch = min(r["epoch"] for r in grown)
     interrupted = [i for r in alone_run if r["epoch"] == epoch and r["step"] < grown_at for i in r["ids"]]
     interrupted += [i for r in grown if r["epoch"] == epoch for i in r["ids"]]
-    assert Counter(interrupted) == Counter(range(N_SAMPLES)), f"every sample of epoch {epoch} once (1 -> 2)"
+    # Growing splits the rest of the epoch over 2 ranks; when that is not a whole number of 2-rank steps,
+    # the last step is padded with samples from the epoch's start, as Accelerate pads an epoch.
+    counts = Counter(interrupted)
+    assert set(counts) == set(range(N_SAMPLES)), f"every sample of epoch {epoch} (1 -> 2)"
+    padding = sum(counts.values()) - N_SAMPLES
+    assert padding < 2 * BATCH and max(counts.values()) <= 2, f"only padding repeats: {padding} sample(s)"
     assert (tmp_path / "final.pt").exists(), "training completed"
