@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.data_loader import DataLoaderShard
 from accelerate.utils import DistributedType, broadcast_object_list
 from typing_extensions import override
 
@@ -41,7 +40,6 @@ from air_core.tiers import Resume
 
 from .folders import Folders, retention
 from .internals import (
-    BASE_DATALOADER,
     MLFLOW_ACTIVE_RUN,
     MODELS,
     OPTIMIZERS,
@@ -53,14 +51,13 @@ from .internals import (
 from .layout import (
     accelerate_files,
     air_file,
-    batch_layout,
     folder_view,
     model_file,
     rank_state_of,
-    start_epochs_at_iter,
 )
-from .plugin import AirPlugin, warn_if_inexact
+from .plugin import AirPlugin
 from .sharded import fsdp2_sharded, load_sharded, sharded_folders
+from .tracking import track_prepared
 
 logger = logging.getLogger(__name__)
 _SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
@@ -168,35 +165,14 @@ class AirAccelerator(Accelerator):
         prepared = super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         if id(prepared) in self._air_tracked:
             return prepared
-        if type(prepared) is not DataLoaderShard:
-            if getattr(prepared, "use_stateful_dataloader", False):  # its position is Accelerate's own state
-                start_epochs_at_iter(prepared)  # (dl_state_dict, main process), with its shuffle order
-                return prepared
-            logger.warning(
-                "AirAccelerator: %s loaders cannot resume exactly mid-epoch (only per-rank sharded loaders "
-                "can, and stateful dispatching ones); set DataLoaderConfiguration(dispatch_batches=False) or "
-                "use_stateful_dataloader=True to resume exactly.",
-                type(prepared).__name__,
-            )
-            return prepared
-        warn_if_inexact(prepared)
-        stateful = getattr(prepared, "use_stateful_dataloader", False)
-        if stateful:
-            start_epochs_at_iter(prepared)
-        base = BASE_DATALOADER.get(prepared)
-        layout = batch_layout(base)
-        tracked = self.air_session.positions.track(
-            base,
-            epoch=lambda: int(prepared.iteration),
-            lookahead=1,  # a DataLoaderShard fetches one batch ahead to detect the end
-            # Accelerate corrects a stateful loader's state for that batch.
-            exact_state=(prepared.state_dict, prepared.load_state_dict) if stateful else None,
+        if track_prepared(
+            self.air_session,
+            prepared,
             on_fetch=self._air_record_fetch,
             reenter=True,  # resume() returns the finished epoch: the loop runs the code after its batches
-            layout=layout,  # how the batches are dealt to processes, for a resume at another count
-        )
-        BASE_DATALOADER.set(prepared, tracked)
-        self._air_tracked.add(id(prepared))
+            who="AirAccelerator",
+        ):
+            self._air_tracked.add(id(prepared))
         return prepared
 
     @override

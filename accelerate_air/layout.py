@@ -33,6 +33,7 @@ from accelerate.utils import (
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
 from air_core.internals import STATEFUL_INITIAL_ITER, STATEFUL_ITERATOR
+from air_core.recovery import link_files
 from air_core.serializer import Bundle
 from air_core.session import DealtBatches, raw_from_safe
 
@@ -199,12 +200,7 @@ def folder_view(paths: dict[str, str], folder: str) -> Iterator[str]:
     stock save (``model.safetensors`` beside our ``pytorch_model.bin``) are never read."""
     view = tempfile.mkdtemp(prefix="air-load-")
     try:
-        for rel, local in paths.items():
-            if folder and not rel.startswith(f"{folder}/"):
-                continue
-            target = os.path.join(view, *(rel[len(folder) + 1 :] if folder else rel).split("/"))
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.symlink(os.path.abspath(local), target)
+        link_files(paths, folder, view)
         yield view
     finally:
         shutil.rmtree(view, ignore_errors=True)

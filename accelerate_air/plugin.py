@@ -126,16 +126,17 @@ class AirPlugin:
 _KNOWN_SAMPLERS = (RandomSampler, SequentialSampler, DistributedSampler)
 
 
-def warn_if_inexact(prepared: Any) -> None:
+def warn_if_inexact(prepared: Any, *, who: str = "AirAccelerator") -> None:
     """Warn, once per loader, when its mid-epoch resume can only be as exact as its dataset is repeatable."""
     if isinstance(prepared.dataset, IterableDataset) and not getattr(
         prepared, "use_stateful_dataloader", False
     ):
         logger.warning(
-            "AirAccelerator: an IterableDataset without a stateful loader resumes by re-reading this epoch's "
+            "%s: an IterableDataset without a stateful loader resumes by re-reading this epoch's "
             "consumed batches, which is exact only if the dataset yields the same items for the same seeds. "
             "Pass dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True) (torchdata) to "
-            "restore its position from its state instead."
+            "restore its position from its state instead.",
+            who,
         )
         return
     if (
@@ -144,16 +145,18 @@ def warn_if_inexact(prepared: Any) -> None:
         and not callable(getattr(prepared.dataset, "state_dict", None))
     ):
         logger.warning(
-            "AirAccelerator: a StatefulDataLoader with num_workers > 0 restores the sample position but not "
+            "%s: a StatefulDataLoader with num_workers > 0 restores the sample position but not "
             "its workers' RNG, so augmentation drawn from the worker RNG differs after a resume. Seed such "
             "augmentation from the sample index (and epoch), give the dataset state_dict/load_state_dict, or "
-            "use use_stateful_dataloader=False (AirAccelerator then replays the epoch's consumed batches)."
+            "use use_stateful_dataloader=False (the epoch's consumed batches are then replayed).",
+            who,
         )
     sampler = prepared.get_sampler()
     if sampler is not None and not isinstance(sampler, _KNOWN_SAMPLERS):
         logger.warning(
-            "AirAccelerator: the loader's sampler %s is not one AirAccelerator knows; a resume is exact "
+            "%s: the loader's sampler %s is not one air-plugins knows; a resume is exact "
             "only if its order depends on nothing but the global RNG, a torch.Generator attribute and "
             "set_epoch().",
+            who,
             type(sampler).__name__,
         )

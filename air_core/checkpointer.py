@@ -298,6 +298,11 @@ class AsyncCheckpointer:
         open_roots.settle(self._root_key, self._storage.url, "a verification")
         return verify_with(self._dest, info, max_transfers=self.config.max_transfers)
 
+    def keep(self, names: Iterable[str]) -> None:
+        """Retention keeps these checkpoints (a framework's best), counting them among ``keep_last`` as
+        the newest; applies from the next commit on. Replaces the names given before."""
+        self._writer.kept = frozenset(check_name(n) for n in names)
+
     def delete(self, name: str, *, even_newest: bool = False) -> threading.Event:
         """Delete checkpoint ``name`` on the writer thread, after every save submitted before.
 
@@ -334,7 +339,11 @@ class AsyncCheckpointer:
 
     @contextlib.contextmanager
     def restoring(
-        self, *, tier: Literal["remote", "local", "replica"] = "remote", before: float = 0.0
+        self,
+        *,
+        tier: Literal["remote", "local", "replica"] = "remote",
+        before: float = 0.0,
+        done: Iterable[RestoreRecord] = (),
     ) -> Iterator[None]:
         """Report the fetches and loads made inside as one restore: one ``RestoreRecord``, timed over the
         whole block, emitted when it ends without an exception.
@@ -344,12 +353,14 @@ class AsyncCheckpointer:
         one by one, each looked like a resume of its own (in the metrics and the goodput log), and
         the time between them (DCP reading slices, copying into the model) was not counted at all.
         Nested blocks report with the outermost. Calling thread only. ``tier``: where the checkpoint came
-        from (``RestoreRecord.tier``); ``before``: seconds spent getting it there, added to the record.
+        from (``RestoreRecord.tier``); ``before``: seconds spent getting it there, added to the record;
+        ``done``: reads of it made earlier by another checkpointer of the root (a resume found and
+        fetched before training started), which count in it.
         """
         if self._restores is not None:
             yield
             return
-        self._restores = []
+        self._restores = list(done)
         started = time.monotonic()
         try:
             yield

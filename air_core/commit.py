@@ -143,14 +143,21 @@ def write_manifest(storage: Storage, manifest: Manifest) -> None:
     storage.write_bytes(layout.manifest_path(manifest.name), manifest.to_json())
 
 
-def retention_victims(catalog: Catalog, *, keep_last: int, busy: frozenset[str]) -> list[CheckpointInfo]:
+def retention_victims(
+    catalog: Catalog, *, keep_last: int, busy: frozenset[str], kept: frozenset[str] = frozenset()
+) -> list[CheckpointInfo]:
     """What may be deleted now: committed checkpoints beyond the newest ``keep_last``, and partial
-    ones (with a part record) older than the newest commit that no save of ours is still writing."""
+    ones (with a part record) older than the newest commit that no save of ours is still writing.
+
+    ``kept`` (a framework's best checkpoint): counted among the ``keep_last`` as if newest, as
+    transformers' ``save_total_limit`` counts it; the newest commit is kept as well, always."""
     committed = catalog.committed
     if not committed:
         return []
-    newest_step = committed[-1].step
-    old = committed[:-keep_last] if len(committed) > keep_last else []
+    newest = committed[-1]
+    newest_step = newest.step
+    ranked = [i for i in committed if i.name not in kept] + [i for i in committed if i.name in kept]
+    old = [i for i in ranked[: max(len(ranked) - keep_last, 0)] if i is not newest]
     # A partial without a readable part record (step -1) may be a save whose first record another
     # rank is writing this instant: it is left alone (it holds no data file yet).
     stale = [

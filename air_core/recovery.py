@@ -12,6 +12,7 @@ the page cache into ``load_state_dict``, so a restore never holds a second full 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import time
 from dataclasses import dataclass
@@ -38,6 +39,18 @@ class LocalCheckpoint:
     paths: dict[str, str]
     """Path relative to the root -> local file."""
     source: Literal["local", "cache", "remote"]
+
+
+def link_files(paths: dict[str, str], folder: str, view: str) -> None:
+    """Link into the local folder ``view`` exactly the files of ``paths`` (root-relative path -> local
+    file) under ``folder`` (``""``: all), at their paths below it: a framework's loader handed ``view``
+    reads one commit's files and never a leftover beside them."""
+    for rel, local in paths.items():
+        if folder and not rel.startswith(f"{folder}/"):
+            continue
+        target = os.path.join(view, *(rel[len(folder) + 1 :] if folder else rel).split("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.symlink(os.path.abspath(local), target)
 
 
 def one_restore(records: list[RestoreRecord], seconds: float) -> RestoreRecord:

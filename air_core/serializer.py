@@ -2,7 +2,8 @@
 
 A file's state is written by one ``torch.save``, unless it is a ``Bundle``: then its items are
 written one after another (each tensor by its own ``torch.save``, bytes as they are), which is the
-layout of a ``torch.distributed.checkpoint`` data file, and the extent of each item is returned.
+layout of a ``torch.distributed.checkpoint`` data file, and the extent of each item is returned. A
+``raw`` bundle writes tensors as their bare bytes: ``formats.safetensors_file`` builds one.
 
 Two strategies of the ``Serializer`` protocol, chosen once by the checkpointer (``writer=``):
 ``ThreadSerializer`` runs on the writer thread itself; ``ProcessSerializer`` hands the snapshot's
@@ -41,6 +42,9 @@ class Bundle:
 
     items: list[Any]
     """``torch.Tensor`` or ``bytes``, in file order."""
+    raw: bool = False
+    """Tensors are written as their bytes alone (C order, native byte order), as ``safetensors`` and
+    other flat formats hold them, instead of one ``torch.save`` blob each."""
 
 
 class Written(NamedTuple):
@@ -59,7 +63,9 @@ def serialize_file(state: Any, path: str, *, fsync: bool, tick: Callable[[], Non
         if isinstance(state, Bundle):
             for item in state.items:
                 start = w.size
-                if isinstance(item, torch.Tensor):
+                if isinstance(item, torch.Tensor) and state.raw:
+                    w.write(raw_bytes(item))
+                elif isinstance(item, torch.Tensor):
                     # torch.save writes a tensor's whole storage: a view into a larger one is copied out
                     tensor = item if item.untyped_storage().nbytes() == item.nbytes else item.clone()
                     torch.save(tensor, cast(IO[bytes], w))
@@ -70,6 +76,12 @@ def serialize_file(state: Any, path: str, *, fsync: bool, tick: Callable[[], Non
             torch.save(state, cast(IO[bytes], w))
         w.finish(fsync=fsync)
     return Written(w.size, w.crc, tuple(extents))
+
+
+def raw_bytes(tensor: torch.Tensor) -> Any:
+    """A host tensor's elements as one flat byte buffer (a copy only for a non-contiguous view)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else b""
 
 
 def serialize_files(

@@ -126,6 +126,8 @@ class Writer:
         self._lock = threading.Lock()
         """Guards ``_busy`` and ``_thread`` (the training thread submits, the writer thread releases)."""
         self._busy: set[str] = set()
+        self.kept: frozenset[str] = frozenset()
+        """Checkpoints retention counts as newest (``AsyncCheckpointer.keep``); replaced, never mutated."""
         self._deferred: set[str] = set()
         self._forced: set[str] = set()
         self._failed_attempts: dict[str, int] = {}
@@ -403,7 +405,10 @@ class Writer:
         """Rank 0: delete what retention picks and what was asked for, all from one listing."""
         if self._config.rank == 0:
             catalog = read_catalog(self._storage)  # the one listing of this commit
-            for info in commit.retention_victims(catalog, keep_last=self._config.keep_last, busy=self.busy):
+            victims = commit.retention_victims(
+                catalog, keep_last=self._config.keep_last, busy=self.busy, kept=self.kept
+            )
+            for info in victims:
                 catalog = self._delete(info, catalog)
             self._run_deletes(catalog)
         self._dest.trim(self._config.keep_last)

@@ -198,7 +198,11 @@ class Paths:
 
     def is_saved(self, ckpt: AsyncCheckpointer, place: Place) -> bool:
         """Whether a commit, or a save of this session, owns ``place``."""
-        return bool(self._root(ckpt, place).owners.get(place.entry))
+        return bool(self.owners(ckpt, place))
+
+    def owners(self, ckpt: AsyncCheckpointer, place: Place) -> list[Owner]:
+        """The commits (and saves of this session in flight) whose files are in ``place``, newest last."""
+        return list(self._root(ckpt, place).owners.get(place.entry, []))
 
     def claim(self, ckpt: AsyncCheckpointer, place: Place, owner: Owner) -> list[threading.Event]:
         """Record that the save ``owner`` now writes ``place``, and retire the commits that owned it

@@ -1,0 +1,379 @@
+"""``AirTrainerCallback``: transformers' ``Trainer`` checkpoints, asynchronous, committed, exactly resumable.
+
+The callback owns one ``air_core.session.TrainingSession`` per ``train()`` call and maps Trainer's
+hooks onto it: ``on_train_begin`` (track the model and optimizer, restore each process's data position
+and RNG from the checkpoint resumed, start the MLflow sink, the watchdog and the SIGTERM flush),
+``on_pre_optimizer_step`` (the snapshot gate), ``on_step_end`` (step timings, straggler windows, the
+watchdog's beat), ``on_prediction_step`` (evaluation is progress). ``save`` builds the files
+``_save_checkpoint`` would write (``layout.py``) and commits them in the background. The calls no hook
+gives (the write itself, the resume path, the train loader, the step's backward) come from
+``AirTrainerMixin`` (``trainer.py``), which is why the callback refuses to run under a plain ``Trainer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import SaveStrategy
+
+from air_core import AsyncCheckpointer, CheckpointerConfig, ConfigError, Listener
+from air_core.config import settings_of
+from air_core.session import Owner, Place, SessionConfig, TrainingSession
+from air_core.storage import location
+
+from .layout import (
+    TRAINER_STATE_NAME,
+    air_file,
+    model_files,
+    optimizer_files,
+    rng_file,
+    trainer_rng,
+    trainer_state_bytes,
+    update_callback_states,
+)
+from .resume import checkpoint_url, fetched, rank_states
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+logger = logging.getLogger(__name__)
+KEEP_ALL = 2**31 - 1
+"""Retention that deletes nothing (``save_total_limit=None``)."""
+
+
+class AirTrainerCallback(TrainerCallback):
+    """Asynchronous, staged, committed checkpoints and exact resume for ``AirTrainer``.
+
+    ``AirTrainer(model, args, ..., callbacks=[AirTrainerCallback(staging_dir="/nvme/air")])``; without
+    one, ``AirTrainer`` adds ``AirTrainerCallback()``. Settings that ``TrainingArguments`` has stay
+    there: ``output_dir`` is the root (any fsspec URL), ``save_total_limit`` the retention (applied once a
+    newer checkpoint commits; the best checkpoint is kept as Trainer keeps it), ``logging_steps`` the
+    metrics window, ``save_steps``/``save_strategy`` when to save. The arguments here are those it has
+    not; they mean what ``accelerate_air.AirPlugin``'s do (README, "Settings").
+
+    Args:
+        root: where checkpoints go instead of ``args.output_dir`` (None: ``output_dir``).
+        staging_dir: local folder the files are written to first (and kept in as the local cache).
+        mlflow: send ``fetch_seconds``, checkpoint latency and goodput to MLflow (process 0, background
+            thread): into transformers' ``MLflowCallback`` run when ``report_to`` has it, else the active
+            run, else a new run. None: when MLflow is installed.
+
+    Raises:
+        ConfigError: a setting is invalid (named, with the fix), before anything runs.
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        *,
+        staging_dir: str | None = None,
+        host_budget_bytes: int | None = None,
+        max_in_flight: int = 1,
+        on_busy: Literal["wait", "skip"] = "wait",
+        writer: Literal["thread", "process"] = "thread",
+        storage_options: dict[str, Any] | None = None,
+        max_transfers: int = 8,
+        retries: int = 5,
+        commit_timeout_seconds: float = 600.0,
+        flush_timeout_seconds: float = 600.0,
+        mlflow: bool | None = None,
+        mlflow_experiment: str = "air-plugins",
+        overlap_copies: bool = False,
+        straggler_threshold: float | None = 0.75,
+        stop_on_straggler: bool = False,
+        preflight: bool | list[str] = True,
+        hang_watchdog: bool | None = None,
+        hang_timeout_seconds: float | None = None,
+        hang_floor_seconds: float = 300.0,
+    ) -> None:
+        if root is not None and (not isinstance(root, str) or not root.strip()):
+            raise ConfigError(
+                f"AirTrainerCallback(root={root!r}): pass a folder or URL, or None for args.output_dir."
+            )
+        self.root = root
+        self.checkpointer = settings_of(
+            CheckpointerConfig,
+            locals(),
+            root=root or "output_dir",  # replaced at train(): args.output_dir
+            close_timeout_seconds=flush_timeout_seconds,
+        )
+        """The checkpointer's settings (validated now; root and retention come at ``train()``)."""
+        self.session_config = settings_of(SessionConfig, locals(), owner="AirTrainerCallback")
+        """The training session's settings (validated now)."""
+        self.listeners: list[Listener] = []
+        self.session: TrainingSession | None = None
+        """This process's session during ``train()`` (``session.records``: fetch times, saves, restores)."""
+        self.last_session: TrainingSession | None = None
+        """The session of the last ``train()`` (``last_session.goodput`` on process 0)."""
+        self._trainer: Trainer | None = None
+        self._ckpt: AsyncCheckpointer | None = None
+        self._resumed: dict[int, dict[str, Any]] = {}
+        self._resumed_from = ""
+        self._mlflow_env: str | None = None
+        self._restore = contextlib.ExitStack()
+        self.positioned: set[int] = set()
+        """Ids of loaders whose position the session keeps: Trainer's own skip of them is not needed."""
+
+    def add_listener(self, listener: Listener) -> None:
+        """Receive the core's events (phases, save and restore records); call before ``train()``."""
+        if listener not in self.listeners:
+            self.listeners.append(listener)
+
+    def __repr__(self) -> str:  # storage_options may hold credentials: never shown
+        return f"AirTrainerCallback(root={self.root!r})"
+
+    # -- AirTrainerMixin's calls ----------------------------------------------------------------------
+    def bind(self, trainer: Trainer) -> None:
+        """Called by ``AirTrainerMixin.__init__``: check what the trainer is set to, before any step."""
+        check_supported(trainer)
+        self._trainer = trainer
+        root = self.root_of(trainer.args)
+        if "://" in root and not os.listdir(trainer.args.output_dir or "."):
+            # Trainer made output_dir as a local folder ("s3:/bucket/run"): nothing is written there
+            with contextlib.suppress(OSError):
+                os.removedirs(trainer.args.output_dir)
+
+    def root_of(self, args: TrainingArguments) -> str:
+        """The checkpoint root: ``root``, else ``args.output_dir``."""
+        return (self.root or args.output_dir).rstrip("/")
+
+    def begin(self, trainer: Trainer, resume_from: str | None) -> None:
+        """``train()`` starts: open this process's session and root (pre-flight first), and read the
+        resumed checkpoint's process states (``resume_from``: the folder Trainer loads, or None)."""
+        if self._trainer is not trainer:
+            raise ConfigError(
+                "AirTrainerCallback: this callback belongs to another trainer; give each AirTrainer its own."
+            )
+        args = trainer.args
+        limit = args.save_total_limit
+        self.session = session = TrainingSession(
+            replace(self.session_config, log_every_n_steps=max(int(args.logging_steps or 50), 1)),
+            checkpointer=replace(
+                self.checkpointer,
+                root=self.root_of(args),
+                keep_last=KEEP_ALL if not limit else max(int(limit), 1),
+            ),
+            rank=args.process_index,
+            world_size=args.world_size,
+            broadcast=_broadcast,
+            gather=lambda values: _gather(values, args.device),
+            listeners=self.listeners,
+        )
+        root = self.root_of(args)
+        session.preflight(root)
+        self._ckpt = session.open(root)
+        self._resumed, self._resumed_from = {}, ""
+        self.positioned = set()
+        self._restore = contextlib.ExitStack()
+        if resume_from is not None:
+            root_key, record = fetched.get(resume_from, ("", None))
+            if record is not None and root_key == location(root):  # that fetch, Trainer's loads: one
+                self._restore.enter_context(self._ckpt.restoring(before=record.seconds, done=[record]))
+            self._resumed = rank_states(resume_from, session, what=f"AirTrainer.train({resume_from!r})")
+            self._resumed_from = resume_from if self._resumed else ""
+            run = (self._resumed.get(0) or {}).get("mlflow_run_id")
+            if run and "MLFLOW_RUN_ID" not in os.environ and _reports_to_mlflow(args):
+                # transformers' MLflowCallback starts its run from this (read in its on_train_begin)
+                os.environ["MLFLOW_RUN_ID"] = self._mlflow_env = run
+
+    def track_loader(self, prepared: Any) -> None:
+        """The train loader Trainer iterates (``get_train_dataloader``): its position goes in each save."""
+        from accelerate_air.tracking import track_prepared
+
+        if self.session is not None and track_prepared(
+            self.session, prepared, on_fetch=self.session.record_fetch, reenter=False, who="AirTrainer"
+        ):
+            self.positioned.add(id(prepared))
+
+    def continues(self, loader: Any) -> bool:
+        """Whether ``loader`` already continues where the resumed checkpoint left it."""
+        return bool(self._resumed) and id(loader) in self.positioned
+
+    def restored(self, checkpoint: str | None) -> bool:
+        """Whether the session restored the data position and RNG of ``checkpoint`` (Trainer's own RNG
+        restore is then skipped)."""
+        return bool(self._resumed_from) and checkpoint == self._resumed_from
+
+    def before_backward(self) -> None:
+        """The step's forward is done (``compute_loss`` returned): the straggler section ends."""
+        if self.session is not None:
+            self.session.before_backward()
+
+    def end(self, error: BaseException | None) -> None:
+        """``train()`` returns or raises: commit what is in flight (bounded), report goodput, end the run
+        the session started. A save error is raised, unless ``train()`` is failing already."""
+        session, self.session = self.session, None
+        self._restore = contextlib.ExitStack()  # a train() that failed before its first step: no restore
+        if self._mlflow_env is not None:
+            os.environ.pop("MLFLOW_RUN_ID", None)
+            self._mlflow_env = None
+        if session is None:
+            return
+        self.last_session = session
+        step = self._trainer.state.global_step if self._trainer is not None else 0
+        if error is not None:
+            session.fail(error)
+        session.close(step)
+
+    def wait_for_checkpoints(self, timeout: float | None = None) -> None:
+        """Block until every save so far is committed (raises the first failure)."""
+        if self.session is not None and self._ckpt is not None:
+            with self.session.watchdog_paused():
+                self._ckpt.flush(self.session_config.flush_timeout_seconds if timeout is None else timeout)
+
+    # -- Trainer's hooks ------------------------------------------------------------------------------
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        session = self.session
+        if session is None:
+            raise ConfigError(
+                "AirTrainerCallback was added to a plain transformers Trainer, which writes checkpoints "
+                "synchronously in a method no callback can replace; use transformers_air.AirTrainer (or "
+                "AirTrainerMixin with your Trainer subclass)."
+            )
+        model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+        if model is not None:
+            session.track_model(model)
+        if optimizer is not None:
+            session.track_optimizer(getattr(optimizer, "optimizer", optimizer))
+        if self._resumed:
+            session.positions.restore(self._resumed, what=f"AirTrainer: the checkpoint {self._resumed_from}")
+        elif state.global_step > 0:
+            logger.warning(
+                "AirTrainer: resumed at step %d from a folder without %s files (not saved by AirTrainer); "
+                "Trainer skips the consumed batches itself, and loader workers' RNG is not restored.",
+                state.global_step,
+                air_file(args.process_index),
+            )
+        self._restore.close()  # Trainer loaded the weights, optimizer and state since ``begin``
+        if state.best_model_checkpoint is None and state.best_global_step and self._ckpt is not None:
+            # Trainer drops a best checkpoint it cannot see as a local folder (a remote root)
+            state.best_model_checkpoint = checkpoint_url(self.root_of(args), state.best_global_step)
+        run = _mlflow_active_run() if _reports_to_mlflow(args) else None
+        session.start(mlflow_run_id=run, run_is_ours=run is None)
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.session is not None:
+            self.session.before_optimizer_step()
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.session is not None:
+            self.session.record_step(state.global_step)
+
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.session is not None:
+            self.session.record_progress()
+
+    # -- the save ------------------------------------------------------------------------------------
+    def save(self, trainer: Trainer, trial: Any) -> None:
+        """``Trainer._save_checkpoint``, asynchronous: the files it writes, committed as one checkpoint
+        ``checkpoint-<global_step>`` under the root (retention after the commit)."""
+        session, ckpt = self.session, self._ckpt
+        if session is None or ckpt is None:
+            raise ConfigError(
+                "AirTrainer: a checkpoint save outside train(); call trainer.save_model(folder) to save "
+                "the model after training."
+            )
+        if trial is not None:
+            raise ConfigError("AirTrainer: hyperparameter_search trials are not checkpointed; use Trainer.")
+        args, state = trainer.args, trainer.state
+        if trainer.hp_search_backend is None:
+            trainer.store_flos()
+        root = self.root_of(args)
+        entry = f"checkpoint-{state.global_step}"
+        if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and (
+            state.best_global_step
+        ):
+            best = f"checkpoint-{state.best_global_step}"
+            if best == entry or session.paths.is_saved(ckpt, Place(root, best)):
+                state.best_model_checkpoint = checkpoint_url(root, state.best_global_step)
+        main = args.process_index == 0
+        files: dict[str, Any] = {}
+        if main:
+            files.update(model_files(trainer))
+        rank_state = session.rank_state()
+        if not args.save_only_model:
+            if main:
+                files.update(optimizer_files(trainer))
+            distributed = args.world_size > 1
+            files[rng_file(args.process_index, args.world_size)] = trainer_rng(
+                rank_state["rng"], distributed=distributed
+            )
+        if main:
+            update_callback_states(trainer)
+            files[TRAINER_STATE_NAME] = _bytes(trainer_state_bytes(trainer))
+        files[air_file(args.process_index)] = {"global_step": state.global_step, "rank_state": rank_state}
+        place = Place(root, entry)
+        name = session.paths.fresh(ckpt, entry, place=place)
+        session.paths.claim(ckpt, place, Owner(name, state.global_step, folder=True))
+        if main and state.best_model_checkpoint is not None:  # retention keeps it, as rotation does
+            best_entry = state.best_model_checkpoint.rstrip("/").rsplit("/", 1)[-1]
+            ckpt.keep(o.name for o in session.paths.owners(ckpt, Place(root, best_entry)))
+        session.save({place.join(f): s for f, s in files.items()}, step=state.global_step, name=name)
+        if "://" not in root:  # as after a stock save, the folder exists (a script may add files)
+            os.makedirs(place.url, exist_ok=True)
+
+
+def _bytes(data: bytes) -> Any:
+    from air_core.serializer import Bundle
+
+    return Bundle([data])
+
+
+def check_supported(trainer: Trainer) -> None:
+    """Raise ``ConfigError`` for what ``AirTrainer`` does not checkpoint (yet), naming the way out."""
+    args = trainer.args
+    unsupported = [
+        (trainer.is_deepspeed_enabled, "DeepSpeed"),
+        (trainer.is_fsdp_enabled, "FSDP"),
+        (getattr(trainer, "is_fsdp_xla_enabled", False), "FSDP on XLA"),
+        (args.push_to_hub, "push_to_hub"),
+    ]
+    for on, what in unsupported:
+        if on:
+            raise ConfigError(
+                f"AirTrainer: {what} is not checkpointed by air-plugins yet (single-process and DDP runs "
+                "are); use transformers' Trainer for this run."
+            )
+
+
+def _broadcast(value: str) -> str:
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value])[0]
+
+
+def _gather(values: list[float], device: torch.device) -> list[list[float]]:
+    import torch.distributed as dist
+
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
+def _reports_to_mlflow(args: TrainingArguments) -> bool:
+    report_to = args.report_to if isinstance(args.report_to, list) else [args.report_to]
+    return "mlflow" in report_to or "all" in report_to
+
+
+def _mlflow_active_run() -> str | None:
+    try:
+        import mlflow
+    except ImportError:
+        return None
+    run = mlflow.active_run()
+    return run.info.run_id if run is not None else None

@@ -1,0 +1,92 @@
+"""Each private name of transformers that ``transformers_air`` overrides, replaces or reads, as a ``Touch``.
+
+``Trainer`` has callback hooks around a checkpoint save (``on_save``, after it) but none that replaces
+how one is written, loaded, or how the data is skipped on resume. ``AirTrainerMixin`` overrides three
+private methods where that happens, and replaces two module-level functions on the calls that need it.
+Checked by reading the source of transformers 5.24.0 and by ``tests/transformers/test_internals.py``
+(run against the installed release):
+
+- ``Trainer._save_checkpoint(model, trial)``: the one place a checkpoint folder is written (weights,
+  optimizer, scheduler, scaler, RNG, ``trainer_state.json``, rotation), synchronously. Overridden: the
+  same files are built in memory and committed in the background (``layout.py``).
+- ``Trainer._load_rng_state(checkpoint)``: restores the RNG after the first batches of a resumed epoch
+  were fetched; the session puts it back right before that fetch (so draws made while fetching match),
+  so the stock restore is skipped for a checkpoint whose position the session restored.
+- ``Trainer._load_best_model()``: reads ``state.best_model_checkpoint`` as a local folder; overridden to
+  hand it the best commit's verified local copy (the root may be remote).
+- ``Trainer._get_output_dir(trial)``: the run folder checkpoints go in (read, as stock does).
+- ``transformers.trainer.skip_first_batches``: the module-level function Trainer's epoch loop calls to
+  skip the batches a checkpoint consumed. Replaced by a function that returns a loader whose position
+  the session restored as it is (it already continues after them) and calls the original otherwise.
+- ``transformers.modeling_utils.safe_save_file``: ``save_pretrained`` writes each weight shard through
+  it. Replaced only while ``layout.model_files`` runs ``save_model`` into a scratch folder, so the
+  shards' tensors are captured (and written later by the writer thread) instead of written.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+
+from air_core.internals import Touch
+
+_CHECKED = "5.24.0"
+
+
+def _transformers(where: str, why: str) -> Touch:
+    return Touch("transformers", where, _CHECKED, why)
+
+
+SAVE_CHECKPOINT = _transformers(
+    "Trainer._save_checkpoint",
+    "Trainer writes a checkpoint there, synchronously, and no callback hook replaces the write",
+)
+LOAD_RNG_STATE = _transformers(
+    "Trainer._load_rng_state",
+    "Trainer restores the RNG there after fetching the resumed epoch's first batches, later than the "
+    "point an exact resume needs",
+)
+LOAD_BEST_MODEL = _transformers(
+    "Trainer._load_best_model",
+    "Trainer loads the best checkpoint there from a local folder path, and the root may be remote",
+)
+GET_OUTPUT_DIR = _transformers(
+    "Trainer._get_output_dir",
+    "it is where Trainer decides the run folder its checkpoints go in",
+)
+SKIP_FIRST_BATCHES = _transformers(
+    "transformers.trainer.skip_first_batches",
+    "Trainer's epoch loop skips a resumed epoch's consumed batches through it, with no hook to say the "
+    "loader already continues after them",
+)
+SAFE_SAVE_FILE = _transformers(
+    "transformers.modeling_utils.safe_save_file",
+    "save_pretrained writes each weight shard through it, and has no option that returns the shards "
+    "instead of writing them",
+)
+
+OVERRIDDEN = {
+    SAVE_CHECKPOINT: ("self", "model", "trial"),
+    LOAD_RNG_STATE: ("self", "checkpoint"),
+    LOAD_BEST_MODEL: ("self",),
+    GET_OUTPUT_DIR: ("self", "trial"),
+}
+"""Each overridden or called private method -> the parameters it is checked to take."""
+
+
+def check_methods(trainer_class: type) -> None:
+    """Raise the touch's error if a private method this package overrides or calls changed shape."""
+    for touch, params in OVERRIDDEN.items():
+        method = touch.get(trainer_class)
+        found = tuple(inspect.signature(method).parameters)
+        if found != params:
+            raise touch.broken(f"its parameters are {found}, not {params}")
+
+
+def module_function(touch: Touch) -> tuple[Any, str]:
+    """The module a module-level touch lives in, and the function's name there (checked present)."""
+    module_name, name = touch.where.rsplit(".", 1)
+    module = importlib.import_module(module_name)
+    touch.get(module)
+    return module, name

@@ -1,0 +1,125 @@
+"""The files ``Trainer._save_checkpoint`` writes, by transformers' own names, built in memory for the core.
+
+Keeping transformers' layout (``model.safetensors`` or its shards and index, ``config.json``, the
+tokenizer's files, ``training_args.bin``, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``,
+``rng_state.pth`` / ``rng_state_<r>.pth``, ``trainer_state.json``) is what lets a stock
+``Trainer.train(resume_from_checkpoint=folder)`` and ``from_pretrained(folder)`` read a downloaded
+checkpoint. The model's files come from transformers' own ``save_model`` run into a scratch folder, with
+the weight shards captured rather than written (``internals.SAFE_SAVE_FILE``): every rule of
+``save_pretrained`` (tied weights, shards, weight-name conversions, configs) stays transformers'. The
+shards become ``air_core.formats.safetensors_file`` bundles that the writer thread writes. Only what a
+process would write is built: process 0 the shared files, every process its RNG file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer_callback import ExportableState
+
+from air_core.formats import safetensors_file
+from air_core.serializer import Bundle
+
+from .internals import SAFE_SAVE_FILE, module_function
+
+OPTIMIZER_NAME = "optimizer.pt"
+SCHEDULER_NAME = "scheduler.pt"
+SCALER_NAME = "scaler.pt"
+TRAINER_STATE_NAME = "trainer_state.json"
+_capture_lock = threading.Lock()
+
+
+def air_file(rank: int) -> str:
+    """This process's own state beside transformers' files (loader positions, RNG, MLflow run)."""
+    return f"air-rank-{rank:05d}.pt"
+
+
+def rng_file(rank: int, world_size: int) -> str:
+    """The RNG file ``Trainer._save_rng_state`` writes for ``rank``."""
+    return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
+
+
+@contextlib.contextmanager
+def _captured_shards() -> Iterator[dict[str, tuple[dict[str, torch.Tensor], dict[str, str] | None]]]:
+    """While inside, ``save_pretrained``'s shard writes are recorded (file name -> tensors, metadata)."""
+    module, name = module_function(SAFE_SAVE_FILE)
+    shards: dict[str, tuple[dict[str, torch.Tensor], dict[str, str] | None]] = {}
+
+    def capture(
+        tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str] | None = None
+    ) -> None:
+        shards[os.path.basename(filename)] = (dict(tensors), metadata)
+
+    with _capture_lock:
+        original = getattr(module, name)
+        setattr(module, name, capture)
+        try:
+            yield shards
+        finally:
+            setattr(module, name, original)
+
+
+def model_files(trainer: Trainer) -> dict[str, Any]:
+    """What ``trainer.save_model(checkpoint_folder)`` writes: weight shards as safetensors bundles of the
+    live tensors (the snapshot copies them), every other file as its bytes."""
+    with tempfile.TemporaryDirectory(prefix="air-model-") as scratch, _captured_shards() as shards:
+        trainer.save_model(scratch, _internal_call=True)
+        files: dict[str, Any] = {}
+        for top, _, names in os.walk(scratch):
+            for entry in names:
+                path = os.path.join(top, entry)
+                with open(path, "rb") as f:
+                    files[os.path.relpath(path, scratch).replace(os.sep, "/")] = Bundle([f.read()])
+    for filename, (tensors, metadata) in shards.items():
+        files[filename] = safetensors_file(tensors, metadata)
+    return files
+
+
+def trainer_rng(rng: dict[str, Any], *, distributed: bool) -> dict[str, Any]:
+    """The session's RNG capture in ``Trainer._save_rng_state``'s format."""
+    from air_core.session import raw_from_safe
+
+    python, numpy_state, torch_state = raw_from_safe(rng)
+    states: dict[str, Any] = {"python": python, "numpy": numpy_state, "cpu": torch_state}
+    if "cuda" in rng:
+        states["cuda"] = rng["cuda"] if distributed else rng["cuda"][torch.cuda.current_device()]
+    return states
+
+
+def update_callback_states(trainer: Trainer) -> None:
+    """As ``_save_checkpoint`` does before writing ``trainer_state.json``: each ``ExportableState``
+    callback's (and the control's) state into ``state.stateful_callbacks``."""
+    state = trainer.state
+    for cb in [
+        c for c in [*trainer.callback_handler.callbacks, trainer.control] if isinstance(c, ExportableState)
+    ]:
+        name = cb.__class__.__name__
+        if isinstance(state.stateful_callbacks[name], list):
+            state.stateful_callbacks[name].append(cb.state())
+        else:
+            state.stateful_callbacks[name] = cb.state()
+
+
+def trainer_state_bytes(trainer: Trainer) -> bytes:
+    """``trainer_state.json`` as ``TrainerState.save_to_json`` writes it."""
+    return (json.dumps(dataclasses.asdict(trainer.state), indent=2, sort_keys=True) + "\n").encode()
+
+
+def optimizer_files(trainer: Trainer) -> dict[str, Any]:
+    """``optimizer.pt``, ``scheduler.pt`` and ``scaler.pt`` (process 0, as the stock save writes them)."""
+    files: dict[str, Any] = {OPTIMIZER_NAME: trainer.optimizer.state_dict()}
+    if trainer.lr_scheduler is not None:
+        files[SCHEDULER_NAME] = trainer.lr_scheduler.state_dict()
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    if scaler is not None:
+        files[SCALER_NAME] = scaler.state_dict()
+    return files

@@ -1,0 +1,163 @@
+"""Finding, fetching and reading committed Trainer checkpoints: ``latest_checkpoint`` and its helpers.
+
+Trainer loads a checkpoint from a local folder path. ``latest_checkpoint`` picks the newest committed
+checkpoint under a root (any fsspec URL) whose files verify, fetches this process's files into the
+local cache (a local root is read in place) and returns a folder holding exactly that commit's files
+(links into the cache): files a crashed save left beside them are never read.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+from air_core import AsyncCheckpointer, CheckpointInfo, ConfigError, CorruptCheckpointError, RestoreRecord
+from air_core.recovery import link_files
+from air_core.session import TrainingSession, entry_of_commit
+from air_core.storage import location
+
+from .layout import air_file
+
+logger = logging.getLogger(__name__)
+_views: list[str] = []
+fetched: dict[str, tuple[str, RestoreRecord]] = {}
+"""Each folder ``latest_checkpoint`` returned -> the root's location and how its fetch went: a
+``train()`` resuming from it counts that fetch in its restore (``AirTrainerCallback.begin``)."""
+
+
+def checkpoint_url(root: str, step: int) -> str:
+    """Where Trainer's ``checkpoint-<step>`` folder of ``root`` is (a path or URL)."""
+    return (
+        f"{root.rstrip('/')}/checkpoint-{step}" if "://" in root else os.path.join(root, f"checkpoint-{step}")
+    )
+
+
+def latest_checkpoint(
+    output_dir: str, *, staging_dir: str | None = None, storage_options: dict[str, Any] | None = None
+) -> str | None:
+    """A local folder with the newest committed, verified checkpoint under ``output_dir``, or None.
+
+    ``trainer.train(resume_from_checkpoint=latest_checkpoint(args.output_dir))`` resumes a relaunched
+    job, or starts it fresh. Every process calls it (in a distributed run process 0 chooses and the
+    others fetch the same checkpoint). Pass the callback's ``staging_dir`` so the verified copy lands in
+    the cache the run reads.
+
+    Raises:
+        CorruptCheckpointError: process 0's choice does not verify on this process.
+    """
+    rank, world = _rank_and_world()
+    records: list[RestoreRecord] = []
+    with (
+        AsyncCheckpointer(
+            output_dir,
+            storage_options=storage_options or {},
+            staging_dir=staging_dir,
+            read_only=True,
+            rank=rank,
+            listeners=[_Restores(records)],
+        ) as ckpt,
+        ckpt.restoring(),
+    ):
+        info: CheckpointInfo | None = None
+        name = None
+        if rank == 0:
+            try:
+                info = ckpt.fetch(None, ranks={0}).info
+                name = info.name
+            except FileNotFoundError:
+                name = None
+        if world > 1:
+            name = _broadcast_name(name)
+        if name is None:
+            logger.info("no committed checkpoint under %s: starting fresh", output_dir)
+            return None
+        if info is None:
+            info = next((i for i in ckpt.list() if i.name == name and i.status == "committed"), None)
+            if info is None:
+                raise CorruptCheckpointError(
+                    f"{output_dir}: process 0 resumes {name}, which is not committed here"
+                )
+        local = ckpt.fetch(info, ranks={0, rank})
+        view = _view(local.paths, entry_of_commit(local.info))
+    fetched[view] = (location(output_dir), records[-1])
+    return view
+
+
+class _Restores:
+    """A listener that keeps the restore records a checkpointer reports."""
+
+    def __init__(self, into: list[RestoreRecord]) -> None:
+        self.into = into
+
+    def on_event(self, event: object) -> None:
+        if isinstance(event, RestoreRecord):
+            self.into.append(event)
+
+
+def fetch_folder(ckpt: AsyncCheckpointer, name: str, *, rank: int) -> str:
+    """The committed checkpoint ``name`` of ``ckpt``'s root as a local folder (its files verified)."""
+    info = next((i for i in ckpt.list() if i.name == name and i.status == "committed"), None)
+    if info is None:
+        raise CorruptCheckpointError(f"{ckpt.config.root}: checkpoint {name} is not committed")
+    local = ckpt.fetch(info, ranks={0, rank})
+    return _view(local.paths, entry_of_commit(local.info))
+
+
+def rank_states(folder: str, session: TrainingSession, *, what: str) -> dict[int, dict[str, Any]]:
+    """The ``air-rank-<r>.pt`` states in the local ``folder`` this process resumes from (process 0's
+    and its own; empty for a folder AirTrainer did not save). Checks the saved world size first."""
+
+    def read(rank: int) -> dict[str, Any] | None:
+        path = os.path.join(folder, air_file(rank))
+        return torch.load(path, weights_only=True)["rank_state"] if os.path.isfile(path) else None
+
+    first = read(0)
+    if first is None:
+        return {}
+    saved = int(first["world_size"])
+    session.positions.check_world_size(saved, what=what)
+    states = {0: first}
+    for r in session.positions.ranks_to_load(saved):
+        if r not in states:
+            state = read(r)
+            if state is None:
+                raise ConfigError(
+                    f"{what}: {air_file(r)} is missing; pass the folder latest_checkpoint returned"
+                )
+            states[r] = state
+    return states
+
+
+def _view(paths: dict[str, str], folder: str) -> str:
+    """A new local folder named ``folder`` holding links to exactly ``paths``' files under ``folder/``
+    (removed when the process exits)."""
+    base = tempfile.mkdtemp(prefix="air-resume-")
+    if not _views:
+        atexit.register(lambda: [shutil.rmtree(v, ignore_errors=True) for v in _views])
+    _views.append(base)
+    view = os.path.join(base, folder)
+    os.makedirs(view)
+    link_files(paths, folder, view)
+    return view
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _broadcast_name(name: str | None) -> str | None:
+    import torch.distributed as dist
+
+    box = [name]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,145 @@
+"""``AirTrainerMixin`` / ``AirTrainer``: the few calls of ``Trainer`` that no callback hook reaches.
+
+``AirTrainerCallback`` does the work through Trainer's hooks. What it cannot reach, and why:
+
+- the checkpoint write: ``Trainer._save_checkpoint`` writes every file synchronously and ``on_save``
+  runs only after it, so the method is replaced by the callback's asynchronous, committed save;
+- the resume: the callback is never told which folder ``train(resume_from_checkpoint=...)`` loaded, and
+  Trainer's own data skip and late RNG restore (``_load_rng_state``) must give way to the session's
+  exact position where it restored one;
+- the train loader: ``get_train_dataloader`` is where the prepared loader exists before the first
+  epoch starts iterating it (``on_train_begin`` comes after Trainer chose how to skip);
+- the end of the forward (``compute_loss``): the straggler section ends where backward starts;
+- the best model at the end (``_load_best_model``) reads a local folder; the root may be remote.
+
+Use ``AirTrainer`` in place of ``Trainer``, or put ``AirTrainerMixin`` first in your own subclass's
+bases (``class MyTrainer(AirTrainerMixin, SFTTrainer)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+from transformers import Trainer
+
+from air_core import ConfigError
+
+from .callback import AirTrainerCallback
+from .internals import SKIP_FIRST_BATCHES, check_methods, module_function
+from .resume import fetch_folder, latest_checkpoint
+
+
+class AirTrainerMixin:
+    """Put first in a ``Trainer`` subclass's bases; see the module docstring for what it overrides."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_methods(Trainer)
+        callbacks = list(kwargs.pop("callbacks", None) or [])
+        ours = [c for c in callbacks if isinstance(c, AirTrainerCallback)]
+        if len(ours) > 1:
+            raise ConfigError("AirTrainer: pass at most one AirTrainerCallback in callbacks=[...].")
+        if not ours:
+            callbacks.append(AirTrainerCallback())
+        super().__init__(*args, callbacks=callbacks, **kwargs)
+        self.air_callback: AirTrainerCallback = next(
+            c for c in self.callback_handler.callbacks if isinstance(c, AirTrainerCallback)
+        )
+        """The callback that checkpoints this trainer (``air_callback.session`` during ``train()``)."""
+        self.air_callback.bind(self)  # type: ignore[arg-type]
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """As ``Trainer.train``; ``resume_from_checkpoint=True`` resumes from ``latest_checkpoint`` of the
+        root (any URL), and a folder it returned resumes each process's data position and RNG exactly.
+        Every save is committed before this returns (or raises)."""
+        air = self.air_callback
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = latest_checkpoint(
+                air.root_of(self.args),  # type: ignore[attr-defined]
+                staging_dir=air.checkpointer.staging_dir,
+                storage_options=air.checkpointer.storage_options,
+            )
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({air.root_of(self.args)})")  # type: ignore[attr-defined]
+        air.begin(self, resume_from_checkpoint or None)  # type: ignore[arg-type]
+        failed: BaseException | None = None
+        try:
+            with _skip_replaced(air):
+                return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        except BaseException as exc:
+            failed = exc
+            raise
+        finally:
+            air.end(failed)
+
+    def get_train_dataloader(self) -> Any:
+        loader = super().get_train_dataloader()  # type: ignore[misc]
+        self.air_callback.track_loader(loader)
+        return loader
+
+    def compute_loss(self, model: Any, *args: Any, **kwargs: Any) -> Any:
+        loss = super().compute_loss(model, *args, **kwargs)  # type: ignore[misc]
+        if model.training:
+            self.air_callback.before_backward()
+        return loss
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        self.air_callback.save(self, trial)  # type: ignore[arg-type]
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if not self.air_callback.restored(checkpoint):
+            super()._load_rng_state(checkpoint)  # type: ignore[misc]
+
+    def _load_best_model(self) -> None:
+        """Trainer's, from the best commit's verified local copy (every save committed first)."""
+        air, state = self.air_callback, self.state  # type: ignore[attr-defined]
+        best = state.best_model_checkpoint
+        session = air.session
+        ckpt = session.checkpointer if session is not None else None
+        if best is None or ckpt is None:
+            super()._load_best_model()  # type: ignore[misc]
+            return
+        air.wait_for_checkpoints()
+        entry = best.rstrip("/").rsplit("/", 1)[-1]
+        from air_core.session import Place
+
+        owners = session.paths.owners(ckpt, Place(ckpt.config.root, entry))
+        if not owners:
+            super()._load_best_model()  # type: ignore[misc]
+            return
+        state.best_model_checkpoint = fetch_folder(ckpt, owners[-1].name, rank=session.rank)
+        try:
+            super()._load_best_model()  # type: ignore[misc]
+        finally:
+            state.best_model_checkpoint = best
+
+
+class AirTrainer(AirTrainerMixin, Trainer):
+    """transformers' ``Trainer`` with asynchronous, committed checkpoints and an exact resume.
+
+    Same arguments as ``Trainer``; ``callbacks`` may hold one ``AirTrainerCallback`` (its settings),
+    else a default one is added. Resume with ``trainer.train(resume_from_checkpoint=True)`` or
+    ``latest_checkpoint(args.output_dir)``.
+    """
+
+
+@contextlib.contextmanager
+def _skip_replaced(air: AirTrainerCallback) -> Iterator[None]:
+    """During ``train()``: Trainer's skip of consumed batches returns a loader whose position the
+    session restored as it is (it continues after them already)."""
+    module, name = module_function(SKIP_FIRST_BATCHES)
+    original = getattr(module, name)
+
+    @functools.wraps(original)
+    def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+        if air.continues(dataloader):
+            return dataloader
+        return original(dataloader, num_batches)
+
+    setattr(module, name, skip_first_batches)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
