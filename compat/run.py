@@ -1,13 +1,15 @@
 """Run the frameworks' own checkpoint tests stock and with air-plugins substituted; compare per test.
 
-    python -m compat.run                                  # Lightning (io and callback) and Accelerate
+    python -m compat.run                        # Lightning (io and callback), Accelerate, transformers
     python -m compat.run --framework lightning --mode io -k checkpoint
     python -m compat.run tests_pytorch/models/test_restore.py --json out.json
+    python -m compat.run --framework transformers -k resume
 
 Each pytest run works on its own copy of the test tree in a temporary folder (the tests write beside
-themselves). Our classes are substituted by the pytest plugins ``compat.substitute_lightning`` and
-``compat.substitute_accelerate``; outcomes are collected by ``compat.outcomes``. Tests that pass stock
-and not with the substitution are regressions, unless ``docs/compat.md`` lists them as exceptions.
+themselves). Our classes are substituted by the pytest plugins ``compat.substitute_lightning``,
+``compat.substitute_accelerate`` and ``compat.substitute_transformers``; outcomes are collected by
+``compat.outcomes``. Tests that pass stock and not with the substitution are regressions, unless
+``docs/compat.md`` lists them as exceptions.
 Exit status: 0 without regressions, 1 with, 2 when a run could not be made.
 """
 
@@ -58,6 +60,9 @@ LIGHTNING_FILES = [  # relative to Lightning's tests/ folder (shared/compat/READ
 # It reads the old releases' checkpoints that Lightning's CI downloads into tests/legacy/ (not in the tree).
 LIGHTNING_IGNORE = ["tests_pytorch/checkpointing/test_legacy_checkpoints.py"]
 ACCELERATE_FILES = ["tests/test_state_checkpointing.py", "tests/test_accelerator.py"]
+# transformers keeps its Trainer checkpoint tests (save intervals, resume, rotation and save_total_limit,
+# best model, JIT checkpoints, the saved processor files) in one file since the test suite was split.
+TRANSFORMERS_FILES = ["tests/trainer/test_trainer_checkpointing.py"]
 PASSING = ("passed", "xfailed")  # an expected failure that still fails is as good as a pass
 
 
@@ -71,6 +76,7 @@ class Framework:
     plugin: str
     ignore: list[str] = field(default_factory=list)  # files that cannot run here, relative to workdir
     modes: list[str | None] = field(default_factory=lambda: [None])
+    env: dict[str, str] = field(default_factory=dict)  # set for its pytest runs unless already set
 
 
 # -- locating the test trees --------------------------------------------------------------------
@@ -129,8 +135,65 @@ def accelerate_tree(path: str | None) -> str:
     return unpacked
 
 
+TRANSFORMERS_MARKER = os.path.join("tests", "trainer", "test_trainer_checkpointing.py")
+
+
+def transformers_tree(path: str | None) -> str:
+    """A transformers source tree holding ``tests/trainer/`` at the installed version.
+
+    ``--transformers-tests`` or ``$AIR_COMPAT_TRANSFORMERS``; else ``../shared/compat/transformers-<v>``
+    (a checkout kept beside the repository, as Lightning's is); else ``.compat-cache/transformers-<v>``,
+    the installed version's source distribution unpacked there. The sdist ships only the top-level
+    ``tests/*.py`` (5.24.0 does), so ``tests/trainer/`` has to be put into that folder (or one of the
+    others) from the repository's tag ``v<version>``; the run says so and stops if it is missing."""
+    version = importlib.metadata.version("transformers")
+    path = path or os.environ.get("AIR_COMPAT_TRANSFORMERS")
+    if path:
+        path = os.path.abspath(path)
+        if os.path.basename(path) == "tests":
+            path = os.path.dirname(path)
+        if not os.path.isfile(os.path.join(path, TRANSFORMERS_MARKER)):
+            raise SystemExit(f"compat: no transformers {TRANSFORMERS_MARKER} under {path}.")
+        return path
+    shared = os.path.abspath(os.path.join(REPO, "..", "shared", "compat", f"transformers-{version}"))
+    if os.path.isfile(os.path.join(shared, TRANSFORMERS_MARKER)):
+        return shared
+    unpacked = os.path.join(CACHE, f"transformers-{version}")
+    if not os.path.isdir(os.path.join(unpacked, "tests")):
+        os.makedirs(CACHE, exist_ok=True)
+        archive = os.path.join(CACHE, f"transformers-{version}.tar.gz")
+        if not os.path.isfile(archive):
+            print(f"compat: downloading the transformers {version} source distribution into {CACHE}")
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-binary",
+                    ":all:",
+                    "--no-deps",
+                    f"transformers=={version}",
+                    "-d",
+                    CACHE,
+                ],
+                check=True,
+            )
+        with tarfile.open(archive) as tar:
+            tar.extractall(CACHE, filter="data")
+    if not os.path.isfile(os.path.join(unpacked, TRANSFORMERS_MARKER)):
+        raise SystemExit(
+            f"compat: the transformers {version} source distribution has no tests/trainer/. Put the "
+            f"repository's tests/trainer/ at tag v{version} (with tests/__init__.py) into {unpacked} or "
+            f"{shared}, or pass --transformers-tests PATH (or set AIR_COMPAT_TRANSFORMERS) to a checkout."
+        )
+    return unpacked
+
+
 # -- our code, frozen for the whole run ---------------------------------------------------------
-PACKAGES = ["air_core", "lightning_air", "accelerate_air", "compat"]
+OURS = ["air_core", "lightning_air", "accelerate_air", "transformers_air"]
+PACKAGES = [*OURS, "compat"]
 
 
 def snapshot_code(rev: str, dest: str) -> str:
@@ -149,15 +212,17 @@ def snapshot_code(rev: str, dest: str) -> str:
                 os.path.join(dest, package),
                 ignore=shutil.ignore_patterns("__pycache__"),
             )
-        dirty = git("status", "--porcelain", "--", *PACKAGES[:3]).splitlines()
+        # "XY path" lines; git() strips the first line's leading blank (" M"), so split off the path
+        status = git("status", "--porcelain", "--", *OURS).splitlines()
+        dirty = [line.split(maxsplit=1)[-1] for line in status]
         return f"working tree at {head}" + (
-            f" with uncommitted changes in {', '.join(line[3:] for line in dirty)}" if dirty else " (clean)"
+            f" with uncommitted changes in {', '.join(dirty)}" if dirty else " (clean)"
         )
     commit = git("rev-parse", "--short=12", rev)
     if not commit:
         raise SystemExit(f"compat: --code {rev}: not a commit of {REPO}")
     archive = subprocess.run(
-        ["git", "-C", REPO, "archive", commit, *PACKAGES[:3]], capture_output=True, check=True
+        ["git", "-C", REPO, "archive", commit, *OURS], capture_output=True, check=True
     ).stdout
     subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
     shutil.copytree(
@@ -247,6 +312,8 @@ def run_pytest(
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in [os.path.join(tmp, "_plugins"), env.get("PYTHONPATH")] if p
     )
+    for key, value in fw.env.items():
+        env.setdefault(key, value)
     env["AIR_COMPAT_OUTCOMES"] = outcomes
     env["AIR_COMPAT_HIDDEN_LOG"] = hidden_log
     env.pop("AIR_COMPAT_MODE", None)
@@ -370,7 +437,7 @@ def print_report(label: str, result: dict[str, Any]) -> None:
 # -- main ---------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m compat.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--framework", choices=["lightning", "accelerate", "all"], default="all")
+    p.add_argument("--framework", choices=["lightning", "accelerate", "transformers", "all"], default="all")
     p.add_argument(
         "--mode",
         choices=["io", "callback", "both"],
@@ -389,12 +456,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Accelerate source tree holding tests/ "
         "(default: $AIR_COMPAT_ACCELERATE or the installed version's sdist, in .compat-cache/)",
     )
+    p.add_argument(
+        "--transformers-tests",
+        metavar="PATH",
+        help="transformers source tree holding tests/trainer/ (default: $AIR_COMPAT_TRANSFORMERS, "
+        "../shared/compat/transformers-<version>, or .compat-cache/transformers-<version>/)",
+    )
     p.add_argument("-k", metavar="EXPR", help="passed to pytest -k")
     p.add_argument(
         "selection",
         nargs="*",
-        help="test files or node ids instead of the default lists: "
-        "tests_pytorch/... for Lightning, tests/... for Accelerate",
+        help="test files or node ids instead of the default lists: tests_pytorch/... for Lightning, "
+        "tests/trainer/... for transformers, other tests/... for Accelerate",
     )
     p.add_argument("--jobs", type=int, default=1, help="pytest-xdist workers per run (default 1: serial)")
     p.add_argument("--timeout", type=int, default=300, help="per-test timeout, seconds (pytest-timeout)")
@@ -448,9 +521,13 @@ def main(argv: list[str] | None = None) -> int:
         s.removeprefix("tests/") if s.startswith("tests/tests_pytorch") else s for s in args.selection
     ]
     picked_l = [s for s in args.selection if s.startswith("tests_pytorch")]
-    picked_a = [s for s in args.selection if s.startswith("tests/")]
-    if args.selection and len(picked_l) + len(picked_a) != len(args.selection):
-        print("compat: a selection starts with tests_pytorch/ (Lightning) or tests/ (Accelerate)")
+    picked_t = [s for s in args.selection if s.startswith("tests/trainer/")]
+    picked_a = [s for s in args.selection if s.startswith("tests/") and s not in picked_t]
+    if args.selection and len(picked_l) + len(picked_a) + len(picked_t) != len(args.selection):
+        print(
+            "compat: a selection starts with tests_pytorch/ (Lightning), tests/trainer/ (transformers) "
+            "or tests/ (Accelerate)"
+        )
         return 2
     if args.framework in ("lightning", "all") and (picked_l or not args.selection):
         frameworks.append(
@@ -474,6 +551,20 @@ def main(argv: list[str] | None = None) -> int:
                 ".",
                 picked_a or ACCELERATE_FILES,
                 "compat.substitute_accelerate",
+            )
+        )
+    if args.framework in ("transformers", "all") and (picked_t or not args.selection):
+        frameworks.append(
+            Framework(
+                "transformers",
+                transformers_tree(args.transformers_tests),
+                ["pyproject.toml", "tests"],
+                ".",
+                picked_t or TRANSFORMERS_FILES,
+                "compat.substitute_transformers",
+                # The tests that load a tokenizer or processor from the Hub fail at once without a network
+                # rather than retry; HF_HUB_OFFLINE=0 in the environment lets them download.
+                env={"HF_HUB_OFFLINE": "1"},
             )
         )
     if not frameworks:

@@ -58,8 +58,7 @@ def latest_checkpoint(
             output_dir,
             storage_options=storage_options or {},
             staging_dir=staging_dir,
-            read_only=True,
-            rank=rank,
+            read_only=True,  # a reader: ranks are named per fetch
             listeners=[_Restores(records)],
         ) as ckpt,
         ckpt.restoring(),

@@ -147,7 +147,8 @@ def main() -> None:
         if args.kill:
             air.add_listener(KillAt.parse(args.kill))
         trainer = recording(AirTrainer, args.workdir)(tiny_gpt2(), training, callbacks=[air], **kwargs)
-        trainer.train(resume_from_checkpoint=latest_checkpoint(root, staging_dir=air.checkpointer.staging_dir))
+        resume = latest_checkpoint(root, staging_dir=air.checkpointer.staging_dir, storage_options=opts)
+        trainer.train(resume_from_checkpoint=resume)
     if training.process_index == 0:
         torch.save(trainer.model.state_dict(), os.path.join(args.workdir, "final.pt"))
         if not args.stock:

@@ -1,0 +1,74 @@
+"""SIGKILL a real transformers ``Trainer`` job at each phase of a save; the relaunch must end bitwise equal.
+
+Each test kills ``tests/transformers/job.py`` (``AirTrainer`` on a 2-layer GPT-2 built from a config)
+when a chosen save reaches a chosen phase, relaunches the same command (it resumes through
+``latest_checkpoint``), and compares the final weights and the sample ids and augmented tokens of every
+micro-batch with an uninterrupted run. Samples get a token drawn from the RNG of whichever process
+loads them (the main process, or a loader worker), and GPT-2's dropout draws from the main RNG.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.sameness import assert_same_run
+from tests.transformers.runs import run_job, stats
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run of some training arguments, run once per module."""
+    cache: dict[tuple[str, ...], object] = {}
+
+    def get(*args: str, processes: int = 1):
+        key = (*args, str(processes))
+        if key not in cache:
+            cache[key] = tmp_path_factory.mktemp("reference")
+            run_job(cache[key], *args, processes=processes)
+        return cache[key]
+
+    return get
+
+
+# Every phase once, loader workers alternating. Saves every 4 steps; 12 batches per epoch, 24 steps.
+@pytest.mark.parametrize(
+    ("phase", "workers"),
+    [("snapshot_start", "0"), ("serialize_start", "2"), ("upload_start", "0"), ("commit_start", "2")],
+)
+def test_sigkill_during_each_save_phase_resumes_exactly(tmp_path, reference, phase, workers):
+    args = ("--workers", workers)
+    run_job(tmp_path, *args, "--kill", f"16:{phase}", expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(*args))
+    (resumed,) = stats(tmp_path)
+    assert resumed["restores"][0][0] == "checkpoint-12", "resumed from the newest committed checkpoint"
+    assert resumed["fetches"] == 24 - 12, "fetch_seconds: one per training batch of this launch"
+
+
+def test_gradient_accumulation_resumes_mid_epoch_exactly(tmp_path, reference):
+    """Two micro-batches per step, 12 per epoch: a save at step 4 is 8 batches into the first epoch."""
+    args = ("--ga", "2", "--steps", "10", "--every", "2")
+    run_job(tmp_path, *args, "--kill", "6:serialize_start", expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(*args))
+
+
+def test_s3_root_resumes_exactly_from_the_staged_copy(tmp_path, reference, s3_root):
+    s3 = ("--root", s3_root.url, "--endpoint", s3_root.endpoint)
+    run_job(tmp_path, *s3, "--kill", "16:upload_start", expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *s3)
+    assert_same_run(tmp_path, reference())
+    assert stats(tmp_path)[0]["restores"][0] == ["checkpoint-12", "cache"], "the staged copy served it"
+
+
+def test_two_processes_killed_mid_save_resume_exactly_per_rank(tmp_path, reference):
+    """torchrun, gloo: both ranks are killed in the save of step 16 and resume from step 12."""
+    args = ("--workers", "2")
+    run_job(tmp_path, *args, "--kill", "16:serialize_start", processes=2, expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args, processes=2)
+    assert_same_run(tmp_path, reference(*args, processes=2), ranks=2)
+    assert stats(tmp_path)[0]["restores"][0][0] == "checkpoint-12"

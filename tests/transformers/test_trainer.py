@@ -1,0 +1,192 @@
+"""``AirTrainer`` in this process: transformers' layout and resume recipes, retention, remote roots, errors.
+
+The yardstick is stock ``Trainer``: a checkpoint we commit must load where stock's would (stock
+``Trainer(resume_from_checkpoint=...)`` continues from it bitwise as from its own, ``from_pretrained``
+reads it), and ``save_total_limit`` with ``load_best_model_at_end`` must leave the folders stock leaves.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
+
+from air_core import AsyncCheckpointer, ConfigError
+from tests.transformers.job import Tokens, tiny_gpt2
+from transformers_air import AirTrainer, AirTrainerCallback, latest_checkpoint
+
+
+def arguments(out, **overrides) -> TrainingArguments:
+    settings = dict(
+        per_device_train_batch_size=4,
+        max_steps=6,
+        save_steps=3,
+        logging_steps=3,
+        learning_rate=1e-3,
+        report_to=[],
+        seed=1,
+        use_cpu=True,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
+    return TrainingArguments(str(out), **(settings | overrides))
+
+
+class Plain(torch.utils.data.Dataset):
+    """``Tokens`` without the sample id column (Trainer passes every column to the model)."""
+
+    def __init__(self, n: int = 48) -> None:
+        self.tokens = Tokens(n)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        item = self.tokens[i]
+        return {"input_ids": item["input_ids"], "labels": item["labels"]}
+
+
+def quiet() -> AirTrainerCallback:
+    return AirTrainerCallback(mlflow=False, preflight=False)
+
+
+def weights(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_committed_checkpoint_resumes_in_stock_trainer_as_its_own_and_loads_with_from_pretrained(tmp_path):
+    ours = AirTrainer(tiny_gpt2(), arguments(tmp_path / "air"), train_dataset=Plain(), callbacks=[quiet()])
+    ours.train()
+    stock = Trainer(tiny_gpt2(), arguments(tmp_path / "stock"), train_dataset=Plain())
+    stock.train()
+    mine, theirs = tmp_path / "air/checkpoint-3", tmp_path / "stock/checkpoint-3"
+    assert {p.name for p in mine.iterdir()} - {"air-rank-00000.pt"} == {p.name for p in theirs.iterdir()}
+    assert all(torch.equal(ours.model.state_dict()[k], v) for k, v in stock.model.state_dict().items())
+
+    def resumed(folder) -> dict:
+        trainer = Trainer(
+            tiny_gpt2(), arguments(tmp_path / f"again-{folder.parent.name}"), train_dataset=Plain()
+        )
+        trainer.train(resume_from_checkpoint=str(folder))
+        return weights(trainer.model)
+
+    from_ours, from_stock = resumed(mine), resumed(theirs)
+    assert all(torch.equal(from_ours[k], v) for k, v in from_stock.items()), "stock resumes ours as its own"
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "air/checkpoint-6")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in ours.model.state_dict().items())
+
+
+def test_save_total_limit_keeps_the_folders_stock_keeps_and_the_best_model_loads_at_the_end(tmp_path):
+    """The eval loss rises as training goes on (greater is better), so the best is the first save."""
+    best = dict(
+        max_steps=8,
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_total_limit=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
+    )
+    runs = {}
+    for name, cls, extra in (("air", AirTrainer, {"callbacks": [quiet()]}), ("stock", Trainer, {})):
+        trainer = cls(
+            tiny_gpt2(),
+            arguments(tmp_path / name, **best),
+            train_dataset=Plain(),
+            eval_dataset=Plain(8),
+            **extra,
+        )
+        trainer.train()
+        runs[name] = trainer
+    kept = {n: sorted(p.name for p in (tmp_path / n).glob("checkpoint-*")) for n in runs}
+    assert kept["air"] == kept["stock"], "the same folders survive retention"
+    with AsyncCheckpointer(str(tmp_path / "air"), read_only=True) as ckpt:
+        assert [i.name for i in ckpt.list() if i.status == "committed"] == kept["air"]
+    assert runs["air"].state.best_model_checkpoint == str(tmp_path / "air" / kept["air"][0])
+    at_end = weights(runs["air"].model)
+    best_model = GPT2LMHeadModel.from_pretrained(runs["air"].state.best_model_checkpoint)
+    assert all(torch.equal(best_model.state_dict()[k], v) for k, v in at_end.items()), "the best loaded"
+
+
+def test_an_s3_output_dir_commits_there_and_resumes_from_the_staged_copy(tmp_path, s3_root, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    air = AirTrainerCallback(
+        storage_options=s3_root.storage_options,
+        staging_dir=str(tmp_path / "nvme"),
+        mlflow=False,
+        preflight=False,
+    )
+    trainer = AirTrainer(
+        tiny_gpt2(), arguments(s3_root.url, max_steps=3), train_dataset=Plain(), callbacks=[air]
+    )
+    trainer.train()
+    assert not (tmp_path / "s3:").exists(), "no local folder named after the URL"
+    folder = latest_checkpoint(
+        s3_root.url, staging_dir=str(tmp_path / "nvme"), storage_options=s3_root.storage_options
+    )
+    assert folder is not None and os.path.basename(folder) == "checkpoint-3"
+    loaded = GPT2LMHeadModel.from_pretrained(folder)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in trainer.model.state_dict().items())
+    again = AirTrainer(
+        tiny_gpt2(),
+        arguments(s3_root.url, max_steps=6),
+        train_dataset=Plain(),
+        callbacks=[
+            AirTrainerCallback(
+                storage_options=s3_root.storage_options,
+                staging_dir=str(tmp_path / "nvme"),
+                mlflow=False,
+                preflight=False,
+            )
+        ],
+    )
+    again.train(resume_from_checkpoint=True)
+    (restore,) = again.air_callback.last_session.records.restores
+    assert (restore.name, restore.source) == ("checkpoint-3", "cache")
+    assert again.state.global_step == 6
+
+
+def test_the_callback_on_a_plain_trainer_fails_before_any_step(tmp_path):
+    trainer = Trainer(tiny_gpt2(), arguments(tmp_path), train_dataset=Plain(), callbacks=[quiet()])
+    with pytest.raises(ConfigError, match="AirTrainer"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_bad_settings_fail_when_the_callback_is_built():
+    with pytest.raises(ConfigError, match="max_in_flight"):
+        AirTrainerCallback(max_in_flight=0)
+    with pytest.raises(ConfigError, match="root"):
+        AirTrainerCallback(root="  ")
+
+
+def test_resume_true_skips_a_newer_unfinished_save(tmp_path):
+    out = tmp_path / "run"
+    AirTrainer(tiny_gpt2(), arguments(out), train_dataset=Plain(), callbacks=[quiet()]).train()
+    torn = out / "checkpoint-9"  # a save killed before it committed: stock would pick it
+    torn.mkdir()
+    (torn / "trainer_state.json").write_text("{")
+    trainer = AirTrainer(tiny_gpt2(), arguments(out, max_steps=9), train_dataset=Plain(), callbacks=[quiet()])
+    trainer.train(resume_from_checkpoint=True)
+    (restore,) = trainer.air_callback.last_session.records.restores
+    assert restore.name == "checkpoint-6" and trainer.state.global_step == 9
+
+
+def test_metrics_go_to_the_mlflow_callbacks_run(tmp_path, mlflow_server, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "air-transformers")
+    air = AirTrainerCallback(mlflow=True, preflight=False)
+    trainer = AirTrainer(
+        tiny_gpt2(), arguments(tmp_path, report_to=["mlflow"]), train_dataset=Plain(), callbacks=[air]
+    )
+    trainer.train()
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    experiment = client.get_experiment_by_name("air-transformers")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert "loss" in run.data.metrics, "transformers' MLflowCallback logged into it"
+    assert {"fetch_seconds_p50", "goodput"} <= set(run.data.metrics), sorted(run.data.metrics)
