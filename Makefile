@@ -60,9 +60,9 @@ test-oldest: $(VENV_OLDEST)/.installed
 	$(PY_OLDEST) -m pytest -q -n 2 --durations=10 $(OLDEST_TESTS)
 
 lint: venv
-	$(VENV)/bin/ruff check air_core lightning_air accelerate_air tests benchmarks examples
-	$(VENV)/bin/ruff format --check air_core lightning_air accelerate_air tests benchmarks examples
-	$(VENV)/bin/mypy air_core lightning_air accelerate_air
+	$(VENV)/bin/ruff check air_core lightning_air accelerate_air transformers_air tests benchmarks examples compat
+	$(VENV)/bin/ruff format --check air_core lightning_air accelerate_air transformers_air tests benchmarks examples compat
+	$(VENV)/bin/mypy air_core lightning_air accelerate_air transformers_air
 
 bench: venv
 	$(PY) benchmarks/checkpoint_stall.py

@@ -134,14 +134,15 @@ class AirTrainerCallback(TrainerCallback):
         check_supported(trainer)
         self._trainer = trainer
         root = self.root_of(trainer.args)
-        if "://" in root and not os.listdir(trainer.args.output_dir or "."):
+        made = trainer.args.output_dir
+        if "://" in root and made and os.path.isdir(made) and not os.listdir(made):
             # Trainer made output_dir as a local folder ("s3:/bucket/run"): nothing is written there
             with contextlib.suppress(OSError):
-                os.removedirs(trainer.args.output_dir)
+                os.removedirs(made)
 
     def root_of(self, args: TrainingArguments) -> str:
         """The checkpoint root: ``root``, else ``args.output_dir``."""
-        return (self.root or args.output_dir).rstrip("/")
+        return (self.root or args.output_dir or "trainer_output").rstrip("/")
 
     def begin(self, trainer: Trainer, resume_from: str | None) -> None:
         """``train()`` starts: open this process's session and root (pre-flight first), and read the

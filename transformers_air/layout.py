@@ -98,15 +98,16 @@ def trainer_rng(rng: dict[str, Any], *, distributed: bool) -> dict[str, Any]:
 def update_callback_states(trainer: Trainer) -> None:
     """As ``_save_checkpoint`` does before writing ``trainer_state.json``: each ``ExportableState``
     callback's (and the control's) state into ``state.stateful_callbacks``."""
-    state = trainer.state
+    # a dict once TrainerState is built (its annotation says list)
+    saved: dict[str, Any] = trainer.state.stateful_callbacks  # type: ignore[assignment]
     for cb in [
         c for c in [*trainer.callback_handler.callbacks, trainer.control] if isinstance(c, ExportableState)
     ]:
         name = cb.__class__.__name__
-        if isinstance(state.stateful_callbacks[name], list):
-            state.stateful_callbacks[name].append(cb.state())
+        if isinstance(saved.get(name), list):
+            saved[name].append(cb.state())
         else:
-            state.stateful_callbacks[name] = cb.state()
+            saved[name] = cb.state()
 
 
 def trainer_state_bytes(trainer: Trainer) -> bytes:
@@ -116,6 +117,7 @@ def trainer_state_bytes(trainer: Trainer) -> bytes:
 
 def optimizer_files(trainer: Trainer) -> dict[str, Any]:
     """``optimizer.pt``, ``scheduler.pt`` and ``scaler.pt`` (process 0, as the stock save writes them)."""
+    assert trainer.optimizer is not None  # a save happens inside train(), after create_optimizer
     files: dict[str, Any] = {OPTIMIZER_NAME: trainer.optimizer.state_dict()}
     if trainer.lr_scheduler is not None:
         files[SCHEDULER_NAME] = trainer.lr_scheduler.state_dict()

@@ -80,7 +80,9 @@ def latest_checkpoint(
             info = next((i for i in ckpt.list() if i.name == name and i.status == "committed"), None)
             if info is None:
                 raise CorruptCheckpointError(
-                    f"{output_dir}: process 0 resumes {name}, which is not committed here"
+                    f"{output_dir}: process 0 resumes {name}, which is not committed here",
+                    path=output_dir,
+                    reason="not committed",
                 )
         local = ckpt.fetch(info, ranks={0, rank})
         view = _view(local.paths, entry_of_commit(local.info))
@@ -103,7 +105,11 @@ def fetch_folder(ckpt: AsyncCheckpointer, name: str, *, rank: int) -> str:
     """The committed checkpoint ``name`` of ``ckpt``'s root as a local folder (its files verified)."""
     info = next((i for i in ckpt.list() if i.name == name and i.status == "committed"), None)
     if info is None:
-        raise CorruptCheckpointError(f"{ckpt.config.root}: checkpoint {name} is not committed")
+        raise CorruptCheckpointError(
+            f"{ckpt.config.root}: checkpoint {name} is not committed",
+            path=ckpt.config.root,
+            reason="not committed",
+        )
     local = ckpt.fetch(info, ranks={0, rank})
     return _view(local.paths, entry_of_commit(local.info))
 
@@ -138,12 +144,17 @@ def _view(paths: dict[str, str], folder: str) -> str:
     (removed when the process exits)."""
     base = tempfile.mkdtemp(prefix="air-resume-")
     if not _views:
-        atexit.register(lambda: [shutil.rmtree(v, ignore_errors=True) for v in _views])
+        atexit.register(_remove_views)
     _views.append(base)
     view = os.path.join(base, folder)
     os.makedirs(view)
     link_files(paths, folder, view)
     return view
+
+
+def _remove_views() -> None:
+    for view in _views:
+        shutil.rmtree(view, ignore_errors=True)
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import Trainer
 
@@ -31,8 +31,13 @@ from .callback import AirTrainerCallback
 from .internals import SKIP_FIRST_BATCHES, check_methods, module_function
 from .resume import fetch_folder, latest_checkpoint
 
+if TYPE_CHECKING:  # what the mixin is mixed into, for the type checker
+    _Base = Trainer
+else:
+    _Base = object
 
-class AirTrainerMixin:
+
+class AirTrainerMixin(_Base):
     """Put first in a ``Trainer`` subclass's bases; see the module docstring for what it overrides."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -43,12 +48,12 @@ class AirTrainerMixin:
             raise ConfigError("AirTrainer: pass at most one AirTrainerCallback in callbacks=[...].")
         if not ours:
             callbacks.append(AirTrainerCallback())
-        super().__init__(*args, callbacks=callbacks, **kwargs)
+        super().__init__(*args, callbacks=callbacks, **kwargs)  # type: ignore[misc]
         self.air_callback: AirTrainerCallback = next(
             c for c in self.callback_handler.callbacks if isinstance(c, AirTrainerCallback)
         )
         """The callback that checkpoints this trainer (``air_callback.session`` during ``train()``)."""
-        self.air_callback.bind(self)  # type: ignore[arg-type]
+        self.air_callback.bind(self)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """As ``Trainer.train``; ``resume_from_checkpoint=True`` resumes from ``latest_checkpoint`` of the
@@ -57,17 +62,17 @@ class AirTrainerMixin:
         air = self.air_callback
         if resume_from_checkpoint is True:
             resume_from_checkpoint = latest_checkpoint(
-                air.root_of(self.args),  # type: ignore[attr-defined]
+                air.root_of(self.args),
                 staging_dir=air.checkpointer.staging_dir,
                 storage_options=air.checkpointer.storage_options,
             )
             if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({air.root_of(self.args)})")  # type: ignore[attr-defined]
-        air.begin(self, resume_from_checkpoint or None)  # type: ignore[arg-type]
+                raise ValueError(f"No valid checkpoint found in output directory ({air.root_of(self.args)})")
+        air.begin(self, resume_from_checkpoint or None)
         failed: BaseException | None = None
         try:
             with _skip_replaced(air):
-                return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+                return super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException as exc:
             failed = exc
             raise
@@ -75,31 +80,31 @@ class AirTrainerMixin:
             air.end(failed)
 
     def get_train_dataloader(self) -> Any:
-        loader = super().get_train_dataloader()  # type: ignore[misc]
+        loader = super().get_train_dataloader()
         self.air_callback.track_loader(loader)
         return loader
 
     def compute_loss(self, model: Any, *args: Any, **kwargs: Any) -> Any:
-        loss = super().compute_loss(model, *args, **kwargs)  # type: ignore[misc]
+        loss = super().compute_loss(model, *args, **kwargs)
         if model.training:
             self.air_callback.before_backward()
         return loss
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        self.air_callback.save(self, trial)  # type: ignore[arg-type]
+        self.air_callback.save(self, trial)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if not self.air_callback.restored(checkpoint):
-            super()._load_rng_state(checkpoint)  # type: ignore[misc]
+            super()._load_rng_state(checkpoint)
 
     def _load_best_model(self) -> None:
         """Trainer's, from the best commit's verified local copy (every save committed first)."""
-        air, state = self.air_callback, self.state  # type: ignore[attr-defined]
+        air, state = self.air_callback, self.state
         best = state.best_model_checkpoint
         session = air.session
         ckpt = session.checkpointer if session is not None else None
-        if best is None or ckpt is None:
-            super()._load_best_model()  # type: ignore[misc]
+        if best is None or session is None or ckpt is None:
+            super()._load_best_model()
             return
         air.wait_for_checkpoints()
         entry = best.rstrip("/").rsplit("/", 1)[-1]
@@ -107,11 +112,11 @@ class AirTrainerMixin:
 
         owners = session.paths.owners(ckpt, Place(ckpt.config.root, entry))
         if not owners:
-            super()._load_best_model()  # type: ignore[misc]
+            super()._load_best_model()
             return
         state.best_model_checkpoint = fetch_folder(ckpt, owners[-1].name, rank=session.rank)
         try:
-            super()._load_best_model()  # type: ignore[misc]
+            super()._load_best_model()
         finally:
             state.best_model_checkpoint = best
 
