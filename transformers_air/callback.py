@@ -177,6 +177,8 @@ class AirTrainerCallback(TrainerCallback):
             if record is not None and root_key == location(root):  # that fetch, Trainer's loads: one
                 self._restore.enter_context(self._ckpt.restoring(before=record.seconds, done=[record]))
             self._resumed = rank_states(resume_from, session, what=f"AirTrainer.train({resume_from!r})")
+            if args.ignore_data_skip:  # the user asked for the epoch from its start: Trainer's own way
+                self._resumed = {}
             self._resumed_from = resume_from if self._resumed else ""
             run = (self._resumed.get(0) or {}).get("mlflow_run_id")
             if run and "MLFLOW_RUN_ID" not in os.environ and _reports_to_mlflow(args):
@@ -192,9 +194,17 @@ class AirTrainerCallback(TrainerCallback):
         ):
             self.positioned.add(id(prepared))
 
-    def continues(self, loader: Any) -> bool:
-        """Whether ``loader`` already continues where the resumed checkpoint left it."""
-        return bool(self._resumed) and id(loader) in self.positioned
+    def skips(self, loader: Any, batches: int) -> bool:
+        """Trainer skips ``batches`` of a resumed epoch: True where this callback does it instead (the
+        loader's position is the session's: restored, so nothing is skipped again, or re-read and
+        dropped after a resume from a folder AirTrainer did not save, so the position counts them)."""
+        if id(loader) not in self.positioned:
+            return False
+        if not self._resumed:
+            from accelerate_air.internals import BASE_DATALOADER
+
+            BASE_DATALOADER.get(loader).skip_next_pass(batches)
+        return True
 
     def restored(self, checkpoint: str | None) -> bool:
         """Whether the session restored the data position and RNG of ``checkpoint`` (Trainer's own RNG
@@ -248,8 +258,9 @@ class AirTrainerCallback(TrainerCallback):
             session.positions.restore(self._resumed, what=f"AirTrainer: the checkpoint {self._resumed_from}")
         elif state.global_step > 0:
             logger.warning(
-                "AirTrainer: resumed at step %d from a folder without %s files (not saved by AirTrainer); "
-                "Trainer skips the consumed batches itself, and loader workers' RNG is not restored.",
+                "AirTrainer: resumed at step %d from a folder without %s files (not saved by AirTrainer): "
+                "the epoch's consumed batches are re-read and dropped, and the RNG is restored as "
+                "Trainer restores it, so augmentation after the resume may differ from the original run.",
                 state.global_step,
                 air_file(args.process_index),
             )

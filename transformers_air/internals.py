@@ -16,8 +16,9 @@ Checked by reading the source of transformers 5.24.0 and by ``tests/transformers
   hand it the best commit's verified local copy (the root may be remote).
 - ``Trainer._get_output_dir(trial)``: the run folder checkpoints go in (read, as stock does).
 - ``transformers.trainer.skip_first_batches``: the module-level function Trainer's epoch loop calls to
-  skip the batches a checkpoint consumed. Replaced by a function that returns a loader whose position
-  the session restored as it is (it already continues after them) and calls the original otherwise.
+  skip the batches a checkpoint consumed. Replaced during ``train()`` by one that leaves the tracked
+  train loader to the session (restored: nothing to skip; a stock checkpoint: re-read and dropped, so
+  the position counts them) and calls the original for any other loader.
 - ``transformers.modeling_utils.safe_save_file``: ``save_pretrained`` writes each weight shard through
   it. Replaced only while ``layout.model_files`` runs ``save_model`` into a scratch folder, so the
   shards' tensors are captured (and written later by the writer thread) instead of written.

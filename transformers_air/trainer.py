@@ -132,14 +132,14 @@ class AirTrainer(AirTrainerMixin, Trainer):
 
 @contextlib.contextmanager
 def _skip_replaced(air: AirTrainerCallback) -> Iterator[None]:
-    """During ``train()``: Trainer's skip of consumed batches returns a loader whose position the
-    session restored as it is (it continues after them already)."""
+    """During ``train()``: Trainer's skip of a resumed epoch's consumed batches is the callback's for
+    the loader whose position the session keeps (``AirTrainerCallback.skips``)."""
     module, name = module_function(SKIP_FIRST_BATCHES)
     original = getattr(module, name)
 
     @functools.wraps(original)
     def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
-        if air.continues(dataloader):
+        if air.skips(dataloader, num_batches):
             return dataloader
         return original(dataloader, num_batches)
 

@@ -126,6 +126,7 @@ class TrackedLoader(LoaderProxy):
         self._reused = False
         # How this epoch's order is dealt (a position's "stream"): what an elastic resume rebuilds.
         self._stream: dict[str, Any] | None = None
+        self._skip = 0  # ``skip_next_pass``
 
     # -- position ----------------------------------------------------------------------------------
     def position(self) -> dict[str, Any]:
@@ -217,6 +218,12 @@ class TrackedLoader(LoaderProxy):
             self._resume_rng = rng
         return where.epoch
 
+    def skip_next_pass(self, count: int) -> None:
+        """Start the next pass ``count`` batches into its epoch: a framework resumed from a checkpoint
+        that holds no position of this loader (a stock one) and skips what it consumed. They are re-read
+        and dropped, so the position counts them and workers continue their RNG streams after them."""
+        self._skip = count
+
     def batches_left(self) -> int | None:
         """After ``resume_elastic`` into an epoch, before it is iterated: the batches this rank has left
         of it (0: the epoch was consumed); None otherwise. Call once the framework set the sampler's
@@ -261,6 +268,9 @@ class TrackedLoader(LoaderProxy):
         restore: dict[int, Callable[[], None]] = {}
         if pending is None:
             iterator = self._start_epoch()
+            skip, self._skip = self._skip, 0
+            if skip:
+                self._discard(iterator, skip)
         elif "plan" in pending:
             iterator = self._continue_share(pending)
         else:

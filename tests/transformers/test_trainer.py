@@ -7,6 +7,7 @@ reads it), and ``save_total_limit`` with ``load_best_model_at_end`` must leave t
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -190,3 +191,22 @@ def test_metrics_go_to_the_mlflow_callbacks_run(tmp_path, mlflow_server, monkeyp
     (run,) = client.search_runs([experiment.experiment_id])
     assert "loss" in run.data.metrics, "transformers' MLflowCallback logged into it"
     assert {"fetch_seconds_p50", "goodput"} <= set(run.data.metrics), sorted(run.data.metrics)
+
+
+def test_a_stock_checkpoint_resumes_and_the_next_checkpoint_knows_its_position(tmp_path):
+    """Stock Trainer saves step 3; AirTrainer continues from it and saves step 6; another continues
+    from that to step 12: the first epoch (12 batches) holds every sample once."""
+    from tests.transformers.job import recording
+
+    def args(out, steps):
+        return arguments(out, max_steps=steps, remove_unused_columns=False)
+
+    Trainer(tiny_gpt2(), args(tmp_path / "run", 3), train_dataset=Plain()).train()
+    for steps, resume in ((6, str(tmp_path / "run/checkpoint-3")), (12, True)):
+        trainer = recording(AirTrainer, str(tmp_path))(
+            tiny_gpt2(), args(tmp_path / "run", steps), train_dataset=Tokens(), callbacks=[quiet()]
+        )
+        trainer.train(resume_from_checkpoint=resume)
+    with open(tmp_path / "ids-rank0.jsonl") as f:
+        seen = [i for line in f for i in json.loads(line)["ids"]]
+    assert len(seen) == 9 * 4 and len(set(seen)) == len(seen), "steps 4-12: no sample twice"
