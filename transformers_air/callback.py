@@ -27,6 +27,7 @@ from air_core.config import settings_of
 from air_core.session import Owner, Place, SessionConfig, TrainingSession
 from air_core.storage import location
 
+from .internals import MLFLOW_LOG_ARTIFACTS
 from .layout import (
     TRAINER_STATE_NAME,
     air_file,
@@ -116,6 +117,7 @@ class AirTrainerCallback(TrainerCallback):
         self._resumed: dict[int, dict[str, Any]] = {}
         self._resumed_from = ""
         self._mlflow_env: str | None = None
+        self._said_wait = False
         self._restore = contextlib.ExitStack()
         self.positioned: set[int] = set()
         """Ids of loaders whose position the session keeps: Trainer's own skip of them is not needed."""
@@ -337,6 +339,28 @@ class AirTrainerCallback(TrainerCallback):
         session.save({place.join(f): s for f, s in files.items()}, step=state.global_step, name=name)
         if "://" not in root:  # as after a stock save, the folder exists (a script may add files)
             os.makedirs(place.url, exist_ok=True)
+        readers = [type(c).__name__ for c in trainer.callback_handler.callbacks if _reads_checkpoints(c)]
+        if readers:  # their on_save comes next and reads the folder: it must be complete
+            if not self._said_wait:
+                self._said_wait = True
+                logger.info(
+                    "AirTrainer: %s may read the checkpoint folder in on_save, so each save waits for its "
+                    "commit before returning",
+                    ", ".join(readers),
+                )
+            self.wait_for_checkpoints()
+
+
+def _reads_checkpoints(callback: TrainerCallback) -> bool:
+    """Whether ``callback``'s ``on_save`` may read the checkpoint folder just saved (it overrides it;
+    transformers' ``MLflowCallback`` only when it uploads artifacts)."""
+    if isinstance(callback, AirTrainerCallback) or type(callback).on_save is TrainerCallback.on_save:
+        return False
+    from transformers.integrations import MLflowCallback
+
+    if isinstance(callback, MLflowCallback):
+        return bool(MLFLOW_LOG_ARTIFACTS.get(callback, True))
+    return True
 
 
 def _bytes(data: bytes) -> Any:

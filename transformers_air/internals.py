@@ -19,6 +19,9 @@ Checked by reading the source of transformers 5.24.0 and by ``tests/transformers
   skip the batches a checkpoint consumed. Replaced during ``train()`` by one that leaves the tracked
   train loader to the session (restored: nothing to skip; a stock checkpoint: re-read and dropped, so
   the position counts them) and calls the original for any other loader.
+- ``MLflowCallback._log_artifacts``: whether its ``on_save`` uploads the checkpoint folder (set from
+  ``HF_MLFLOW_LOG_ARTIFACTS`` at its setup). A callback that reads the folder in ``on_save`` makes each
+  save wait for its commit; this one only when it reads, so ``report_to=["mlflow"]`` stays asynchronous.
 - ``transformers.modeling_utils.safe_save_file``: ``save_pretrained`` writes each weight shard through
   it. Replaced only while ``layout.model_files`` runs ``save_model`` into a scratch folder, so the
   shards' tensors are captured (and written later by the writer thread) instead of written.
@@ -65,6 +68,11 @@ SAFE_SAVE_FILE = _transformers(
     "transformers.modeling_utils.safe_save_file",
     "save_pretrained writes each weight shard through it, and has no option that returns the shards "
     "instead of writing them",
+)
+
+MLFLOW_LOG_ARTIFACTS = _transformers(
+    "MLflowCallback._log_artifacts",
+    "MLflowCallback keeps whether its on_save uploads the checkpoint folder only there",
 )
 
 OVERRIDDEN = {

@@ -44,3 +44,10 @@ def test_save_pretrained_writes_its_shards_through_safe_save_file():
     from transformers import modeling_utils
 
     assert "safe_save_file(" in inspect.getsource(modeling_utils.PreTrainedModel.save_pretrained)
+
+
+def test_mlflow_callback_keeps_whether_it_logs_checkpoint_artifacts():
+    """Off until its setup reads HF_MLFLOW_LOG_ARTIFACTS (AirTrainer saves only after that)."""
+    from transformers.integrations import MLflowCallback
+
+    assert internals.MLFLOW_LOG_ARTIFACTS.get(MLflowCallback()) is False

@@ -210,3 +210,21 @@ def test_a_stock_checkpoint_resumes_and_the_next_checkpoint_knows_its_position(t
     with open(tmp_path / "ids-rank0.jsonl") as f:
         seen = [i for line in f for i in json.loads(line)["ids"]]
     assert len(seen) == 9 * 4 and len(set(seen)) == len(seen), "steps 4-12: no sample twice"
+
+
+def test_a_callback_that_reads_the_folder_in_on_save_finds_it_complete(tmp_path):
+    """Like MLflowCallback with HF_MLFLOW_LOG_ARTIFACTS: what a save wrote is there when on_save runs."""
+    from transformers import TrainerCallback
+
+    found = []
+
+    class Reader(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            found.append(GPT2LMHeadModel.from_pretrained(folder).state_dict()["lm_head.weight"].sum())
+
+    trainer = AirTrainer(
+        tiny_gpt2(), arguments(tmp_path), train_dataset=Plain(), callbacks=[quiet(), Reader()]
+    )
+    trainer.train()
+    assert len(found) == 2
