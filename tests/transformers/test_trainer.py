@@ -228,3 +228,11 @@ def test_a_callback_that_reads_the_folder_in_on_save_finds_it_complete(tmp_path)
     )
     trainer.train()
     assert len(found) == 2
+
+
+def test_preflight_runs_before_the_first_step(tmp_path):
+    air = AirTrainerCallback(mlflow=False, preflight=["storage", "staging"])
+    trainer = AirTrainer(tiny_gpt2(), arguments(tmp_path), train_dataset=Plain(), callbacks=[air])
+    trainer.train()
+    health = air.last_session.health
+    assert health.report is not None and {r.check for r in health.report.results} == {"storage", "staging"}
