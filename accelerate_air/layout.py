@@ -84,7 +84,7 @@ def accelerate_files(
             for hook in hooks:
                 hook(models(acc), weights, hook_dir)
             if acc.is_main_process:
-                files.update(_written_in(hook_dir))
+                files.update(written_in(hook_dir))
     if acc.is_main_process:
         for i, state in enumerate(weights):
             files[model_file(i)] = state
@@ -118,7 +118,7 @@ def accelerate_files(
     return files
 
 
-def _written_in(folder: str) -> dict[str, Bundle]:
+def written_in(folder: str) -> dict[str, Bundle]:
     """Every file under ``folder`` (relative POSIX path -> its bytes, written as they are)."""
     found: dict[str, Bundle] = {}
     for top, _, names in os.walk(folder):

@@ -26,8 +26,9 @@ import torch
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState
 
+from accelerate_air.layout import written_in
 from air_core.formats import safetensors_file
-from air_core.serializer import Bundle
+from air_core.session import raw_from_safe
 
 from .internals import SAFE_SAVE_FILE, module_function
 
@@ -73,12 +74,7 @@ def model_files(trainer: Trainer) -> dict[str, Any]:
     live tensors (the snapshot copies them), every other file as its bytes."""
     with tempfile.TemporaryDirectory(prefix="air-model-") as scratch, _captured_shards() as shards:
         trainer.save_model(scratch, _internal_call=True)
-        files: dict[str, Any] = {}
-        for top, _, names in os.walk(scratch):
-            for entry in names:
-                path = os.path.join(top, entry)
-                with open(path, "rb") as f:
-                    files[os.path.relpath(path, scratch).replace(os.sep, "/")] = Bundle([f.read()])
+        files: dict[str, Any] = dict(written_in(scratch))
     for filename, (tensors, metadata) in shards.items():
         files[filename] = safetensors_file(tensors, metadata)
     return files
@@ -86,7 +82,6 @@ def model_files(trainer: Trainer) -> dict[str, Any]:
 
 def trainer_rng(rng: dict[str, Any], *, distributed: bool) -> dict[str, Any]:
     """The session's RNG capture in ``Trainer._save_rng_state``'s format."""
-    from air_core.session import raw_from_safe
 
     python, numpy_state, torch_state = raw_from_safe(rng)
     states: dict[str, Any] = {"python": python, "numpy": numpy_state, "cpu": torch_state}
