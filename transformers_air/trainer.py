@@ -68,9 +68,9 @@ class AirTrainerMixin(_Base):
             )
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({air.root_of(self.args)})")
-        air.begin(self, resume_from_checkpoint or None)
         failed: BaseException | None = None
         try:
+            air.begin(self, resume_from_checkpoint or None)
             with _skip_replaced(air):
                 return super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException as exc:
