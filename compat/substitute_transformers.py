@@ -1,7 +1,7 @@
 """pytest plugin (``-p compat.substitute_transformers``): transformers' ``Trainer`` becomes ``AirTrainer``.
 
 Each ``Trainer(...)`` a test builds becomes an ``AirTrainer`` with the test's arguments unchanged, as a
-user switching over writes it (README, "transformers"), with ``AirTrainerCallback(mlflow=False,
+user switching over writes it (README, "transformers `Trainer`"), with ``AirTrainerCallback(mlflow=False,
 preflight=False)`` added to ``callbacks`` unless the test passed an ``AirTrainerCallback`` of its own:
 no MLflow run per test, and no pre-flight probe of each test's temporary root. The root is the
 test's ``args.output_dir``, as ``AirTrainer`` chooses it.

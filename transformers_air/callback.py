@@ -118,6 +118,7 @@ class AirTrainerCallback(TrainerCallback):
         self._resumed_from = ""
         self._mlflow_env: str | None = None
         self._said_wait = False
+        self._started = False
         self._restore = contextlib.ExitStack()
         self.positioned: set[int] = set()
         """Ids of loaders whose position the session keeps: Trainer's own skip of them is not needed."""
@@ -173,6 +174,7 @@ class AirTrainerCallback(TrainerCallback):
         self._ckpt = session.open(root)
         self._resumed, self._resumed_from = {}, ""
         self.positioned = set()
+        self._started = False
         self._restore = contextlib.ExitStack()
         if resume_from is not None:
             root_key, record = fetched.get(resume_from, ("", None))
@@ -191,7 +193,12 @@ class AirTrainerCallback(TrainerCallback):
         """The train loader Trainer iterates (``get_train_dataloader``): its position goes in each save."""
         from accelerate_air.tracking import track_prepared
 
-        if self.session is not None and track_prepared(
+        if self.session is None:
+            return
+        if self.positioned:  # Trainer rebuilt it (auto_find_batch_size retries with a smaller batch)
+            self.session.positions.forget()
+            self.positioned = set()
+        if track_prepared(
             self.session, prepared, on_fetch=self.session.record_fetch, reenter=False, who="AirTrainer"
         ):
             self.positioned.add(id(prepared))
@@ -207,6 +214,24 @@ class AirTrainerCallback(TrainerCallback):
 
             BASE_DATALOADER.get(loader).skip_next_pass(batches)
         return True
+
+    def keep_only_best(self, trainer: Trainer) -> None:
+        """The end of training with ``save_total_limit=1`` and a best checkpoint: as Trainer's own clean-up,
+        every checkpoint but the best is deleted, here through the core once all saves committed (Trainer's
+        ``shutil.rmtree`` would delete a save still being written and committed files behind their
+        records)."""
+        session, ckpt, best = self.session, self._ckpt, trainer.state.best_model_checkpoint
+        if session is None or ckpt is None or best is None or trainer.args.save_total_limit != 1:
+            return
+        self.wait_for_checkpoints()
+        if session.rank != 0:
+            return
+        entry = best.rstrip("/").rsplit("/", 1)[-1]
+        kept = {o.name for o in session.paths.owners(ckpt, Place(ckpt.config.root, entry))}
+        for info in ckpt.list():
+            if info.status == "committed" and info.name not in kept:
+                ckpt.delete(info.name, even_newest=True)
+        self.wait_for_checkpoints()
 
     def restored(self, checkpoint: str | None) -> bool:
         """Whether the session restored the data position and RNG of ``checkpoint`` (Trainer's own RNG
@@ -270,8 +295,10 @@ class AirTrainerCallback(TrainerCallback):
         if state.best_model_checkpoint is None and state.best_global_step and self._ckpt is not None:
             # Trainer drops a best checkpoint it cannot see as a local folder (a remote root)
             state.best_model_checkpoint = checkpoint_url(self.root_of(args), state.best_global_step)
-        run = _mlflow_active_run() if _reports_to_mlflow(args) else None
-        session.start(mlflow_run_id=run, run_is_ours=run is None)
+        if not self._started:  # once per train(), though a batch-size retry begins training again
+            self._started = True
+            run = _mlflow_active_run() if _reports_to_mlflow(args) else None
+            session.start(mlflow_run_id=run, run_is_ours=run is None)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -19,6 +19,10 @@ Checked by reading the source of transformers 5.24.0 and by ``tests/transformers
   skip the batches a checkpoint consumed. Replaced during ``train()`` by one that leaves the tracked
   train loader to the session (restored: nothing to skip; a stock checkpoint: re-read and dropped, so
   the position counts them) and calls the original for any other loader.
+- ``transformers.trainer.sort_checkpoints``: at the end of training with ``save_total_limit=1`` and a
+  best checkpoint, Trainer lists the checkpoint folders through it and ``shutil.rmtree`` s all but the
+  best. Replaced during ``train()`` by one that, for our root, does that clean-up through the core once
+  every save committed, and lists nothing for Trainer to delete.
 - ``MLflowCallback._log_artifacts``: whether its ``on_save`` uploads the checkpoint folder (set from
   ``HF_MLFLOW_LOG_ARTIFACTS`` at its setup). A callback that reads the folder in ``on_save`` makes each
   save wait for its commit; this one only when it reads, so ``report_to=["mlflow"]`` stays asynchronous.
@@ -63,6 +67,10 @@ SKIP_FIRST_BATCHES = _transformers(
     "transformers.trainer.skip_first_batches",
     "Trainer's epoch loop skips a resumed epoch's consumed batches through it, with no hook to say the "
     "loader already continues after them",
+)
+SORT_CHECKPOINTS = _transformers(
+    "transformers.trainer.sort_checkpoints",
+    "Trainer's end-of-training clean-up lists the folders it deletes through it, with no hook before",
 )
 SAFE_SAVE_FILE = _transformers(
     "transformers.modeling_utils.safe_save_file",

@@ -10,7 +10,9 @@
 - the train loader: ``get_train_dataloader`` is where the prepared loader exists before the first
   epoch starts iterating it (``on_train_begin`` comes after Trainer chose how to skip);
 - the end of the forward (``compute_loss``): the straggler section ends where backward starts;
-- the best model at the end (``_load_best_model``) reads a local folder; the root may be remote.
+- the best model at the end (``_load_best_model``) reads a local folder; the root may be remote;
+- the end-of-training clean-up with ``save_total_limit=1`` (``sort_checkpoints``, then ``rmtree``) would
+  delete a save still being written: the callback does it through the core after every commit.
 
 Use ``AirTrainer`` in place of ``Trainer``, or put ``AirTrainerMixin`` first in your own subclass's
 bases (``class MyTrainer(AirTrainerMixin, SFTTrainer)``).
@@ -28,7 +30,7 @@ from transformers import Trainer
 from air_core import ConfigError
 
 from .callback import AirTrainerCallback
-from .internals import SKIP_FIRST_BATCHES, check_methods, module_function
+from .internals import SKIP_FIRST_BATCHES, SORT_CHECKPOINTS, check_methods, module_function
 from .resume import fetch_folder, latest_checkpoint
 
 if TYPE_CHECKING:  # what the mixin is mixed into, for the type checker
@@ -71,7 +73,7 @@ class AirTrainerMixin(_Base):
         failed: BaseException | None = None
         try:
             air.begin(self, resume_from_checkpoint or None)
-            with _skip_replaced(air):
+            with _skip_replaced(air), _cleanup_replaced(self):
                 return super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException as exc:
             failed = exc
@@ -144,6 +146,31 @@ def _skip_replaced(air: AirTrainerCallback) -> Iterator[None]:
         return original(dataloader, num_batches)
 
     setattr(module, name, skip_first_batches)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def _cleanup_replaced(trainer: AirTrainerMixin) -> Iterator[None]:
+    """During ``train()``: Trainer's end-of-training listing of the checkpoints to delete
+    (``save_total_limit=1`` with a best checkpoint) is empty for our root, whose clean-up the callback
+    does through the core (``AirTrainerCallback.keep_only_best``)."""
+    from air_core.storage import location
+
+    module, name = module_function(SORT_CHECKPOINTS)
+    original = getattr(module, name)
+
+    @functools.wraps(original)
+    def sort_checkpoints(output_dir: str, *args: Any, **kwargs: Any) -> list[str]:
+        air = trainer.air_callback
+        if location(output_dir) != location(air.root_of(trainer.args)):
+            return original(output_dir, *args, **kwargs)
+        air.keep_only_best(trainer)
+        return []
+
+    setattr(module, name, sort_checkpoints)
     try:
         yield
     finally:

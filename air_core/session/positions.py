@@ -80,6 +80,14 @@ class Positions:
             self._resume(tracked, len(self._loaders) - 1)
         return tracked
 
+    def forget(self) -> None:
+        """Stop tracking every loader: the framework rebuilt its train loaders before training (a retry
+        with a smaller batch size) and tracks the new ones; a restored position applies to those."""
+        for tracked in self._loaders:
+            if tracked.counters in self.records.counters:
+                self.records.counters.remove(tracked.counters)
+        self._loaders.clear()
+
     def _resume(self, tracked: TrackedLoader, index: int) -> None:
         pending = self._pending
         assert pending is not None

@@ -28,13 +28,16 @@ def test_a_changed_method_fails_naming_itself():
         internals.check_methods(Renamed)
 
 
-@pytest.mark.parametrize("touch", [internals.SKIP_FIRST_BATCHES, internals.SAFE_SAVE_FILE])
+@pytest.mark.parametrize(
+    "touch", [internals.SKIP_FIRST_BATCHES, internals.SAFE_SAVE_FILE, internals.SORT_CHECKPOINTS]
+)
 def test_the_replaced_module_functions_are_there_and_called_as_expected(touch):
     module, name = internals.module_function(touch)
     params = list(inspect.signature(getattr(module, name)).parameters)
     expected = {
         "skip_first_batches": ["dataloader", "num_batches"],
         "safe_save_file": ["tensors", "filename"],
+        "sort_checkpoints": ["output_dir", "checkpoint_prefix"],
     }
     assert params[:2] == expected[name]
 
