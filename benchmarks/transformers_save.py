@@ -21,7 +21,11 @@ Loads (``--load``, comma-separated, or ``all``; default ``train``):
 
 - ``train``: the model trains flat out (torch on every core), batches made in the main process;
 - ``train+loader``: ``dataloader_num_workers=2`` (one per core on a 2-core machine: ``--workers``) whose
-  samples each cost CPU-heavy augmentation (``checkpoint_stall.Augmented``), sized to keep them busy.
+  samples each cost CPU-heavy augmentation (``checkpoint_stall.Augmented``), sized to keep them busy
+  (by the first method's run; every method gets the same rounds, ``--augment-rounds``).
+
+``load avg`` is the 1-minute load average when the run ended: far above the cores the run itself keeps
+busy means something else shared the machine, and its step times are not comparable with the other's.
 
 At the end, the newest checkpoint of each run is loaded with stock ``GPT2LMHeadModel.from_pretrained``
 and compared with the trained weights.
@@ -180,7 +184,9 @@ def worker(method: str, load: str, args: argparse.Namespace, workdir: str) -> di
 
     width, layers, seq, batch = sizes(args)
     model = build_model(width, layers, seq)
-    rounds = augment_rounds(model, seq, batch, args.workers) if load == "train+loader" else 0
+    rounds = 0
+    if load == "train+loader":
+        rounds = args.augment_rounds or augment_rounds(model, seq, batch, args.workers)
     loader = {"dataloader_num_workers": args.workers, "dataloader_persistent_workers": True} if rounds else {}
     output_dir = os.path.join(workdir, method)
     training = TrainingArguments(
@@ -217,7 +223,7 @@ def worker(method: str, load: str, args: argparse.Namespace, workdir: str) -> di
     wall = time.perf_counter() - started
     saves, ends = trainer.saves, clock.ends
 
-    # A step runs from the previous step's end (plus the save after it, if any) to its own end.
+    # A step runs from the previous step's end, or from the return of the save after it, to its own end.
     windows = []  # AirTrainer: from a save's return to its commit
     for s in saves:
         s["blocking"] = s["end"] - s["call"]
@@ -226,8 +232,9 @@ def worker(method: str, load: str, args: argparse.Namespace, workdir: str) -> di
             windows.append((s["end"], commits.at[s["step"]]))
     idle, during = [], []
     for i in range(max(1, WARMUP), len(ends)):
-        start = ends[i - 1] + sum(s["end"] - s["start"] for s in saves if ends[i - 1] <= s["start"] < ends[i])
-        seconds = ends[i] - start
+        between = [s for s in saves if ends[i - 1] <= s["start"] < ends[i]]
+        seconds = ends[i] - ends[i - 1] - sum(s["end"] - s["start"] for s in between)
+        start = max([ends[i - 1], *(s["end"] for s in between)])
         in_flight = any(a <= start < b for a, b in windows)  # started while a save was in flight
         (during if in_flight else idle).append(seconds)
 
@@ -354,6 +361,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=60, help="max_steps (default 60)")
     p.add_argument("--every", type=int, default=10, help="save_steps (default 10)")
     p.add_argument("--workers", type=int, default=2, help="loader workers under train+loader (default 2)")
+    p.add_argument(
+        "--augment-rounds",
+        type=int,
+        default=0,
+        help="train+loader: augmentation rounds per sample (default: sized by the first method's run)",
+    )
     p.add_argument("--load", type=parse_loads, default=["train"], help="train (default), train+loader, all")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
     p.add_argument("--dir", default=None, help="folder for the runs (default: a temp folder)")
@@ -381,6 +394,8 @@ def main() -> int:
         rows = tables.setdefault(load, {})
         for method in args.methods:
             cmd = [sys.executable, __file__, *forwarded, "--worker", method, "--load", load]
+            if rows and not args.augment_rounds:  # every method gets the rounds the first one sized
+                cmd += ["--augment-rounds", str(next(iter(rows.values()))["augment_rounds"])]
             row = stall.run_worker(cmd, f"{method} ({load})")
             if row is None:
                 return 1
