@@ -14,6 +14,9 @@ from tests.zygote import python
 
 JOB = os.path.join(REPO, "tests/transformers/job.py")
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+# torchrun's agent shares its rendezvous store with the workers (pytorch#135712): each launch its own. A
+# TORCH* variable sends a launch to the real interpreter (tests/zygote.py), so only torchrun's get it.
+TORCHRUN_ENV: dict[str, str] = {}
 
 
 def run_job(
@@ -26,7 +29,7 @@ def run_job(
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": REPO, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})},
+        env={**os.environ, "PYTHONPATH": REPO, **(TORCHRUN_ENV if processes == 2 else {}), **(env or {})},
     )
     shown = stalls.shown(workdir, args, out)
     if expect_signal and processes == 1:
