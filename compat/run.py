@@ -108,31 +108,22 @@ def accelerate_tree(path: str | None) -> str:
         return path
     version = importlib.metadata.version("accelerate")
     unpacked = os.path.join(CACHE, f"accelerate-{version}")
-    if os.path.isdir(os.path.join(unpacked, "tests")):
-        return unpacked
+    if not os.path.isdir(os.path.join(unpacked, "tests")):
+        unpack_sdist("accelerate", version)
+    return unpacked
+
+
+def unpack_sdist(package: str, version: str) -> None:
+    """Download ``package``'s source distribution at ``version`` into ``.compat-cache/`` (once) and
+    unpack it there (``<package>-<version>/``)."""
     os.makedirs(CACHE, exist_ok=True)
-    archive = os.path.join(CACHE, f"accelerate-{version}.tar.gz")
+    archive = os.path.join(CACHE, f"{package}-{version}.tar.gz")
     if not os.path.isfile(archive):
-        print(f"compat: downloading the accelerate {version} source distribution (its tests) into {CACHE}")
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-binary",
-                ":all:",
-                "--no-deps",
-                f"accelerate=={version}",
-                "-d",
-                CACHE,
-            ],
-            check=True,
-        )
+        print(f"compat: downloading the {package} {version} source distribution (its tests) into {CACHE}")
+        command = [sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps"]
+        subprocess.run([*command, f"{package}=={version}", "-d", CACHE], check=True)
     with tarfile.open(archive) as tar:
         tar.extractall(CACHE, filter="data")
-    return unpacked
 
 
 TRANSFORMERS_MARKER = os.path.join("tests", "trainer", "test_trainer_checkpointing.py")
@@ -160,28 +151,7 @@ def transformers_tree(path: str | None) -> str:
         return shared
     unpacked = os.path.join(CACHE, f"transformers-{version}")
     if not os.path.isdir(os.path.join(unpacked, "tests")):
-        os.makedirs(CACHE, exist_ok=True)
-        archive = os.path.join(CACHE, f"transformers-{version}.tar.gz")
-        if not os.path.isfile(archive):
-            print(f"compat: downloading the transformers {version} source distribution into {CACHE}")
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pip",
-                    "download",
-                    "-q",
-                    "--no-binary",
-                    ":all:",
-                    "--no-deps",
-                    f"transformers=={version}",
-                    "-d",
-                    CACHE,
-                ],
-                check=True,
-            )
-        with tarfile.open(archive) as tar:
-            tar.extractall(CACHE, filter="data")
+        unpack_sdist("transformers", version)
     if not os.path.isfile(os.path.join(unpacked, TRANSFORMERS_MARKER)):
         raise SystemExit(
             f"compat: the transformers {version} source distribution has no tests/trainer/. Put the "
