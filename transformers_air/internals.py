@@ -3,8 +3,9 @@
 ``Trainer`` has callback hooks around a checkpoint save (``on_save``, after it) but none that replaces
 how one is written, loaded, or how the data is skipped on resume. ``AirTrainerMixin`` overrides three
 private methods where that happens, and replaces two module-level functions on the calls that need it.
-Checked by reading the source of transformers 5.24.0 and by ``tests/transformers/test_internals.py``
-(run against the installed release):
+Checked by reading the source of transformers 5.24.0 and by ``tests/transformers/test_internals.py`` with
+``test_trainer.py`` against 5.2.0 (the floor in ``pyproject.toml``: 5.0 and 5.1 have no module-level
+``sort_checkpoints``) and the installed release:
 
 - ``Trainer._save_checkpoint(model, trial)``: the one place a checkpoint folder is written (weights,
   optimizer, scheduler, scaler, RNG, ``trainer_state.json``, rotation), synchronously. Overridden: the
@@ -39,7 +40,7 @@ from typing import Any
 
 from air_core.internals import Touch
 
-_CHECKED = "5.24.0"
+_CHECKED = "5.2.0 and 5.24.0"
 
 
 def _transformers(where: str, why: str) -> Touch:
