@@ -43,7 +43,9 @@ OLDEST_TESTS := \
 	'tests/lightning/test_sharded.py::test_sharded_saves_to_s3_killed_mid_upload_resume_exactly' \
 	'tests/accelerate/test_elastic.py::test_a_two_process_checkpoint_continues_on_one_and_three_processes_each_sample_once' \
 	'tests/accelerate/test_accelerator.py::test_checkpoint_downloaded_from_s3_loads_with_stock_load_state' \
-	tests/lightning/test_internals.py tests/accelerate/test_internals.py
+	'tests/transformers/test_crash_resume.py::test_sigkill_during_each_save_phase_resumes_exactly[serialize_start-2]' \
+	'tests/transformers/test_trainer.py::test_a_committed_checkpoint_resumes_in_stock_trainer_as_its_own_and_loads_with_from_pretrained' \
+	tests/lightning/test_internals.py tests/accelerate/test_internals.py tests/transformers/test_internals.py
 
 $(VENV_OLDEST)/.installed: pyproject.toml .ci/oldest.txt
 	$(PYTHON) -m venv $(VENV_OLDEST)
@@ -55,7 +57,7 @@ $(VENV_OLDEST)/.installed: pyproject.toml .ci/oldest.txt
 test-oldest: $(VENV_OLDEST)/.installed
 	@$(PY_OLDEST) -c "from importlib.metadata import version as v; \
 		print('test-oldest:', *(f'{p}=={v(p)}' for p in ('torch', 'lightning', 'pytorch-lightning', \
-		'accelerate', 'torchdata', 'jsonargparse', 'mlflow', 'numpy')))"
+		'accelerate', 'transformers', 'torchdata', 'jsonargparse', 'mlflow', 'numpy')))"
 	$(PY_OLDEST) -m pip check
 	$(PY_OLDEST) -m pytest -q -n 2 --durations=10 $(OLDEST_TESTS)
 
