@@ -130,6 +130,7 @@ class TrainingSession:
         self._tier: LocalTier | None = None
         self._tier_files: Callable[[], Mapping[str, Any]] | None = None
         self._tier_due: int | None = None
+        self._tier_unsettled: int | None = None
         self._tier_group: Any = None
         if config.local_every_n_steps and world_size > 1 and measure:
             # a collective, on every rank at construction: the tier's copies never use training's group
@@ -352,12 +353,23 @@ class TrainingSession:
 
     def before_optimizer_step(self) -> None:
         """The snapshot gate: block until the copies of every save since the last gate landed (GPU
-        copies, gated CPU copies), since the optimizer mutates what they read."""
-        if self._ungated:
-            with self.watchdog_paused():
-                for handle in self._ungated:
-                    handle.wait_snapshot()
+        copies, gated CPU copies), since the optimizer mutates what they read; and until every rank's
+        local save of the step before is committed and copied to its partners (``LocalTier.wait_settled``),
+        so a failure loses at most ``local_every_n_steps`` steps."""
+        unsettled, self._tier_unsettled = self._tier_unsettled, None
+        if not self._ungated and unsettled is None:
+            return
+        with self.watchdog_paused():
+            for handle in self._ungated:
+                handle.wait_snapshot()
             self._ungated.clear()
+            timeout = self.config.flush_timeout_seconds
+            if unsettled is not None and self._tier and not self._tier.wait_settled(unsettled, timeout):
+                logger.warning(
+                    "rank %d: the local save of step %d was not committed and copied in %.0f s "
+                    "(flush_timeout_seconds); training goes on without waiting for it",
+                    self.rank, unsettled, timeout,
+                )  # fmt: skip
 
     def watchdog_paused(self) -> contextlib.AbstractContextManager[None]:
         """Time inside is not a hang: checkpoint I/O the training thread waits on (an adapter's load, a wait
@@ -383,6 +395,7 @@ class TrainingSession:
         with self.health.saving():
             handle = tier.save(self._tier_files(), step=step, in_order=self._buffers(), gated=self._gated())
         self._ungated.append(handle)
+        self._tier_unsettled = step
 
     def _local_tier(self) -> LocalTier:
         if self._tier is None:

@@ -9,6 +9,11 @@ older commits, but the newest one every partner has a copy of. Every rank saves 
 the exchanges pair up in order; a save that failed still takes part (an empty package), and a failure
 of the tier is logged, never raised into training.
 
+A save is *settled* once every rank's save of its step is committed and copied (or failed): the tier's
+thread meets the other ranks' at a barrier of the tier's group after each exchange. The session waits
+for it before the next optimizer step (``wait_settled``), so a failure loses at most the steps since the
+newest local save, never also a save still in flight.
+
 On disk, under ``<local_dir>/air-<job>/``: ``rank-<r>/`` (this rank's own), ``replica-<s>/`` (copies of
 rank ``s``'s), ``restore-<r>/`` (the checkpoint a resume assembled, ``recover.py``).
 """
@@ -26,6 +31,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..checkpointer import AsyncCheckpointer
 from ..config import CheckpointerConfig
@@ -100,6 +106,8 @@ class LocalTier:
         self._send_to, self._receive_from = send_to, receive_from
         self._replicas = {s: local_storage(replica_root(base, s)) for s in receive_from}
         self._queue: queue.Queue[SaveHandle | None] = queue.Queue()
+        self._settling = threading.Condition()
+        self._settled_through = -1
         self.settled: list[str] = []
         """The local checkpoints committed and copied to every partner (as far as this rank's sends go)."""
         self.broken = ""
@@ -132,6 +140,29 @@ class LocalTier:
                 self.settled.append(package.name)
             if package.name:
                 self._drop_older(handle.step)
+            self._meet()
+            with self._settling:
+                self._settled_through = handle.step
+                self._settling.notify_all()
+        with self._settling:
+            self._settled_through = _NEVER_BY_COUNT
+            self._settling.notify_all()
+
+    def wait_settled(self, step: int, timeout: float) -> bool:
+        """Block until every rank's save of ``step`` is settled (see the module docstring) or the tier
+        stopped; False when ``timeout`` seconds passed first."""
+        with self._settling:
+            return self._settling.wait_for(lambda: self._settled_through >= step, timeout)
+
+    def _meet(self) -> None:
+        """Wait for every rank's thread to reach this point of the same save (the tier's group)."""
+        if self._group is None or self.broken:
+            return
+        try:
+            dist.barrier(group=self._group)
+        except Exception as exc:  # a rank is gone
+            self.broken = f"{type(exc).__name__}: {exc}"
+            logger.warning("rank %d: the local tier lost a rank: %s", self.rank, self.broken)
 
     def _drop_older(self, step: int) -> None:
         """Drop the commits before ``step``, but the newest one every partner has (while ``step``'s copies

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.utils.data import DataLoader, Dataset
 
 from tests import stalls
-from tests.kill_at import Journal, KillAt, die_once_replicated
+from tests.kill_at import Journal, KillAt, die
 
 N_SAMPLES, DIM, BATCH = 64, 16, 4
 
@@ -138,7 +138,7 @@ def _hang_once(args, rank: int, step: int) -> None:
 
 def _die_once(args, accelerator, step: int) -> None:
     """--die STEP[:WHO][:agent]: before step STEP (1-based) that rank (WHO: a rank, or the AIR_NODE_NAME of
-    a node; default every rank) is SIGKILLed on the first launch only (``kill_at.die_once_replicated``);
+    a node; default every rank) is SIGKILLed on the first launch only (``kill_at.die``);
     ``agent``: its torchrun agent first (a node lost: the agent and its workers)."""
     at, _, rest = args.die.partition(":")
     who, _, agent = rest.partition(":")
@@ -147,7 +147,7 @@ def _die_once(args, accelerator, step: int) -> None:
     if step != int(at) or (who and who != me) or os.path.exists(marker):
         return
     open(marker, "w").close()
-    die_once_replicated(accelerator.air_session.local_tier, agent=bool(agent))
+    die(agent=bool(agent))
 
 
 def main() -> None:

@@ -5,9 +5,10 @@ Two agents on 127.0.0.1 act as nodes A and B (``tests/torchrun_nodes.py``), one 
 ``tests/accelerate/job.py`` (4 epochs) with ``AirPlugin(elastic=True, local_every_n_steps=2)`` and a root
 save every 5 steps (8 steps an epoch at world 2, 16 at world 1):
 
-1. Before step 7, node B's worker kills its agent and itself (B is gone). A's worker fails on the broken
-   process group, A's agent re-forms the job at world 1, and ``resume()`` continues from the newest step
-   both ranks' local checkpoints exist for on A (A's own and its copy of B's): step 6, not the root's 5.
+1. Before step 8, node B's worker kills its agent and itself at once (B is gone). Step 7's optimizer step
+   waited until every rank's local save of step 6 was committed and copied, so A holds its own part of
+   step 6 and its copy of B's. A's worker fails on the broken process group, A's agent re-forms the job
+   at world 1, and ``resume()`` continues from step 6, not the root's 5: one step lost.
 2. Once that run reached step 12, node C's agent joins. A's agent stops its worker (SIGTERM) and
    re-forms the job at world 2; C's worker has no local state and receives A's part from A.
 3. The job finishes at world 2.
@@ -30,7 +31,7 @@ from tests.sameness import records
 from tests.torchrun_nodes import agent, free_port
 
 pytestmark = pytest.mark.slow
-LOCAL_EVERY, ROOT_EVERY, DIE_BEFORE = 2, 5, 7
+LOCAL_EVERY, ROOT_EVERY, DIE_BEFORE, RESUMED = 2, 5, 8, 6
 
 
 def _every_record(workdir: Path) -> list[dict]:
@@ -81,11 +82,11 @@ def test_a_lost_node_resumes_from_the_replica_and_a_new_node_grows_the_job_back(
                 p.kill()
     assert b.wait(timeout=10) != 0, "node B was lost"
     log_a, log_c = (tmp_path / "agent-A.log").read_text(), (tmp_path / "agent-C.log").read_text()
-    assert f"resuming from local tier step {DIE_BEFORE - 1} (replica)" in log_a, log_a[-4000:]
+    assert f"resuming from local tier step {RESUMED} (replica)" in log_a, log_a[-4000:]
     first, alone_run, grown = _launches(tmp_path)[-3:]
     assert [first[0]["world"], alone_run[0]["world"], grown[0]["world"]] == [2, 1, 2], "2 -> 1 -> 2 processes"
     shrunk_at = min(r["step"] for r in alone_run)
-    assert shrunk_at == DIE_BEFORE - 1, "resumed at the local tier's step, not the root's"
+    assert shrunk_at == RESUMED, "resumed at the local tier's step, not the root's"
     assert max(r["step"] for r in first) - shrunk_at + 1 <= LOCAL_EVERY, (
         "at most K steps lost to the node loss"
     )

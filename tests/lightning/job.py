@@ -31,7 +31,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 from lightning_air import NEWEST, AirCallback, AirCheckpointIO, latest_checkpoint
 from tests import stalls
-from tests.kill_at import Journal, KillAt, die_once_replicated
+from tests.kill_at import Journal, KillAt, die
 from tests.lightning.model import Model, NumberedData, make_loader
 
 
@@ -158,7 +158,7 @@ def main() -> None:
 
 class DieOnce(pl.Callback):
     """--die STEP[:NODE]: SIGKILL before step STEP (1-based) of the first launch (a marker file;
-    ``kill_at.die_once_replicated``); with NODE, only on the node of that ``AIR_NODE_NAME``, its torchrun
+    ``kill_at.die``); with NODE, only on the node of that ``AIR_NODE_NAME``, its torchrun
     agent first (the node is lost)."""
 
     def __init__(self, workdir: str, step: str, node: str = "") -> None:
@@ -170,10 +170,7 @@ class DieOnce(pl.Callback):
             return
         if trainer.global_step + 1 == self.step and not os.path.exists(self.marker):
             open(self.marker, "w").close()
-            air = next(c for c in trainer.callbacks if isinstance(c, AirCallback))
-            die_once_replicated(
-                air.session.local_tier if air.session is not None else None, agent=bool(self.node)
-            )
+            die(agent=bool(self.node))
 
 
 def _hang_timeout(args: argparse.Namespace) -> float | None:

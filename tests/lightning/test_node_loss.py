@@ -3,7 +3,8 @@
 Two agents on 127.0.0.1 act as nodes A and B (``tests/torchrun_nodes.py``), one worker each, running
 ``tests/lightning/job.py`` (``Trainer(num_nodes=WORLD_SIZE)``, DDP on gloo) with
 ``AirCallback(elastic=True, local_every_n_steps=2)``, ``ModelCheckpoint(every_n_train_steps=5)`` and
-``fit(ckpt_path=lightning_air.NEWEST)``. Before step 7 node B's worker kills its agent and itself; A's
+``fit(ckpt_path=lightning_air.NEWEST)``. Before step 8 node B's worker kills its agent and itself at once
+(step 7's optimizer step waited until every rank's local save of step 6 was committed and copied); A's
 agent re-forms the job at world 1 and the fit resumes from step 6, assembled from A's own local part and
 its copy of B's, not from the root's step 5. Every sample of the interrupted epoch is consumed exactly
 once across the world change.
@@ -23,7 +24,7 @@ from tests.torchrun_nodes import agent, free_port
 from .test_crash_resume import JOB
 
 pytestmark = pytest.mark.slow
-LOCAL_EVERY, ROOT_EVERY, DIE_BEFORE = 2, 5, 7
+LOCAL_EVERY, ROOT_EVERY, DIE_BEFORE, RESUMED = 2, 5, 8, 6
 
 
 def test_a_lost_node_resumes_the_fit_from_the_replica_on_the_survivor_each_sample_once(tmp_path):
@@ -41,7 +42,7 @@ def test_a_lost_node_resumes_the_fit_from_the_replica_on_the_survivor_each_sampl
                 p.kill()
     assert b.wait(timeout=10) != 0, "node B was lost"
     log = (tmp_path / "agent-A.log").read_text()
-    assert f"resuming from local tier step {DIE_BEFORE - 1} (replica)" in log, log[-4000:]
+    assert f"resuming from local tier step {RESUMED} (replica)" in log, log[-4000:]
     every = [
         rec
         for rank in range(2)
@@ -50,7 +51,7 @@ def test_a_lost_node_resumes_the_fit_from_the_replica_on_the_survivor_each_sampl
     ]
     first, later = [r for r in every if r["world"] == 2], [r for r in every if r["world"] == 1]
     resumed = min(r["step"] for r in later)  # Lightning's global_step before the step
-    assert resumed == DIE_BEFORE - 1, "resumed at the local tier's step, not the root's"
+    assert resumed == RESUMED, "resumed at the local tier's step, not the root's"
     before = [i for r in first if r["step"] < resumed for i in r["ids"]]
     rest = [i for r in later if r["epoch"] == 0 for i in r["ids"]]
     assert Counter(before + rest) == Counter(range(N_SAMPLES)), "every sample of epoch 0 exactly once"
