@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 import zlib
@@ -132,7 +133,7 @@ class Direct:
     ) -> tuple[dict[str, str], Source]:
         paths = {e.path: self._storage.path(e.path) for e in entries}
         for e in entries:
-            if not _matches(paths[e.path], e):
+            if not matches(paths[e.path], e):
                 raise _corrupt(self._storage, manifest, e)
         return paths, "local"
 
@@ -216,14 +217,14 @@ class Staged:
         """The cache's copies when its manifest is byte-identical and the CRCs match, else a download."""
         paths = self._local(tuple(e.path for e in entries))
         cached = _read(layout.local_path(self.cache_dir, layout.manifest_path(manifest.name)))
-        if cached == manifest.to_json() and all(_matches(paths[e.path], e) for e in entries):
+        if cached == manifest.to_json() and all(matches(paths[e.path], e) for e in entries):
             return paths, "cache"
 
         for path in paths.values():
             self._make_room(path)
         self._storage.get_files(paths, max_transfers=max_transfers)
         for e in entries:
-            if not _matches(paths[e.path], e):
+            if not matches(paths[e.path], e):
                 os.unlink(paths[e.path])
                 raise _corrupt(self._storage, manifest, e)
         self.remember(manifest)
@@ -318,8 +319,33 @@ def file_crc32(path: str) -> int:
     return crc
 
 
-def _matches(path: str, entry: FileEntry) -> bool:
-    return os.path.isfile(path) and os.path.getsize(path) == entry.size and file_crc32(path) == entry.crc32
+def matches(path: str, entry: FileEntry, *, remember: bool = False) -> bool:
+    """Whether the file at ``path`` has ``entry``'s size and CRC-32.
+
+    With ``remember``, the result serves the next check of the same file once, if the file is unchanged
+    (same inode, size and modification time): a resume that checked its parts (the local tier's
+    ``recover``) does not read them a second time when the load right after checks them. Any later check
+    reads the file again.
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+        return False
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    crc = _REMEMBERED.pop(key, None)
+    if crc is None:
+        crc = file_crc32(path)
+    if remember:
+        if len(_REMEMBERED) > _REMEMBER_AT_MOST:  # checks never followed by a load
+            _REMEMBERED.clear()
+        _REMEMBERED[key] = crc
+    return crc == entry.crc32
+
+
+_REMEMBERED: dict[tuple[int, int, int, int], int] = {}
+_REMEMBER_AT_MOST = 1 << 12
 
 
 def _read(path: str) -> bytes | None:

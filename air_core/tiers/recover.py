@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 from .. import layout
 from ..catalog import read_catalog
+from ..errors import CorruptCheckpointError
 from ..manifest import FileEntry, Manifest
+from ..staging import matches
 from .local import parse_name, tier_name
 from .transfer import EMPTY, Received, UnsyncedFiles, exchange, local_storage, read_package
 
@@ -96,19 +98,56 @@ def recover(
     base: str, *, rank: int, world_size: int, newer_than: int | None, group: Any, node: str
 ) -> Resume | None:
     """Every rank, together: the newest complete tier state after step ``newer_than``, assembled in
-    ``restore_root(base, rank)``; None when the root's newest commit (or a fresh start) is newer."""
+    ``restore_root(base, rank)``; None when the root's newest commit (or a fresh start) is newer.
+
+    A part that fails its CRC-32s on any rank (damaged on its disk, or torn by a crash of its node) is
+    dropped where it was held, and every rank agrees on a step again: a resume never loads a damaged part,
+    and never stops on one while an older complete state exists.
+    """
     started = time.monotonic()
-    mine = holdings(base, node)
-    reports: list[Any] = [mine]
-    if group is not None and world_size > 1:
-        reports = [None] * world_size
-        dist.all_gather_object(reports, mine, group=group)
-    chosen = choose(reports, newer_than)
-    if chosen is None:
-        return None
+    while True:
+        reports = _gather(holdings(base, node), group, world_size)
+        chosen = choose(reports, newer_than)
+        if chosen is None:
+            return None
+        holders = _holders(reports, chosen)
+        blamed = _gather(_assemble_here(base, rank, world_size, chosen, holders, group), group, world_size)
+        if not any(blamed):
+            break
+        _drop(rank, chosen, holders, blamed)
+        _gather([], group, world_size)  # every drop done before any rank lists again
+    step, world = chosen
+    dest = restore_root(base, rank)
+    used = {s: _here(holders[s], rank) or holders[s][0][1] for s in range(world)}
+    tier: Tier = "replica" if any(h.kind == "replica" for h in used.values()) else "local"
+    where = ", ".join(
+        f"rank {s}: {'here' if _here(holders[s], rank) else f'from node {h.node}'}" for s, h in used.items()
+    )
+    logger.info("rank %d: resuming from local tier step %d (%s) [%s]", rank, step, tier, where)
+    return Resume(dest, tier_name(step, world), step, world, tier, time.monotonic() - started)
+
+
+def _gather(mine: list[Any], group: Any, world_size: int) -> list[Any]:
+    if group is None or world_size == 1:
+        return [mine]
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
+def _assemble_here(
+    base: str,
+    rank: int,
+    world_size: int,
+    chosen: tuple[int, int],
+    holders: dict[int, list[tuple[int, Held]]],
+    group: Any,
+) -> list[tuple[int, int]]:
+    """Gather the ``chosen`` step's parts in ``restore_root(base, rank)`` (received ones checked as they
+    arrive, linked ones checked here) and commit it there; the (saved rank, holding rank) of each part
+    that failed its check (then nothing is committed)."""
     step, world = chosen
     name = tier_name(step, world)
-    holders = _holders(reports, chosen)
     dest = restore_root(base, rank)
     shutil.rmtree(dest, ignore_errors=True)
     parts: dict[int, Received] = {}
@@ -126,12 +165,28 @@ def recover(
                 finally:
                     sink.close()
     local = {s: here for s in range(world) if s not in parts and (here := _here(holders[s], rank))}
-    _assemble(dest, name, step, world, local, parts)
-    used = {s: local[s] if s in local else holders[s][0][1] for s in range(world)}
-    tier: Tier = "replica" if any(h.kind == "replica" for h in used.values()) else "local"
-    where = ", ".join(f"rank {s}: {'here' if s in local else f'from node {h.node}'}" for s, h in used.items())
-    logger.info("rank %d: resuming from local tier step %d (%s) [%s]", rank, step, tier, where)
-    return Resume(dest, name, step, world, tier, time.monotonic() - started)
+    damaged = _assemble(dest, name, step, world, local, parts)
+    return [(s, rank if s in local else holders[s][0][0]) for s in damaged]
+
+
+def _drop(
+    rank: int,
+    chosen: tuple[int, int],
+    holders: dict[int, list[tuple[int, Held]]],
+    blamed: list[list[tuple[int, int]]],
+) -> None:
+    """Every rank: forget the damaged parts this rank held (their manifests go: no longer committed)."""
+    name = tier_name(*chosen)
+    for finder, found in enumerate(blamed):
+        for saved, holder in found:
+            logger.warning(
+                "rank %d: rank %d's part of %s (held by rank %d) failed its CRC-32 check on rank %d; "
+                "dropped, and the ranks agree on a step again",
+                rank, saved, name, holder, finder,
+            )  # fmt: skip
+            held = _here(holders[saved], holder)
+            if holder == rank and held is not None:
+                local_storage(held.root).remove(layout.manifest_path(name))
 
 
 def _holders(reports: list[list[Held]], chosen: tuple[int, int]) -> dict[int, list[tuple[int, Held]]]:
@@ -152,26 +207,51 @@ def _here(holders: list[tuple[int, Held]], rank: int) -> Held | None:
 
 def _assemble(
     dest: str, name: str, step: int, world: int, local: dict[int, Held], parts: dict[int, Received]
-) -> None:
+) -> list[int]:
     """One committed checkpoint of ``world`` ranks in ``dest``: each part's files (linked from this node's
-    copy, or received: written as they arrived, checked here), then a manifest naming every file with its
-    rank."""
+    copy and checked against their CRC-32s, or received: written as they arrived, checked here), then a
+    manifest naming every file with its rank. Returns the saved ranks whose part failed its check; then
+    no manifest is written."""
     storage = local_storage(dest)
     entries: list[FileEntry] = []
-    launch = ""
+    damaged: list[int] = []
+    launch, versions = "", {}
     for saved in range(world):
-        if saved in parts:
-            manifest = parts[saved].check(where=f"rank {saved}'s part of {name}")
-        else:
-            source = local[saved].root
-            manifest = Manifest.from_json(
-                local_storage(source).read_bytes(layout.manifest_path(name)), where=f"{source}/{name}"
-            )
-            for f in manifest.files:
-                target = layout.local_path(dest, f.path)
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                os.link(layout.local_path(source, f.path), target)
-        launch = launch or manifest.launch_id
+        try:
+            if saved in parts:
+                manifest = parts[saved].check(where=f"rank {saved}'s part of {name}")
+            else:
+                manifest = _link(local[saved].root, dest, name)
+        except CorruptCheckpointError:
+            damaged.append(saved)
+            continue
+        launch, versions = launch or manifest.launch_id, manifest.versions
         entries += [FileEntry(f.path, f.size, f.crc32, saved) for f in manifest.files]
-    whole = Manifest(name, step, time.time(), world, launch, tuple(entries), manifest.versions)
-    storage.write_bytes(layout.manifest_path(name), whole.to_json())
+    if not damaged:
+        whole = Manifest(name, step, time.time(), world, launch, tuple(entries), versions)
+        storage.write_bytes(layout.manifest_path(name), whole.to_json())
+    return damaged
+
+
+def _link(source: str, dest: str, name: str) -> Manifest:
+    """Hard-link a part held on this node into ``dest``, each file checked against its CRC-32 (remembered
+    for the load that follows: ``staging.matches``).
+
+    Raises:
+        CorruptCheckpointError: a file is missing, or its size or CRC-32 differs from the manifest.
+    """
+    where = f"{source}/{name}"
+    manifest = Manifest.from_json(local_storage(source).read_bytes(layout.manifest_path(name)), where=where)
+    for f in manifest.files:
+        target = layout.local_path(dest, f.path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            os.link(layout.local_path(source, f.path), target)
+        except FileNotFoundError:
+            missing = f"{where}: {f.path} is missing"
+            raise CorruptCheckpointError(missing, path=f.path, reason="missing") from None
+        if not matches(target, f, remember=True):
+            raise CorruptCheckpointError(
+                f"{where}: {f.path} does not match its manifest", path=f.path, reason="checksum mismatch"
+            )
+    return manifest

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import zlib
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ import torch.multiprocessing as mp
 from air_core import AsyncCheckpointer, ConfigError, CorruptCheckpointError
 from air_core.catalog import read_catalog
 from air_core.session import SessionConfig
-from air_core.tiers import Held, choose, holdings, tier_name
+from air_core.manifest import FileEntry
+from air_core.staging import matches
+from air_core.tiers import Held, choose, holdings, recover, tier_name
 from air_core.tiers.partners import partners, side_group, sources
 from air_core.tiers.transfer import EMPTY, Package, StagedFiles, exchange, local_storage, read_package
 from tests.torchrun_nodes import free_port
@@ -92,6 +95,52 @@ def test_a_copy_between_two_processes_is_committed_only_when_every_crc_matches(t
     assert not [p for p in (tmp_path / "replica-00000").rglob("*") if ".air-tmp" in p.name], "no temp left"
     found = holdings(str(tmp_path), "n")
     assert {(h.saved_rank, h.step, h.kind) for h in found} == {(0, 5, "replica")}
+
+
+def _recover_worker(rank: int, port: int, folder: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    node = "AB"[rank]
+    resumed = recover(
+        os.path.join(folder, node), rank=rank, world_size=2, newer_than=None, group=side_group(60), node=node
+    )
+    assert resumed is not None
+    with AsyncCheckpointer(resumed.root, read_only=True) as reader:
+        state = reader.load(reader.latest(), rank=rank)
+    with open(os.path.join(folder, f"resumed-{rank}.json"), "w") as f:
+        json.dump({"step": resumed.step, "w": state["w"][:2].tolist()}, f)
+    dist.destroy_process_group()
+
+
+def test_a_damaged_part_is_dropped_and_every_rank_agrees_on_the_older_complete_step(tmp_path):
+    for rank, node in enumerate("AB"):  # each "node" holds its rank's own local saves of steps 2 and 4
+        with AsyncCheckpointer(str(tmp_path / node / f"rank-{rank:05d}")) as ckpt:
+            for step in (2, 4):
+                state = {"w": torch.full((1000,), float(10 * rank + step))}
+                ckpt.save_files({f"step-{step}/rank-{rank}.pt": state}, step=step, name=tier_name(step, 2))
+    damaged = tmp_path / "B/rank-00001/step-4/rank-1.pt"  # its own save of step 4: same size, one byte off
+    data = bytearray(damaged.read_bytes())
+    data[-100] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    mp.spawn(_recover_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        resumed = json.loads((tmp_path / f"resumed-{rank}.json").read_text())
+        assert resumed == {"step": 2, "w": [10.0 * rank + 2] * 2}, "both ranks resume step 2, loaded whole"
+    assert {(h.saved_rank, h.step) for h in holdings(str(tmp_path / "B"), "B")} == {(1, 2)}, (
+        "the damaged part is no longer offered"
+    )
+
+
+def test_a_remembered_check_serves_the_next_check_of_the_unchanged_file_once(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 4096)
+    entry = FileEntry("f.bin", 4096, zlib.crc32(b"x" * 4096), 0)
+    assert matches(str(path), entry, remember=True)
+    st = os.stat(path)
+    with open(path, "r+b") as f:  # damaged in place, its modification time put back: bit rot
+        f.write(b"y")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert matches(str(path), entry), "the check right after is served from the remembered one"
+    assert not matches(str(path), entry), "any later check reads the file again"
 
 
 @pytest.mark.parametrize(
