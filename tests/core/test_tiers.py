@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 
 from air_core import AsyncCheckpointer, ConfigError, CorruptCheckpointError
 from air_core.catalog import read_catalog
-from air_core.session import SessionConfig
 from air_core.manifest import FileEntry
+from air_core.session import SessionConfig
 from air_core.staging import matches
 from air_core.tiers import Held, choose, holdings, recover, tier_name
 from air_core.tiers.partners import partners, side_group, sources
