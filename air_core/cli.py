@@ -30,7 +30,7 @@ from .layout import hang_stacks_path
 from .manifest import CheckpointInfo
 from .recovery import fetch
 from .session.accounting import Prices, account, human_bytes, lines
-from .session.goodput import analyze, read_events
+from .session.goodput import analyze, read_events, restores
 from .session.metrics import summarize
 from .storage import Storage
 
@@ -117,13 +117,10 @@ def cmd_report(storage: Storage, args: argparse.Namespace) -> int:
           f"max {b['max']:.3f} s; save to commit p50 {total['p50']:.2f} s")  # fmt: skip
     print(f"fetch_seconds: {len(steps)} steps, p50 {f['p50']:.2f} ms, p95 {f['p95']:.2f} ms, "
           f"max {f['max']:.2f} ms; data-wait fraction {fetch['sum'] / step_sum:.3f}")  # fmt: skip
-    reached = -1  # the newest step the launches before reached
-    for events in launches:
-        for r in (e for e in events if e["e"] == "restore"):
-            lost = f"; {reached - r['s']} step(s) lost" if reached >= r["s"] else ""
-            print(f"restore: step {r['s']} from the {r.get('tier', 'remote')} tier ({r['source']} copy) in "
-                  f"{r['seconds']:.2f} s{lost}")  # fmt: skip
-        reached = max([reached, *(e["s"] for e in events if e["e"] == "step")])
+    for _, r, lost in restores(launches):
+        lost_line = f"; {lost} step(s) lost" if lost is not None else ""
+        print(f"restore: step {r['s']} from the {r.get('tier', 'remote')} tier ({r['source']} copy) in "
+              f"{r['seconds']:.2f} s{lost_line}")  # fmt: skip
     for i, events in enumerate(launches, 1):
         for e in (e for e in events if e["e"] == "preflight"):
             print(f"pre-flight (launch {i}): {e['status']} in {e['seconds']:.2f} s")

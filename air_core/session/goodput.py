@@ -357,6 +357,18 @@ def analyze(launches: list[list[dict[str, Any]]]) -> Goodput:
     )
 
 
+def restores(launches: list[list[dict[str, Any]]]) -> list[tuple[int, dict[str, Any], int | None]]:
+    """Each restore (from ``read_events``): (its launch's index, its event, the steps it lost: the newest
+    step the launches before reached minus the restored step; None when they reached none past it)."""
+    out: list[tuple[int, dict[str, Any], int | None]] = []
+    reached = -1
+    for i, events in enumerate(launches):
+        for r in (e for e in events if e["e"] == "restore"):
+            out.append((i, r, reached - r["s"] if reached >= r["s"] else None))
+        reached = max([reached, *(e["s"] for e in events if e["e"] == "step")])
+    return out
+
+
 def goodput_of(storage: Storage) -> Goodput:
     """The goodput of every launch whose events are under this root."""
     return analyze(read_events(storage))

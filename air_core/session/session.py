@@ -40,7 +40,7 @@ from ..tiers import LocalTier, Resume, job_folder, recover
 from ..tiers import partners as tier_partners
 from .accounting import account, as_metrics
 from .config import SessionConfig
-from .goodput import Goodput, GoodputLog, analyze, read_events
+from .goodput import Goodput, GoodputLog, analyze, read_events, restores
 from .health import SessionHealth
 from .metrics import Gather, Recorder
 from .mlflow_sink import MlflowSink
@@ -582,6 +582,9 @@ class TrainingSession:
         if self._sink is not None:
             accounting = account(launches, sum(storage.sizes().values()))
             self._sink.log({**self.goodput.as_metrics(), **as_metrics(accounting)}, step)
+            for launch, restore, lost in restores(launches):  # this launch's: their loss is known now
+                if launch == len(launches) - 1 and lost is not None:
+                    self._sink.log({"restore_lost_steps": lost}, restore["s"])
 
 
 class _Flush:

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from air_core.session import goodput_of
+from air_core.session.goodput import read_events, restores
 from air_core.storage import Storage
 from tests.accelerate.runs import JOB, run_job
 from tests.conftest import REPO, start_mlflow_server
@@ -74,7 +75,12 @@ def test_a_resumed_job_continues_its_run_and_its_goodput_accounts_for_the_crash(
     assert set(range(6, 33)) <= set(_steps(client, run_id, "fetch_seconds"))
     assert _steps(client, run_id, "restore_seconds") == [5]
 
-    g = goodput_of(Storage(str(tmp_path / "ckpts"), storage_options={}, retries=0, retry_backoff_seconds=0.0))
+    storage = Storage(str(tmp_path / "ckpts"), storage_options={}, retries=0, retry_backoff_seconds=0.0)
+    ((_, _, lost),) = restores(read_events(storage))
+    assert lost is not None and lost >= 1, "the killed launch reached past step 5 in its log"
+    (logged,) = client.get_metric_history(run_id, "restore_lost_steps")
+    assert (logged.step, logged.value) == (5, lost), "the steps the restore lost, as air report counts them"
+    g = goodput_of(storage)
     assert g.launches == 2
     # From the first process's start to the last event: at least until the relaunch recorded its last
     # step (the ids file's last write; a start taken after the first launch's imports would fall short
