@@ -303,6 +303,11 @@ class AsyncCheckpointer:
         the newest; applies from the next commit on. Replaces the names given before."""
         self._writer.kept = frozenset(check_name(n) for n in names)
 
+    def hurry(self) -> None:
+        """Training now waits for the save being written: it stops yielding the CPU to training (its
+        background priority, ``priority.py``) for the rest of the save. Any thread."""
+        self._writer.hurry()
+
     def delete(self, name: str, *, even_newest: bool = False) -> threading.Event:
         """Delete checkpoint ``name`` on the writer thread, after every save submitted before.
 

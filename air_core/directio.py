@@ -16,6 +16,7 @@ import io
 import logging
 import mmap
 import os
+import threading
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -56,8 +57,7 @@ class DirectFile(io.RawIOBase):
             self._fd = os.open(path, flags, 0o644)
         self._path = path
         self._chunk = chunk_bytes
-        self._buffer = mmap.mmap(-1, chunk_bytes)  # page-aligned, as O_DIRECT needs
-        self._view = memoryview(self._buffer)
+        self._view = _aligned_buffer(chunk_bytes) if self._direct else memoryview(b"")
         self._fill = 0
         self._tick = tick or (lambda: None)
         self.crc = 0
@@ -70,6 +70,9 @@ class DirectFile(io.RawIOBase):
         view = memoryview(b).cast("B")
         self.crc = zlib.crc32(view, self.crc)  # one call per buffer: zlib releases the GIL for it
         done = 0
+        while not self._direct and done < len(view):  # through the page cache: no copy of ours
+            done += os.write(self._fd, view[done : done + self._chunk])
+            self._tick()
         while done < len(view):
             n = min(self._chunk - self._fill, len(view) - done)
             self._view[self._fill : self._fill + n] = view[done : done + n]
@@ -93,8 +96,6 @@ class DirectFile(io.RawIOBase):
     def close(self) -> None:
         if not self.closed:
             os.close(self._fd)
-            self._view.release()
-            self._buffer.close()
         super().close()
 
     def _write_buffer(self, length: int) -> None:
@@ -114,6 +115,18 @@ class DirectFile(io.RawIOBase):
         _buffered_once(self._path, exc)
         _drop_direct(self._fd)
         self._direct = False
+
+
+_local = threading.local()
+
+
+def _aligned_buffer(size: int) -> memoryview:
+    """This thread's page-aligned buffer of ``size`` bytes (as O_DIRECT needs), kept for its next files:
+    a new one per file costs its page faults and zeroing again."""
+    buffers: dict[int, memoryview] = _local.__dict__.setdefault("buffers", {})
+    if size not in buffers:
+        buffers[size] = memoryview(mmap.mmap(-1, size))
+    return buffers[size]
 
 
 def open_read(path: str) -> int:

@@ -120,6 +120,11 @@ class WriterPriority:
         if self._deadline is not None and self._clock() >= self._deadline:
             self.finish()
 
+    def hurry(self) -> None:
+        """Training waits for this save now (the local tier's gate): any thread may call it; the save
+        runs at the training's priority from now on."""
+        self.finish()
+
     def finish(self) -> None:
         """Serialization is over (or late): run at the training's priority from now on."""
         if self._deadline is not None:

@@ -141,6 +141,10 @@ class Writer:
         self._training_nice: int | None = None
         """The nice value of the thread that last submitted: what the writer never stays below."""
 
+    def hurry(self) -> None:
+        """The save being serialized stops yielding to training (``WriterPriority.hurry``)."""
+        self._priority.hurry()
+
     @property
     def busy(self) -> frozenset[str]:
         """Names of the saves submitted and not yet committed or failed (a copy; never blocks long)."""

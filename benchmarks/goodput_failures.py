@@ -74,7 +74,7 @@ def worker(args: argparse.Namespace) -> None:
         flush_timeout_seconds=10,
         hang_timeout_seconds=60,  # a hang (none expected) costs a minute, not the 300 s floor; it is logged
         local_every_n_steps=args.local_every or None,
-        local_dir=str(work / f"local-{node}"),
+        local_dir=os.path.join(args.local_dir or str(work), f"local-{work.name}-{node}"),
     )
     accelerator = AirAccelerator(air_plugin=plugin, cpu=True)
     torch.manual_seed(0)
@@ -154,7 +154,16 @@ def launch(work: Path, args: argparse.Namespace, local_every: int, kill_at: list
 def _job_args(args: argparse.Namespace, local_every: int, kill_at: list[int]) -> list[str]:
     every = ["--remote-every", str(args.remote_every), "--local-every", str(local_every)]
     kills = ["--kill-at", ",".join(map(str, kill_at))]
-    return ["--steps", str(args.steps), "--width", str(args.width), *every, *kills]
+    return [
+        "--steps",
+        str(args.steps),
+        "--width",
+        str(args.width),
+        "--local-dir",
+        args.local_dir,
+        *every,
+        *kills,
+    ]
 
 
 def steps_of(work: Path, node: str = "node") -> list[dict]:
@@ -337,6 +346,8 @@ def main() -> None:
     p.add_argument("--remote-every", type=int, default=0)
     p.add_argument("--local-every", type=int, default=0)
     p.add_argument("--failures", type=int, default=0)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else ""
+    p.add_argument("--local-dir", default=shm, help="the tier's disk (default /dev/shm; '': beside the root)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--kill-at", default="", help=argparse.SUPPRESS)
     p.add_argument("--node-loss", default="", help=argparse.SUPPRESS)
@@ -362,6 +373,8 @@ def main() -> None:
     kill_at = sorted(rng.sample(range(args.remote_every // 2, args.steps - 2), failures))
     node_at = rng.randrange(args.remote_every + k + 1, args.steps - 2)
     root = Path(tempfile.mkdtemp(prefix="air-goodput-"))
+    if args.local_dir:  # the run's own folder there, removed with the root
+        args.local_dir = tempfile.mkdtemp(prefix="air-goodput-local-", dir=args.local_dir)
     try:
         print(f"{args.steps} steps, width {args.width}, root every {args.remote_every}, local every {k}; "
               f"failures before steps {kill_at}; node B lost before step {node_at}", flush=True)  # fmt: skip
@@ -416,6 +429,8 @@ def main() -> None:
         print(f"kept {root} (logs of the failed run)", file=sys.stderr)
         raise
     shutil.rmtree(root, ignore_errors=True)
+    if args.local_dir:
+        shutil.rmtree(args.local_dir, ignore_errors=True)
     return None
 
 

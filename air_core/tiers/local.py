@@ -138,19 +138,20 @@ class LocalTier:
                 self._replicate(package)
             if package.name and not self.broken:
                 self.settled.append(package.name)
-            if package.name:
-                self._drop_older(handle.step)
             self._meet()
             with self._settling:
                 self._settled_through = handle.step
                 self._settling.notify_all()
+            if package.name:
+                self._drop_older(handle.step)
         with self._settling:
             self._settled_through = _NEVER_BY_COUNT
             self._settling.notify_all()
 
     def wait_settled(self, step: int, timeout: float) -> bool:
         """Block until every rank's save of ``step`` is settled (see the module docstring) or the tier
-        stopped; False when ``timeout`` seconds passed first."""
+        stopped; False when ``timeout`` seconds passed first. The save stops yielding the CPU meanwhile."""
+        self.checkpointer.hurry()
         with self._settling:
             return self._settling.wait_for(lambda: self._settled_through >= step, timeout)
 

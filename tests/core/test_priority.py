@@ -114,3 +114,14 @@ def test_real_thread_priority_follows_the_deadline():
     assert seen["during"] >= training, "the writer never runs ahead of the training thread"
     assert seen["after"] <= training, "past the deadline the writer runs at the training's priority"
     assert os.getpriority(os.PRIO_PROCESS, 0) == training, "the training thread's own priority is untouched"
+
+
+def test_a_save_training_waits_for_runs_at_the_trainings_priority_before_its_deadline():
+    clock, nice = FakeClock(), FakeNice(start=0, may_raise=True)
+    priority = WriterPriority(nice=nice, clock=clock)
+    priority.begin(WRITER, training_nice=0, nbytes=40 << 30)  # a deadline minutes away
+    assert nice.values[WRITER] == BACKGROUND_NICE
+    priority.hurry()  # the local tier's gate waits for it (called from the training thread)
+    assert nice.values[WRITER] == 0
+    priority.check()
+    assert nice.values[WRITER] == 0, "and stays there for the rest of the save"
