@@ -128,12 +128,16 @@ class AirAccelerator(Accelerator):
         self._air_step_hook: Any = None
         self._air_started = False
         if air_plugin.session.local_every_n_steps:
-            if self._air_sharded:
-                raise ConfigError(
-                    "AirPlugin(local_every_n_steps=...): the local tier keeps DDP and single-process "
-                    "checkpoints; FSDP2 sharded ones are not supported yet. Drop local_every_n_steps."
-                )
-            self.air_session.local_files(lambda: self._air_files(Place("", f"step-{self.completed_steps}")))
+
+            def place() -> Place:
+                return Place("", f"step-{self.completed_steps}")
+
+            def shards() -> dict[str, dict[str, Any]]:
+                return sharded_folders(place().entry, models(self), optimizers(self))
+
+            self.air_session.local_files(
+                lambda: self._air_files(place()), shards if self._air_sharded else None
+            )
 
     # -- pickling ----------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

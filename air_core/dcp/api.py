@@ -40,6 +40,7 @@ def save(
     plans: SavePlans | None = None,
     in_order: Iterable[torch.Tensor] = (),
     gated: Iterable[torch.Tensor] = (),
+    rank: int | None = None,
 ) -> SaveHandle:
     """``dcp.save`` of each state dict (DTensors, sharded or plain tensors, objects) into its folder
     (path under the root), all in one commit ``name`` with this rank's ``files``. Every rank calls it,
@@ -48,6 +49,10 @@ def save(
     ``in_order``, ``gated``: as in ``AsyncCheckpointer.save`` (the model's buffers; its parameters and the
     optimizer's state).
 
+    ``rank``: this process's rank in DCP's group when ``checkpointer`` commits this rank's part alone (the
+    local tier's one-rank checkpointer): each folder then gets ``part_metadata(rank)`` instead of rank 0's
+    ``.metadata``, and ``writer.merge_parts`` makes that once every part is in one place.
+
     Returns once this rank's items are in host buffers or queued (call ``handle.wait_snapshot()`` before
     mutating GPU or ``gated`` tensors), with the save's handle: it resolves when every rank's files and
     each folder's ``.metadata`` are committed.
@@ -55,7 +60,7 @@ def save(
     name = check_name(name if name is not None else layout.default_name(check_step(step)))
     if not folders:
         raise ConfigError(f"air_core.dcp.save(name={name!r}): no folder given.")
-    writers = [DcpWriter(checkpointer, folder=f, files_per_rank=files_per_rank) for f in folders]
+    writers = [DcpWriter(checkpointer, folder=f, files_per_rank=files_per_rank, rank=rank) for f in folders]
     for slot, (writer, state) in enumerate(zip(writers, folders.values(), strict=True)):
         if plans is not None and planner is None:
             if plans.replay(slot, writer, state, process_group):
@@ -66,10 +71,13 @@ def save(
             dcp.save(state, storage_writer=writer, process_group=process_group, planner=planner)
 
     def make(parts: list[PartRecord]) -> dict[str, bytes]:
-        return {w.metadata_file: w.make_metadata(parts) for w in writers}
+        if rank is None:
+            return {w.metadata_file: w.make_metadata(parts) for w in writers}
+        return {w.part_file: w.make_part(parts) for w in writers}
 
     bundles = {path: bundle for w in writers for path, bundle in w.files.items()}
-    finalize = Finalize(tuple(w.metadata_file for w in writers), make)
+    made = tuple(w.metadata_file if rank is None else w.part_file for w in writers)
+    finalize = Finalize(made, make)
     return checkpointer.save_files(
         {**bundles, **(files or {})}, step=step, name=name, finalize=finalize, in_order=in_order, gated=gated
     )

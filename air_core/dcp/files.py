@@ -8,6 +8,12 @@ METADATA = ".metadata"
 """DCP's metadata file, in the checkpoint's folder (``<name>/.metadata``)."""
 
 
+def part_metadata(rank: int) -> str:
+    """Rank ``rank``'s share of a folder's ``.metadata`` in a checkpoint each rank commits on its own (the
+    local tier's): its items' extents, and on rank 0 DCP's global metadata (``writer.merge_parts``)."""
+    return f"{METADATA}-part-{rank}"
+
+
 def data_file(rank: int, index: int) -> str:
     """Rank ``rank``'s ``index``-th data file in a checkpoint folder, named as DCP names its own."""
     return f"__{rank}_{index}.distcp"

@@ -4,6 +4,10 @@
 each tensor one ``torch.save`` blob, bytes raw); ``api.save`` then snapshots them in one commit. An
 item's offset is known only once it is written, so the write results name (file, ordinal) and rank 0's
 commit (``writer.Finalize``) turns every rank's recorded extents into the folder's ``.metadata``.
+
+Where each rank commits its part alone (the local tier), each writes ``part_metadata(rank)`` instead:
+its own items at their extents, and on rank 0 DCP's global metadata; ``merge_parts`` makes the
+``.metadata`` of the folder once every rank's part is in one place.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from ..errors import ConfigError
 from ..internals import STORAGE_INFO
 from ..manifest import PartRecord
 from ..serializer import Bundle
-from .files import METADATA, data_file
+from .files import METADATA, data_file, part_metadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,20 +66,32 @@ class DcpWriter(StorageWriter):
         folder: where under the root this DCP checkpoint's files go.
         files_per_rank: how many data files each rank's items are bundled into (uploads of one rank's
             files run in parallel, ``max_transfers`` at a time).
+        rank: this process's rank in DCP's group when ``checkpointer`` holds only this rank's part (a
+            one-rank checkpointer of the local tier); default: the checkpointer's rank.
     """
 
-    def __init__(self, checkpointer: AsyncCheckpointer, *, folder: str, files_per_rank: int = 1) -> None:
+    def __init__(
+        self,
+        checkpointer: AsyncCheckpointer,
+        *,
+        folder: str,
+        files_per_rank: int = 1,
+        rank: int | None = None,
+    ) -> None:
         super().__init__()
         if files_per_rank < 1:
             raise ConfigError(f"DcpWriter(files_per_rank={files_per_rank!r}): must be at least 1.")
         self._ckpt = checkpointer
+        self.rank = checkpointer.config.rank if rank is None else rank
         self.folder = check_filename(folder, call="DcpWriter(folder=...)")
         self.metadata_file = f"{self.folder}/{METADATA}"
+        self.part_file = f"{self.folder}/{part_metadata(self.rank)}"
         self.files_per_rank = files_per_rank
         self.files: dict[str, Bundle] = {}
         """This rank's data files (path under the root -> items), once ``write_data`` ran."""
         self._metadata: Metadata | None = None
         self._results: list[list[WriteResult]] = []
+        self._own: list[WriteResult] = []
         self._local_plan: SavePlan | None = None
         self._final_plan: SavePlan | None = None
 
@@ -88,13 +104,12 @@ class DcpWriter(StorageWriter):
             )
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        cfg = self._ckpt.config
         rank = kwargs.get("rank", dist.get_rank() if dist.is_initialized() else 0)
-        if rank != cfg.rank or is_coordinator != self.coordinator:
+        if rank != self.rank or is_coordinator != self.coordinator:
             raise ConfigError(
                 f"DcpWriter: DCP runs this process as rank {rank} (coordinator: {is_coordinator}), the "
-                f"checkpointer as rank {cfg.rank} of {cfg.world_size}; save on the process group whose "
-                "ranks are the checkpointer's (the default group)."
+                f"writer as rank {self.rank}; save on the process group whose ranks are the "
+                "checkpointer's (the default group)."
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -107,7 +122,7 @@ class DcpWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Resolve this rank's items into bundles (no copy yet); the offsets are their ordinals."""
         self._final_plan = plan
-        rank = self._ckpt.config.rank
+        rank = self.rank
         storage_info = STORAGE_INFO.imported()
         results: list[WriteResult] = []
         for index, items in enumerate(_split(plan.items, self.files_per_rank)):
@@ -125,6 +140,7 @@ class DcpWriter(StorageWriter):
                 values.append(value)
                 results.append(WriteResult(item.index, size, storage_info(relative, ordinal, -1)))
             self.files[f"{self.folder}/{relative}"] = Bundle(values)
+        self._own = results
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -136,7 +152,7 @@ class DcpWriter(StorageWriter):
     @property
     def coordinator(self) -> bool:
         """Whether this rank is DCP's coordinator (rank 0: it plans globally and writes ``.metadata``)."""
-        return self._ckpt.config.rank == 0
+        return self.rank == 0
 
     def planned(self) -> Planned:
         """The plans ``dcp.save`` made with this writer (after it returned)."""
@@ -155,20 +171,48 @@ class DcpWriter(StorageWriter):
         """Rank 0's commit: DCP's ``.metadata``, every item at its real extent (from the part records)."""
         if self._metadata is None:
             raise RuntimeError(f"{self.metadata_file}: dcp.save never reached its finish step")
+        results = [r for rank_results in self._results for r in rank_results]
+        return _complete(self._metadata, self._placed(results, parts), self.folder)
+
+    def make_part(self, parts: list[PartRecord]) -> bytes:
+        """This rank's commit of its part alone: ``part_metadata(rank)`` (see the module docstring)."""
+        share = {"metadata": self._metadata, "storage_data": self._placed(self._own, parts)}
+        return pickle.dumps(share)
+
+    def _placed(self, results: list[WriteResult], parts: list[PartRecord]) -> dict[Any, Any]:
+        """Each result's item at its real extent, from the part records' extents of the files."""
         extents = {path: spans for part in parts for path, spans in part.extents.items()}
         storage_info = STORAGE_INFO.imported()
-        storage_data = {}
-        for result in (r for rank_results in self._results for r in rank_results):
+        placed = {}
+        for result in results:
             pending = result.storage_data  # (file, ordinal), as write_data named it
             offset, length = extents[f"{self.folder}/{pending.relative_path}"][pending.offset]
-            storage_data[result.index] = storage_info(pending.relative_path, offset, length)
-        metadata = dataclasses.replace(  # a copy: a caching planner hands every save the same object
-            self._metadata,
-            storage_data=storage_data,
-            version=CURRENT_DCP_VERSION,
-            storage_meta=StorageMeta(checkpoint_id=self.folder, save_id=uuid.uuid4().hex),
-        )
-        return pickle.dumps(metadata)
+            placed[result.index] = storage_info(pending.relative_path, offset, length)
+        return placed
+
+
+def merge_parts(folder: str, shares: list[bytes]) -> bytes:
+    """The ``.metadata`` of ``folder`` from every rank's ``part_metadata`` (any order).
+
+    Raises:
+        ValueError: no share carries DCP's global metadata (rank 0's is missing).
+    """
+    loaded = [pickle.loads(share) for share in shares]  # noqa: S301  # our own files, CRC-checked
+    metadata = next((s["metadata"] for s in loaded if s["metadata"] is not None), None)
+    if metadata is None:
+        raise ValueError(f"{folder}: no rank's share holds DCP's global metadata (rank 0's is missing)")
+    storage_data = {index: info for s in loaded for index, info in s["storage_data"].items()}
+    return _complete(metadata, storage_data, folder)
+
+
+def _complete(metadata: Metadata, storage_data: dict[Any, Any], folder: str) -> bytes:
+    metadata = dataclasses.replace(  # a copy: a caching planner hands every save the same object
+        metadata,
+        storage_data=storage_data,
+        version=CURRENT_DCP_VERSION,
+        storage_meta=StorageMeta(checkpoint_id=folder, save_id=uuid.uuid4().hex),
+    )
+    return pickle.dumps(metadata)
 
 
 def _split(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:

@@ -129,6 +129,8 @@ class TrainingSession:
         (the adapter's IO reads them, its callback restores them)."""
         self._tier: LocalTier | None = None
         self._tier_files: Callable[[], Mapping[str, Any]] | None = None
+        self._tier_shards: Callable[[], Mapping[str, dict[str, Any]]] | None = None
+        self._tier_plans = dcp.SavePlans()  # the local tier's own: its folders are other paths
         self._tier_due: int | None = None
         self._tier_unsettled: int | None = None
         self._tier_group: Any = None
@@ -377,10 +379,15 @@ class TrainingSession:
         return self.health.paused()
 
     # -- the local tier (``air_core.tiers``) ------------------------------------------------------------
-    def local_files(self, files: Callable[[], Mapping[str, Any]]) -> None:
+    def local_files(
+        self,
+        files: Callable[[], Mapping[str, Any]],
+        shards: Callable[[], Mapping[str, dict[str, Any]]] | None = None,
+    ) -> None:
         """The adapter's ``files``: this rank's part of a checkpoint as it would ``save`` it now, called
-        between two steps when a local checkpoint is due (``local_every_n_steps``)."""
-        self._tier_files = files
+        between two steps when a local checkpoint is due (``local_every_n_steps``); ``shards``: its DCP
+        folders as it would ``save_sharded`` them (every rank saves them together, as a sharded save)."""
+        self._tier_files, self._tier_shards = files, shards
 
     @property
     def local_tier(self) -> LocalTier | None:
@@ -393,7 +400,15 @@ class TrainingSession:
             return
         tier = self._local_tier()
         with self.health.saving():
-            handle = tier.save(self._tier_files(), step=step, in_order=self._buffers(), gated=self._gated())
+            if self._tier_shards is not None:
+                handle = tier.save_sharded(
+                    self._tier_shards(), self._tier_files(), step=step, plans=self._tier_plans,
+                    in_order=self._buffers(), gated=self._gated(),
+                )  # fmt: skip
+            else:
+                handle = tier.save(
+                    self._tier_files(), step=step, in_order=self._buffers(), gated=self._gated()
+                )
         self._ungated.append(handle)
         self._tier_unsettled = step
 

@@ -33,8 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import dcp
 from ..checkpointer import AsyncCheckpointer
 from ..config import CheckpointerConfig
+from ..dcp.planning import SavePlans
 from ..handle import SaveHandle
 from ..storage import location
 from .transfer import EMPTY, Package, StagedFiles, exchange, local_storage, read_package
@@ -128,6 +130,27 @@ class LocalTier:
         handle = self.checkpointer.save_files(
             files, step=step, name=tier_name(step, self.world_size), in_order=in_order, gated=gated
         )
+        self._queue.put(handle)
+        return handle
+
+    def save_sharded(
+        self,
+        folders: Mapping[str, dict[str, Any]],
+        files: Mapping[str, Any],
+        *,
+        step: int,
+        plans: SavePlans,
+        in_order: Iterable[torch.Tensor] = (),
+        gated: Iterable[torch.Tensor] = (),
+    ) -> SaveHandle:
+        """As ``save``, with this rank's shards of each DCP folder (every rank, together: DCP plans with
+        the job's group unless ``plans`` repeat). Each folder gets this rank's share of its ``.metadata``
+        (``dcp.part_metadata``); a resume merges the shares (``recover``)."""
+        name = tier_name(step, self.world_size)
+        handle = dcp.save(
+            self.checkpointer, folders, step=step, name=name, files=files, plans=plans, rank=self.rank,
+            in_order=in_order, gated=gated,
+        )  # fmt: skip
         self._queue.put(handle)
         return handle
 

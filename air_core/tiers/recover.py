@@ -16,13 +16,17 @@ import logging
 import os
 import shutil
 import time
+import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch.distributed as dist
 
 from .. import layout
 from ..catalog import read_catalog
+from ..dcp.files import METADATA
+from ..dcp.writer import merge_parts
 from ..errors import CorruptCheckpointError
 from ..manifest import FileEntry, Manifest
 from ..staging import matches
@@ -228,9 +232,27 @@ def _assemble(
         launch, versions = launch or manifest.launch_id, manifest.versions
         entries += [FileEntry(f.path, f.size, f.crc32, saved) for f in manifest.files]
     if not damaged:
+        entries += _merged_metadata(dest, entries)
         whole = Manifest(name, step, time.time(), world, launch, tuple(entries), versions)
         storage.write_bytes(layout.manifest_path(name), whole.to_json())
     return damaged
+
+
+def _merged_metadata(dest: str, entries: list[FileEntry]) -> list[FileEntry]:
+    """Each sharded part's DCP folders: the ``.metadata`` made from every rank's share (``dcp.merge_parts``),
+    written into ``dest``; their manifest entries (rank 0's files)."""
+    shares: dict[str, list[str]] = {}
+    for e in entries:
+        folder, _, file = e.path.rpartition("/")
+        if file.startswith(f"{METADATA}-part-"):
+            shares.setdefault(folder, []).append(e.path)
+    made = []
+    for folder, paths in sorted(shares.items()):
+        data = merge_parts(folder, [Path(layout.local_path(dest, p)).read_bytes() for p in paths])
+        path = f"{folder}/{METADATA}"
+        local_storage(dest).write_bytes(path, data)
+        made.append(FileEntry(path, len(data), zlib.crc32(data), 0))
+    return made
 
 
 def _link(source: str, dest: str, name: str) -> Manifest:

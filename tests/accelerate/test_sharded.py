@@ -55,6 +55,16 @@ def test_fsdp2_saves_killed_while_a_rank_writes_resume_exactly(saved, tmp_path):
     assert resume["restores"] == [["step-000000003", "cache"]], "one restore: every folder and file it read"
 
 
+def test_fsdp2_killed_between_root_saves_resumes_from_its_local_tier_exactly(saved, tmp_path):
+    """Root saves every 5 steps, local ones every 2: both ranks killed at once before step 8 resume from
+    step 6, assembled from each rank's own shards and a ``.metadata`` merged from their shares."""
+    args = (*ARGS, "--every", "5", "--local-every", "2")
+    run_job(tmp_path, *args, "--die", "8", processes=2, expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args, processes=2)
+    assert_same_run(tmp_path, saved, ranks=2)
+    assert stats(tmp_path)[0]["restores"][0][0] == "local-s000000006-w2", "the local tier's step 6"
+
+
 def test_a_two_process_fsdp2_checkpoint_continues_on_one_and_three_processes(saved, tmp_path_factory):
     full = torch.load(saved / f"saved-{SAVED_STEP}.pt", weights_only=False)
     folder = saved / f"ckpts/step-{SAVED_STEP:09d}"
