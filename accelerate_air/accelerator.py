@@ -129,15 +129,14 @@ class AirAccelerator(Accelerator):
         self._air_started = False
         if air_plugin.session.local_every_n_steps:
 
-            def place() -> Place:
-                return Place("", f"step-{self.completed_steps}")
+            def part() -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+                place = Place("", f"step-{self.completed_steps}")
+                shards = (
+                    sharded_folders(place.entry, models(self), optimizers(self)) if self._air_sharded else {}
+                )
+                return self._air_files(place), shards
 
-            def shards() -> dict[str, dict[str, Any]]:
-                return sharded_folders(place().entry, models(self), optimizers(self))
-
-            self.air_session.local_files(
-                lambda: self._air_files(place()), shards if self._air_sharded else None
-            )
+            self.air_session.local_files(part)
 
     # -- pickling ----------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

@@ -178,7 +178,7 @@ class AirCallback(Callback):
                     "AirCallback(local_every_n_steps=...) needs a ModelCheckpoint with a dirpath (the job's "
                     "root) and a DDP or single-device strategy (sharded saves are not supported yet)."
                 )
-            self.session.local_files(lambda: self._local_files(trainer))
+            self.session.local_files(lambda: (self._local_files(trainer), {}))
 
     def _local_files(self, trainer: pl.Trainer) -> dict[str, Any]:
         """This rank's part of a local-tier checkpoint: rank 0 the whole ``.ckpt``, the others their state."""

@@ -50,6 +50,10 @@ from .preemption import FlushOnSigterm
 
 logger = logging.getLogger(__name__)
 
+LocalPart = tuple[Mapping[str, Any], Mapping[str, dict[str, Any]]]
+"""A rank's part of a local-tier checkpoint (``TrainingSession.local_files``): files (path -> state) and
+DCP folders (path -> sharded state dict; empty when the job is not sharded)."""
+
 
 class TrainingSession:
     """Checkpointing and measurement of one rank of one launch.
@@ -128,8 +132,7 @@ class TrainingSession:
         """The saved ranks' ``rank_state`` parts the last load read besides the framework's own files
         (the adapter's IO reads them, its callback restores them)."""
         self._tier: LocalTier | None = None
-        self._tier_files: Callable[[], Mapping[str, Any]] | None = None
-        self._tier_shards: Callable[[], Mapping[str, dict[str, Any]]] | None = None
+        self._tier_part: Callable[[], LocalPart] | None = None
         self._tier_plans = dcp.SavePlans()  # the local tier's own: its folders are other paths
         self._tier_due: int | None = None
         self._tier_unsettled: int | None = None
@@ -379,15 +382,11 @@ class TrainingSession:
         return self.health.paused()
 
     # -- the local tier (``air_core.tiers``) ------------------------------------------------------------
-    def local_files(
-        self,
-        files: Callable[[], Mapping[str, Any]],
-        shards: Callable[[], Mapping[str, dict[str, Any]]] | None = None,
-    ) -> None:
-        """The adapter's ``files``: this rank's part of a checkpoint as it would ``save`` it now, called
-        between two steps when a local checkpoint is due (``local_every_n_steps``); ``shards``: its DCP
-        folders as it would ``save_sharded`` them (every rank saves them together, as a sharded save)."""
-        self._tier_files, self._tier_shards = files, shards
+    def local_files(self, part: Callable[[], LocalPart]) -> None:
+        """The adapter's ``part``: this rank's part of a checkpoint as it would save it now, called between
+        two steps when a local checkpoint is due (``local_every_n_steps``): its files as for ``save``, and
+        its DCP folders as for ``save_sharded`` (empty unless sharded: every rank then saves together)."""
+        self._tier_part = part
 
     @property
     def local_tier(self) -> LocalTier | None:
@@ -396,19 +395,16 @@ class TrainingSession:
 
     def _between_steps(self) -> None:
         step, self._tier_due = self._tier_due, None
-        if step is None or self._tier_files is None or self._closed:
+        if step is None or self._tier_part is None or self._closed:
             return
         tier = self._local_tier()
+        copies = {"in_order": self._buffers(), "gated": self._gated()}
         with self.health.saving():
-            if self._tier_shards is not None:
-                handle = tier.save_sharded(
-                    self._tier_shards(), self._tier_files(), step=step, plans=self._tier_plans,
-                    in_order=self._buffers(), gated=self._gated(),
-                )  # fmt: skip
+            files, folders = self._tier_part()
+            if folders:
+                handle = tier.save_sharded(folders, files, step=step, plans=self._tier_plans, **copies)
             else:
-                handle = tier.save(
-                    self._tier_files(), step=step, in_order=self._buffers(), gated=self._gated()
-                )
+                handle = tier.save(files, step=step, **copies)
         self._ungated.append(handle)
         self._tier_unsettled = step
 
