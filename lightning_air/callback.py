@@ -26,11 +26,13 @@ from typing_extensions import override
 from air_core import ConfigError
 from air_core.config import settings_of
 from air_core.session import SessionConfig, TrackedLoader, TrainingSession
+from air_core.session.session import LocalPart
 from air_core.tiers import tier_name
 
 from .checkpoint_io import AIR_KEY, AirCheckpointIO
 from .internals import (
     FILE_EXISTS,
+    METADATA_FILENAME,
     MLFLOW_RUN_ID,
     PROCESS_DATALOADER,
     RESET_RESTART_STAGE,
@@ -43,7 +45,7 @@ from .internals import (
     train_loaders,
 )
 from .loaders import resumable
-from .strategy import AirFSDPStrategy, AirModelParallelStrategy, saves_sharded
+from .strategy import AirFSDPStrategy, AirModelParallelStrategy, saves_sharded, split_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -173,24 +175,34 @@ class AirCallback(Callback):
         if root:
             self.session.open(str(root))
         if self.config.local_every_n_steps:
-            if not root or saves_sharded(strategy):
+            if not root:
                 raise ConfigError(
                     "AirCallback(local_every_n_steps=...) needs a ModelCheckpoint with a dirpath (the job's "
-                    "root) and a DDP or single-device strategy (sharded saves are not supported yet)."
+                    "root)."
                 )
-            self.session.local_files(lambda: (self._local_files(trainer), {}))
+            self.session.local_files(lambda: self._local_part(trainer))
 
-    def _local_files(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """This rank's part of a local-tier checkpoint: rank 0 the whole ``.ckpt``, the others their state."""
+    def _local_part(self, trainer: pl.Trainer) -> LocalPart:
+        """This rank's part of a local-tier checkpoint: rank 0 the ``.ckpt`` that ``Trainer.save_checkpoint``
+        would write (a sharded strategy's: its folder's shards and ``meta.pt``), the others their state
+        (and their shards)."""
         assert self.session is not None
         name = tier_name(trainer.global_step, trainer.world_size)
-        if not trainer.is_global_zero:
-            return {self.session.state_file(name): self.session.rank_state()}
+        sharded = saves_sharded(trainer.strategy)
+        if not trainer.is_global_zero and not sharded:
+            return {self.session.state_file(name): self.session.rank_state()}, {}
         self._local_name = name
         try:
-            return {f"{name}.ckpt": dump_checkpoint(trainer)}
+            checkpoint = dump_checkpoint(trainer)
         finally:
             self._local_name = None
+        if not sharded:
+            return {f"{name}.ckpt": checkpoint}, {}
+        shards, rest = split_sharded(trainer.strategy, checkpoint)
+        folder = f"{name}.ckpt"
+        if trainer.is_global_zero:
+            return {f"{folder}/{METADATA_FILENAME.imported()}": rest}, {folder: shards}
+        return {self.session.state_file(name): rest[AIR_KEY]["rank_state"]}, {folder: shards}
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

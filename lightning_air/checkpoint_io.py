@@ -14,6 +14,7 @@ notebook) and to another folder than the fit's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from typing import Any, Literal
@@ -219,12 +220,13 @@ class AirCheckpointIO(CheckpointIO):
         *,
         meta_file: str,
         weights_only: bool | None,
+        resumed: Resume | None = None,
     ) -> dict[str, Any]:
         """Every rank: load the committed sharded checkpoint ``info`` (its folder ``path``) into ``state`` in
         place (resharded at this world size by DCP; each rank fetches only the files it needs); return rank
-        0's rest."""
+        0's rest. ``resumed``: the local tier's assembly it is (``newest``)."""
         place = self._place(path)
-        with self.session.reader(place.root) as ckpt, ckpt.restoring():
+        with self.session.reader(place.root) as ckpt, _restoring(ckpt, resumed):
             dcp.load(ckpt, state, info, folder=place.entry)
             meta = place.join(meta_file)
             local = ckpt.fetch(info, paths=[meta])
@@ -253,21 +255,32 @@ class AirCheckpointIO(CheckpointIO):
         return self._load(path, map_location, weights_only)
 
     def _load_newest(self, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
-        """Every rank: the newest complete state across the tiers (``NEWEST``); a fresh start's dict (the
-        module's own weights, no loop, optimizer or scheduler state) when nothing was saved anywhere."""
-        import lightning.pytorch as pl
+        path, resumed = self.newest()
+        if path is None:
+            return self.fresh_start()
+        return self._load(path, map_location, weights_only, resumed)
 
+    def newest(self) -> tuple[str | None, Resume | None]:
+        """Every rank: where the newest complete state across the tiers is (``NEWEST``), and the local
+        tier's assembly when it is one; (None, None) when nothing was saved anywhere."""
         session = self.session
         root = session.checkpointer.config.root if session.checkpointer is not None else None
         remote = self.latest_checkpoint(root) if root else None
         info = self.commit_of(remote) if remote else None
         resumed = session.recover(info.step if info is not None else None)
         if resumed is not None:
-            return self._load(f"{resumed.root}/{resumed.name}.ckpt", map_location, weights_only, resumed)
+            return f"{resumed.root}/{resumed.name}.ckpt", resumed
         if remote is not None:
             logger.info("AirCheckpointIO: resuming from %s (nothing newer in the local tier)", remote)
-            return self._load(remote, map_location, weights_only)
+            return remote, None
         logger.info("AirCheckpointIO: nothing saved in any tier; starting fresh")
+        return None, None
+
+    def fresh_start(self) -> dict[str, Any]:
+        """``NEWEST`` when nothing was saved: the module's own weights, no loop, optimizer or scheduler
+        state (``AirCallback`` starts the fit fresh from it)."""
+        import lightning.pytorch as pl
+
         state = self._module.state_dict() if self._module is not None else {}
         return {"pytorch-lightning_version": pl.__version__, "state_dict": state, "optimizer_states": [],
                 "lr_schedulers": [], AIR_KEY: {"fresh": True}}  # fmt: skip
@@ -278,14 +291,7 @@ class AirCheckpointIO(CheckpointIO):
         if path.startswith(("http://", "https://")):
             return self._load_unverified(path, map_location, weights_only, why="a URL")
         place = self._place(path)
-        with (
-            self.session.reader(place.root) as ckpt,
-            (
-                ckpt.restoring()
-                if resumed is None
-                else ckpt.restoring(tier=resumed.tier, before=resumed.seconds)
-            ),
-        ):
+        with self.session.reader(place.root) as ckpt, _restoring(ckpt, resumed):
             info = self._commit_of(ckpt, place, path)
             if info is None:
                 return self._load_unverified(path, map_location, weights_only, why="named by no commit")
@@ -303,16 +309,18 @@ class AirCheckpointIO(CheckpointIO):
             self._load_rank_states(ckpt, info, weights_only)
         return checkpoint
 
-    def local_copy(self, path: str, info: CheckpointInfo | None, weights_only: bool | None) -> str:
+    def local_copy(
+        self, path: str, info: CheckpointInfo | None, weights_only: bool | None, resumed: Resume | None = None
+    ) -> str:
         """Every rank, for a strategy that reads full checkpoint files itself (the sharded strategies'
         full saves): a verified local copy of the file ``path`` that ``info`` (``commit_of(path)``)
         committed, with the saved ranks' states read for the callback; ``path`` itself if ``info`` is None
-        (a file from elsewhere)."""
+        (a file from elsewhere). ``resumed``: the local tier's assembly it is (``newest``)."""
         if info is None:
             self.session.loaded_rank_states = {}
             return path
         place = self._place(path)
-        with self.session.reader(place.root) as ckpt, ckpt.restoring():
+        with self.session.reader(place.root) as ckpt, _restoring(ckpt, resumed):
             local = ckpt.fetch(info, paths=[place.entry])
             self._load_rank_states(ckpt, info, weights_only)
             return local.paths[place.entry]
@@ -389,3 +397,8 @@ def latest_checkpoint(
                 return f"{dirpath.rstrip('/')}/{entry_of(rank0[0].path)}"
             logger.warning("skipping checkpoint %s: %s", info.name, problem)
     return None
+
+
+def _restoring(ckpt: AsyncCheckpointer, resumed: Resume | None) -> contextlib.AbstractContextManager[Any]:
+    """One restore record for what the load reads; the local tier's (its tier and time) for ``resumed``."""
+    return ckpt.restoring() if resumed is None else ckpt.restoring(tier=resumed.tier, before=resumed.seconds)

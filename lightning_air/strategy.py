@@ -29,7 +29,7 @@ from air_core import ConfigError
 from air_core import dcp as air_dcp
 from air_core.session import TrainingSession
 
-from .checkpoint_io import AirCheckpointIO
+from .checkpoint_io import NEWEST, AirCheckpointIO
 from .internals import CONFIGURE_LAUNCHER, METADATA_FILENAME, saves_sharded_itself
 
 if TYPE_CHECKING:
@@ -124,10 +124,9 @@ class _AirShardedSaves(_Strategy):
                 f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: pass "
                 "storage_options to AirCheckpointIO(storage_options=...) instead."
             )
-        sharded = {self._air_model_key: checkpoint.pop("state_dict")}
-        sharded.update({_optimizer_key(i): s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        sharded, rest = split_sharded(self, checkpoint)
         self._air_span_ranks().save_sharded(
-            sharded, checkpoint, str(self.broadcast(str(filepath))), meta_file=METADATA_FILENAME.imported()
+            sharded, rest, str(self.broadcast(str(filepath))), meta_file=METADATA_FILENAME.imported()
         )
 
     @override
@@ -138,9 +137,16 @@ class _AirShardedSaves(_Strategy):
         path = str(self.broadcast(str(checkpoint_path)))
         if self._air_sharded:
             self._air_span_ranks()
+        resumed = None
+        if path == NEWEST:  # the newest complete state in any tier (every rank together), else a fresh start
+            found, resumed = self.air_io.newest()
+            if found is None:
+                return self.air_io.fresh_start()
+            path = found
         info = self.air_io.commit_of(path)
         if not self.air_io.is_sharded(info, path):  # Lightning reads a full file itself: from a verified copy
-            return super().load_checkpoint(self.air_io.local_copy(path, info, weights_only), weights_only)
+            local = self.air_io.local_copy(path, info, weights_only, resumed)
+            return super().load_checkpoint(local, weights_only)
         assert info is not None
         assert self.model is not None and self.lightning_module is not None
         target = air_dcp.ShardedState(
@@ -151,10 +157,25 @@ class _AirShardedSaves(_Strategy):
         )
         state = target.state_dict()
         checkpoint = self.air_io.load_sharded(
-            path, info, state, meta_file=METADATA_FILENAME.imported(), weights_only=weights_only
+            path,
+            info,
+            state,
+            meta_file=METADATA_FILENAME.imported(),
+            weights_only=weights_only,
+            resumed=resumed,
         )
         target.load_state_dict(state)
         return checkpoint
+
+
+def split_sharded(strategy: object, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Lightning's checkpoint dict of a sharded strategy as its stock layout splits it: the DCP state (the
+    model under the strategy's key, ``optimizer_<i>``) and the rest (``meta.pt``). ``checkpoint`` is
+    emptied of the DCP state."""
+    assert isinstance(strategy, _AirShardedSaves)
+    sharded = {strategy._air_model_key: checkpoint.pop("state_dict")}
+    sharded.update({_optimizer_key(i): s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    return sharded, checkpoint
 
 
 def saves_sharded(strategy: object) -> bool:

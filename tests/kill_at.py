@@ -101,11 +101,28 @@ def read_journal(workdir: str, rank: int = 0) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def die(*, agent: bool = False) -> NoReturn:
-    """SIGKILL this process at once, its torchrun agent first with ``agent`` (the node is lost). Nothing is
-    waited for: what survives is what the local tier's gate promises (every rank's local save of a step
-    is committed and copied before the next step's optimizer step)."""
+def die(*, agent: bool = False, children: bool = False) -> NoReturn:
+    """SIGKILL this process at once: its torchrun agent first with ``agent`` (the node is lost), its child
+    processes first with ``children`` (the other ranks Lightning's launcher started, and loader workers).
+    Nothing is waited for: what survives is what the local tier's gate promises (every rank's local save
+    of a step is committed and copied before the next step's optimizer step)."""
     if agent:
         os.kill(os.getppid(), signal.SIGKILL)
+    for pid in _children() if children else []:
+        os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
     raise AssertionError("unreachable: SIGKILL was sent to this process")
+
+
+def _children() -> list[int]:
+    """This process's child processes (Linux ``/proc``)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == os.getpid():
+            found.append(int(entry))
+    return found

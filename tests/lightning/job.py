@@ -158,8 +158,8 @@ def main() -> None:
 
 class DieOnce(pl.Callback):
     """--die STEP[:NODE]: SIGKILL before step STEP (1-based) of the first launch (a marker file;
-    ``kill_at.die``); with NODE, only on the node of that ``AIR_NODE_NAME``, its torchrun
-    agent first (the node is lost)."""
+    ``kill_at.die``): rank 0 with every rank it launched; with NODE, only on the node of that
+    ``AIR_NODE_NAME``, its torchrun agent first (the node is lost)."""
 
     def __init__(self, workdir: str, step: str, node: str = "") -> None:
         self.step, self.node = int(step), node
@@ -168,9 +168,12 @@ class DieOnce(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.node and os.environ.get("AIR_NODE_NAME") != self.node:
             return
+        together = not self.node and trainer.world_size > 1  # Lightning's launcher: rank 0 takes its ranks
+        if together and not trainer.is_global_zero:
+            return
         if trainer.global_step + 1 == self.step and not os.path.exists(self.marker):
             open(self.marker, "w").close()
-            die(agent=bool(self.node))
+            die(agent=bool(self.node), children=together)
 
 
 def _hang_timeout(args: argparse.Namespace) -> float | None:

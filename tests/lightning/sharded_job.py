@@ -3,6 +3,7 @@ with ``--fsdp1`` an FSDP1 (``FullyShardedDataParallel``) model under ``AirFSDPSt
 
     python tests/lightning/sharded_job.py WORKDIR [--devices D] [--every K] [--epochs E] [--fsdp1]
         [--kill STEP:PHASE[:RANK]] [--root URL --endpoint URL] [--elastic] [--top-k K] [--save-last] [--full]
+        [--local-every K [--die STEP]]
     python tests/lightning/sharded_job.py WORKDIR --stock-resume PATH [--devices D] [--epochs E]
 
 The model, data and records are tests/lightning/job.py's (``ids-rank<R>.jsonl`` per step, rank 0's
@@ -36,6 +37,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lightning_air import (
+    NEWEST,
     AirCallback,
     AirCheckpointIO,
     AirFSDPStrategy,
@@ -44,6 +46,7 @@ from lightning_air import (
 )
 from tests.gloo_exit import exit_without_teardown
 from tests.kill_at import Journal, KillAt
+from tests.lightning.job import DieOnce
 from tests.lightning.model import Model
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -131,6 +134,8 @@ def main() -> None:
     p.add_argument("--no-callback", action="store_true", help="AirCheckpointIO without AirCallback")
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
+    p.add_argument("--local-every", type=int, default=0, help="AirCallback(local_every_n_steps=...), NEWEST")
+    p.add_argument("--die", default="", help="STEP: every rank SIGKILLed at once before that step, once")
     args = p.parse_args()
     if args.fsdp1 and args.full:
         p.error("--fsdp1 --full: FSDP1's full state dict offloads to the CPU, which crashes on a CPU model")
@@ -158,7 +163,12 @@ def main() -> None:
             data_parallel_size=args.devices, tensor_parallel_size=1, save_distributed_checkpoint=not args.full
         )
     full_options = FULL_FSDP1 if args.fsdp1 else FULL
-    air = AirCallback(log_every_n_steps=8, elastic=args.elastic)
+    air = AirCallback(
+        log_every_n_steps=8,
+        elastic=args.elastic,
+        local_every_n_steps=args.local_every or None,
+        local_dir=os.path.join(args.workdir, "local"),
+    )
     trainer = pl.Trainer(
         max_epochs=args.epochs,
         accelerator="cpu",
@@ -176,11 +186,14 @@ def main() -> None:
                 save_last=args.save_last,
             ),
             FullWeights(args.workdir, full_options),
+            *([DieOnce(args.workdir, args.die)] if args.die else []),
         ],
         **QUIET,
     )
     model = ShardedModel(args.workdir, 0)
-    trainer.fit(model, ckpt_path=latest_checkpoint(root, storage_options=opts))
+    trainer.fit(
+        model, ckpt_path=NEWEST if args.local_every else latest_checkpoint(root, storage_options=opts)
+    )
     if not args.no_callback:
         with open(os.path.join(args.workdir, f"restores-rank{trainer.global_rank}.json"), "w") as f:
             json.dump([[r.name, r.source] for r in air.records.restores], f)  # this launch's

@@ -50,6 +50,18 @@ def reference_fsdp1(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+def test_sharded_fit_killed_between_root_saves_resumes_from_the_local_tier_exactly(reference, tmp_path):
+    """``ModelCheckpoint`` every 5 steps, ``AirCallback(local_every_n_steps=2)``, ``ckpt_path=NEWEST``: both
+    ranks killed at once before step 8 resume from step 6 (each rank's own shards, the ``.metadata``
+    merged from their shares, rank 0's ``meta.pt``), bitwise equal to the uninterrupted run."""
+    run_sharded(tmp_path, "--local-every", "2", "--die", "8", expect_kill=True)
+    run_sharded(tmp_path, "--local-every", "2")
+    assert_same_run(tmp_path, reference, ranks=2)
+    restores = json.loads((tmp_path / "restores-rank0.json").read_text())
+    assert restores[0][0] == "local-s000000006-w2", restores
+
+
+@pytest.mark.slow
 def test_sharded_saves_to_s3_killed_mid_upload_resume_exactly(reference, tmp_path, s3_root):
     s3 = ["--root", s3_root.url, "--endpoint", s3_root.endpoint]
     run_sharded(tmp_path, *s3, "--kill", "10:upload_start", expect_kill=True)
