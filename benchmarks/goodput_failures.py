@@ -4,11 +4,13 @@ every K, side by side in one run.
     python benchmarks/goodput_failures.py [--quick] [--json] [--seed S] [--steps T] [--width W]
 
 An Accelerate job (an MLP of ``--width``, AdamW, trained flat out, loader with 2 workers) runs a fixed
-number of steps to a local root through NVMe staging (``--root-dir``; the root's saves are
-``save_state()`` every N steps). Each configuration runs:
+number of steps to a local root through NVMe staging (the root's saves are ``save_state()`` every N
+steps; the tier's ``local_dir`` is ``--local-dir``, default ``/dev/shm``). Each configuration runs:
 
-1. once without failures: the mean step time, save stalls included, gives the local tier's step
-   slowdown, and the saves' blocking time how many snapshot times apart the local saves are;
+1. once without failures, for at least 300 steps (1000 without ``--quick``), and with the tier at K, 2K
+   and 4K: the mean step time, save stalls included, gives the local tier's step slowdown, the root
+   saves' blocking time how many snapshot times apart the local saves are, and the CPU time of all the
+   job's processes the CPU one local save costs;
 2. once with process failures: SIGKILLs of the training process at seeded random steps (the same
    steps for both configurations), each followed by a relaunch that resumes by itself (``resume()``).
    Lost steps per failure: the newest step the killed launch reached minus the step it resumed from.
@@ -23,7 +25,8 @@ The last line with ``--json`` is::
 
     {"local_every": K, "remote_every": N,
      "remote_only": {"lost_steps_per_failure": x, "goodput": g, ...},
-     "two_tier": {"lost_steps_per_failure": x, "goodput": g, "step_slowdown": s, ...},
+     "two_tier": {"lost_steps_per_failure": x, "goodput": g, "step_slowdown": s,
+                  "slowdown_by_local_every": {K: s, 2K: s, 4K: s}, "cpu_seconds_per_local_save": c},
      "node_loss": {"recovered_from": "replica" or "remote", "lost_steps": n}}
 
 ``--quick`` (a few minutes on 2 cores): 60 steps, N = 20, K = 4, 3 failures, width 512.
@@ -36,6 +39,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import statistics
@@ -181,13 +185,19 @@ def lost_steps(rows: list[dict]) -> list[int]:
 
 
 def failure_free(args: argparse.Namespace, root: Path, local_every: int) -> dict:
+    """One launch of ``args.clean_steps`` steps without failures: its mean step time (saves included), the
+    median blocking time of its root saves (a snapshot time) and the CPU seconds it used (loader workers
+    included)."""
     work = root / f"clean-k{local_every}"
-    launch(work, args, local_every, [])
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    launch(work, argparse.Namespace(**{**vars(args), "steps": args.clean_steps}), local_every, [])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     rows = steps_of(work)
     times = [b["t"] - a["t"] for a, b in zip(rows, rows[1:], strict=False)]
     stats = json.loads((work / "stats.json").read_text())
     snapshot = statistics.median(stats["blocking"]) if stats["blocking"] else 0.0
-    return {"mean_step_seconds": statistics.fmean(times), "snapshot_seconds": snapshot}
+    return {"mean_step_seconds": statistics.fmean(times), "snapshot_seconds": snapshot, "cpu_seconds": cpu}
 
 
 def with_failures(args: argparse.Namespace, root: Path, local_every: int, kill_at: list[int]) -> dict:
@@ -238,11 +248,12 @@ def node_loss(args: argparse.Namespace, root: Path, local_every: int, at: int) -
     return {"recovered_from": tier, "lost_steps": reached - resumed, "killed_before_step": at}
 
 
-def transfer_speed(size_mib: int) -> dict:
-    """A partner's copy (the tier's ``exchange``, checked and placed) against a raw gloo send of the same
-    bytes, between two processes on loopback."""
-    out = subprocess.run([sys.executable, __file__, "--transfer", str(size_mib)], capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=600)  # fmt: skip
+def transfer_speed(size_mib: int, local_dir: str) -> dict:
+    """A partner's copy (the tier's ``exchange``, checked and placed in ``local_dir``) against a raw gloo
+    send of the same bytes, between two processes on loopback."""
+    command = [sys.executable, __file__, "--transfer", str(size_mib), "--local-dir", local_dir]
+    out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO},
+                         timeout=600)  # fmt: skip
     if out.returncode != 0:
         raise SystemExit(out.stderr[-4000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -360,13 +371,14 @@ def main() -> None:
 
         from tests.torchrun_nodes import free_port
 
-        with tempfile.TemporaryDirectory() as folder:
+        with tempfile.TemporaryDirectory(dir=args.local_dir or None) as folder:
             mp.spawn(_transfer_worker, args=(args.transfer, free_port(), folder, None), nprocs=2)
         return None
     quick = args.quick
     args.steps = args.steps or (60 if quick else 300)
     args.width = args.width or (512 if quick else 1536)
     args.remote_every = args.remote_every or (20 if quick else 100)
+    args.clean_steps = max(args.steps, 300 if quick else 1000)  # slowdowns: long enough to settle
     k = args.local_every or (4 if quick else 10)
     failures = args.failures or (3 if quick else 5)
     rng = random.Random(args.seed)
@@ -378,19 +390,22 @@ def main() -> None:
     try:
         print(f"{args.steps} steps, width {args.width}, root every {args.remote_every}, local every {k}; "
               f"failures before steps {kill_at}; node B lost before step {node_at}", flush=True)  # fmt: skip
-        clean = {0: failure_free(args, root, 0), k: failure_free(args, root, k)}
+        sweep = (k, 2 * k, 4 * k)  # the slowdown falls as the local saves grow apart
+        clean = {every: failure_free(args, root, every) for every in (0, *sweep)}
         results = {}
         for name, every in (("remote_only", 0), ("two_tier", k)):
             results[name] = with_failures(args, root, every, kill_at) | clean[every]
         two = results["two_tier"]
-        two["step_slowdown"] = clean[k]["mean_step_seconds"] / clean[0]["mean_step_seconds"]
-        snapshot = clean[k]["snapshot_seconds"]
-        two["local_every_in_snapshot_times"] = (
-            k * clean[0]["mean_step_seconds"] / snapshot if snapshot else float("inf")
-        )
+        step = clean[0]["mean_step_seconds"]
+        snapshot = clean[0]["snapshot_seconds"]
+        slowdown = {every: clean[every]["mean_step_seconds"] / step for every in sweep}
+        apart = {every: every * step / snapshot if snapshot else float("inf") for every in sweep}
+        two["step_slowdown"] = slowdown[k]
+        local_saves = args.clean_steps // k
+        cpu_per_save = (clean[k]["cpu_seconds"] - clean[0]["cpu_seconds"]) / local_saves
         lost_node = node_loss(args, root, k, node_at)
-        own = local_restore_speed(64 if quick else 512, root)
-        partner = transfer_speed(64 if quick else 512)
+        own = local_restore_speed(64 if quick else 512, Path(args.local_dir or root))
+        partner = transfer_speed(64 if quick else 512, args.local_dir or str(root))
         for name, r in results.items():
             tiers = json.dumps({t: round(sec, 3) for t, sec in r["restore_seconds"].items()})
             print(
@@ -398,9 +413,14 @@ def main() -> None:
                 f"(mean {r['lost_steps_per_failure']:.1f}); goodput {r['goodput']:.3f}; restore s by tier "
                 f"{tiers}; mean step {r['mean_step_seconds'] * 1e3:.1f} ms"
             )
+        for every in sweep:
+            print(
+                f"local tier every {every} steps ({args.clean_steps} steps, {step * 1e3:.1f} ms each without "
+                f"it): step slowdown {slowdown[every]:.3f}x, a local save every {apart[every]:.0f} snapshot "
+                f"times ({snapshot * 1e3:.1f} ms)"
+            )
         print(
-            f"local tier step slowdown {two['step_slowdown']:.3f}x (a local save every "
-            f"{two['local_every_in_snapshot_times']:.0f} snapshot times)"
+            f"CPU per local save (K = {k}): {cpu_per_save * 1e3:.0f} ms (all processes, {local_saves} saves)"
         )
         print(
             f"node loss: recovered from {lost_node['recovered_from']}, {lost_node['lost_steps']} steps lost"
@@ -420,7 +440,8 @@ def main() -> None:
                 "local_every": k,
                 "remote_every": args.remote_every,
                 "remote_only": {k_: remote[k_] for k_ in ("lost_steps_per_failure", "goodput")},
-                "two_tier": {k_: two[k_] for k_ in ("lost_steps_per_failure", "goodput", "step_slowdown")},
+                "two_tier": {k_: two[k_] for k_ in ("lost_steps_per_failure", "goodput", "step_slowdown")}
+                | {"slowdown_by_local_every": slowdown, "cpu_seconds_per_local_save": cpu_per_save},
                 "node_loss": {k_: lost_node[k_] for k_ in ("recovered_from", "lost_steps")},
                 "restore": {"own_local_vs_torch_load": own["ratio"], "partner_vs_loopback": partner["ratio"]},
             }
