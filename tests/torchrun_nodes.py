@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -54,3 +55,20 @@ def agent(
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
     log = open(workdir / f"agent-{name}.log", "w")  # noqa: SIM115  # closed with the process
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+
+def lose_node_b(script: str, workdir: Path, *args: str, timeout: float = 240.0) -> str:
+    """Run ``script WORKDIR *args`` on nodes A and B, whose ``args`` make node B lose itself (its agent
+    and worker, ``--die ...:B``); node A must finish the job alone. Returns A's agent log."""
+    port = free_port()
+    a = agent("A", port, script, str(workdir), *args, workdir=workdir)
+    time.sleep(1.0)  # A hosts the rendezvous store
+    b = agent("B", port, script, str(workdir), *args, workdir=workdir)
+    try:
+        assert a.wait(timeout=timeout) == 0, (workdir / "agent-A.log").read_text()[-4000:]
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.kill()
+    assert b.wait(timeout=10) != 0, "node B was lost"
+    return (workdir / "agent-A.log").read_text()

@@ -28,7 +28,7 @@ import pytest
 from tests.accelerate.job import BATCH, N_SAMPLES
 from tests.accelerate.runs import JOB
 from tests.sameness import records
-from tests.torchrun_nodes import agent, free_port
+from tests.torchrun_nodes import agent, free_port, lose_node_b
 
 pytestmark = pytest.mark.slow
 LOCAL_EVERY, ROOT_EVERY, DIE_BEFORE, RESUMED = 2, 5, 8, 6
@@ -111,19 +111,9 @@ def test_a_lost_node_resumes_from_the_replica_and_a_new_node_grows_the_job_back(
 def test_a_lost_fsdp2_node_resumes_resharded_from_the_replica(tmp_path):
     """The same loss with FSDP2 sharded state: A's copy of B's shards and the ``.metadata`` merged from
     both ranks' shares make step 6 whole again, and DCP reshards it onto the one process left."""
-    port = free_port()
     args = ("--every", str(ROOT_EVERY), "--local-every", str(LOCAL_EVERY), "--epochs", "2", "--elastic",
             "--fsdp2", "--die", f"{DIE_BEFORE}:B:agent")  # fmt: skip
-    a = agent("A", port, JOB, str(tmp_path), *args, workdir=tmp_path)
-    time.sleep(1.0)  # A hosts the rendezvous store
-    b = agent("B", port, JOB, str(tmp_path), *args, workdir=tmp_path)
-    try:
-        assert a.wait(timeout=240) == 0, (tmp_path / "agent-A.log").read_text()[-4000:]
-    finally:
-        for p in (a, b):
-            if p.poll() is None:
-                p.kill()
-    log_a = (tmp_path / "agent-A.log").read_text()
+    log_a = lose_node_b(JOB, tmp_path, *args)
     assert f"resuming from local tier step {RESUMED} (replica)" in log_a, log_a[-4000:]
     first, alone_run = _launches(tmp_path)[-2:]
     assert [first[0]["world"], alone_run[0]["world"]] == [2, 1], "2 -> 1 processes"

@@ -12,14 +12,13 @@ once across the world change.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import pytest
 
 from tests.lightning.model import N_SAMPLES
 from tests.sameness import records
-from tests.torchrun_nodes import agent, free_port
+from tests.torchrun_nodes import lose_node_b
 
 from .test_crash_resume import JOB
 
@@ -28,20 +27,9 @@ LOCAL_EVERY, ROOT_EVERY, DIE_BEFORE, RESUMED = 2, 5, 8, 6
 
 
 def test_a_lost_node_resumes_the_fit_from_the_replica_on_the_survivor_each_sample_once(tmp_path):
-    port = free_port()
     args = ("--every", str(ROOT_EVERY), "--local-every", str(LOCAL_EVERY), "--epochs", "2", "--elastic",
             "--die", f"{DIE_BEFORE}:B")  # fmt: skip
-    a = agent("A", port, JOB, str(tmp_path), *args, workdir=tmp_path)
-    time.sleep(1.0)  # A hosts the rendezvous store
-    b = agent("B", port, JOB, str(tmp_path), *args, workdir=tmp_path)
-    try:
-        assert a.wait(timeout=240) == 0, (tmp_path / "agent-A.log").read_text()[-4000:]
-    finally:
-        for p in (a, b):
-            if p.poll() is None:
-                p.kill()
-    assert b.wait(timeout=10) != 0, "node B was lost"
-    log = (tmp_path / "agent-A.log").read_text()
+    log = lose_node_b(JOB, tmp_path, *args)
     assert f"resuming from local tier step {RESUMED} (replica)" in log, log[-4000:]
     every = [
         rec
