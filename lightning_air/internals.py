@@ -111,8 +111,10 @@ def train_loaders(fit_loop: Any) -> Any:
 
 
 def replace(obj: Any, touch: Touch, replacement: Any) -> None:
-    """Replace the method ``touch`` names on the live ``obj`` (its class keeps the original)."""
-    touch.get(type(obj))
+    """Replace the method ``touch`` names on the live ``obj`` (its class keeps the original). The method is
+    looked up on ``obj`` itself, as Lightning calls it: a stand-in such as ``Mock(spec=ModelCheckpoint)``
+    has it too, though not on its type."""
+    touch.get(obj)
     setattr(obj, touch.attribute, replacement)
 
 

@@ -8,6 +8,7 @@ before a user meets it mid-fit. ``make test-oldest`` runs this file against the 
 from __future__ import annotations
 
 import inspect
+from unittest.mock import Mock
 
 import lightning.pytorch as pl
 import pytest
@@ -82,6 +83,14 @@ def test_methods_replaced_on_live_objects_keep_their_signature(tmp_path, touch, 
     assert callback.file_exists("x", None) == "ours"
     internals.restore(callback, internals.FILE_EXISTS, Stand)
     assert "file_exists" not in vars(callback)
+
+
+def test_a_stand_in_checkpoint_callback_gets_the_replacement_as_a_real_one_does():
+    """NeMo's pattern, in Lightning's own tests: ``Mock(spec=ModelCheckpoint)`` as the Trainer's callback.
+    Its type lacks the method (a mock makes it on the instance): the lookup is on the object."""
+    stand_in = Mock(spec=ModelCheckpoint)
+    internals.replace(stand_in, internals.FILE_EXISTS, "ours")
+    assert stand_in.file_exists == "ours"
 
 
 def test_a_renamed_private_name_fails_naming_it_and_the_checked_release():
