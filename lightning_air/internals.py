@@ -119,6 +119,7 @@ def replace(obj: Any, touch: Touch, replacement: Any) -> None:
 
 
 def restore(obj: Any, touch: Touch, kind: type) -> None:
-    """Undo ``replace`` if ``obj`` still holds a replacement of type ``kind``."""
+    """Undo ``replace`` if ``obj`` still holds a replacement of type ``kind``: only the instance's entry
+    goes (``object.__delattr__``: a ``Mock`` would remember a ``del`` as the attribute being gone)."""
     if isinstance(vars(obj).get(touch.attribute), kind):
-        delattr(obj, touch.attribute)
+        object.__delattr__(obj, touch.attribute)

@@ -87,10 +87,14 @@ def test_methods_replaced_on_live_objects_keep_their_signature(tmp_path, touch, 
 
 def test_a_stand_in_checkpoint_callback_gets_the_replacement_as_a_real_one_does():
     """NeMo's pattern, in Lightning's own tests: ``Mock(spec=ModelCheckpoint)`` as the Trainer's callback.
-    Its type lacks the method (a mock makes it on the instance): the lookup is on the object."""
+    Its type lacks the method (a mock makes it on the instance): the lookup is on the object, and the
+    undo leaves the mock as it was, for the next fit."""
     stand_in = Mock(spec=ModelCheckpoint)
-    internals.replace(stand_in, internals.FILE_EXISTS, "ours")
-    assert stand_in.file_exists == "ours"
+    for _ in range(2):  # a second fit replaces it again
+        internals.replace(stand_in, internals.FILE_EXISTS, "ours")
+        assert stand_in.file_exists == "ours"
+        internals.restore(stand_in, internals.FILE_EXISTS, str)
+        assert isinstance(stand_in.file_exists, Mock), "the mock's own again"
 
 
 def test_a_renamed_private_name_fails_naming_it_and_the_checked_release():
