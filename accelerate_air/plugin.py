@@ -56,8 +56,9 @@ class AirPlugin:
             at least ``hang_floor_seconds`` (300: also the limit before the first step is seen).
         local_every_n_steps: also checkpoint every this many optimizer steps to ``local_dir`` on this node
             (not uploaded; the root's ``save_state`` checkpoints are unchanged), copied to
-            ``replication_factor - 1`` processes of other nodes; ``resume()`` then continues from the newest
-            step every process's state exists for, here, on a partner or at the root. None: off.
+            ``replication_factor - 1`` processes of other nodes, before the next optimizer step (at most this
+            many steps lost); ``resume()`` then continues from the newest step every process's state exists
+            for, here, on a partner or at the root. None: off.
         local_dir: that node-local folder (NVMe or ``/dev/shm``).
         replication_factor: copies of each process's local checkpoint, its own included (2: one partner
             on another node, so a lost node's state survives).

@@ -88,8 +88,10 @@ class AirCallback(Callback):
             at least ``hang_floor_seconds`` (300: also the limit before the first step is seen).
         local_every_n_steps: also checkpoint every this many optimizer steps to ``local_dir`` on this node
             (not uploaded; ``ModelCheckpoint``'s saves are unchanged), copied to ``replication_factor - 1``
-            ranks of other nodes. Resume with ``fit(ckpt_path=lightning_air.NEWEST)``: the newest step
-            every rank's state exists for, here, on a partner or under ``ModelCheckpoint.dirpath``.
+            ranks of other nodes before the next optimizer step (at most this many steps lost). Sharded
+            strategies save each rank's shards. Resume with ``fit(ckpt_path=lightning_air.NEWEST)``: the
+            newest step every rank's state exists for, here, on a partner or under
+            ``ModelCheckpoint.dirpath``.
         local_dir: that node-local folder (NVMe or ``/dev/shm``).
         replication_factor: copies of each rank's local checkpoint, its own included.
     """

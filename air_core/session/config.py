@@ -55,8 +55,10 @@ class SessionConfig:
     """The shortest derived hang timeout, and the one before the first step of a launch, in seconds."""
     local_every_n_steps: int | None = None
     """Write a node-local checkpoint every this many optimizer steps (``air_core.tiers``), not uploaded,
-    replicated to ``replication_factor - 1`` partner ranks on other nodes; a restart resumes from the
-    newest step every rank's state exists for in any tier. None: off (the root's saves only)."""
+    replicated to ``replication_factor - 1`` partner ranks on other nodes; the optimizer step after a local
+    save waits until every rank's is committed and copied, so a failure loses at most this many steps. A
+    restart resumes from the newest step every rank's state exists for in any tier. None: off (the root's
+    saves only)."""
     local_dir: str | None = None
     """The node-local folder of that tier (NVMe or ``/dev/shm``); needed with ``local_every_n_steps``."""
     replication_factor: int = 2
