@@ -41,6 +41,8 @@ OLDEST_TESTS := \
 	'tests/lightning/test_crash_resume.py::test_sigkill_mid_epoch_during_each_save_phase_resumes_exactly[snapshot_start-0]' \
 	'tests/accelerate/test_crash_resume.py::test_sigkill_mid_epoch_during_each_save_phase_resumes_exactly[snapshot_start-0]' \
 	'tests/lightning/test_sharded.py::test_sharded_saves_to_s3_killed_mid_upload_resume_exactly' \
+	'tests/lightning/test_sharded.py::test_sharded_fit_killed_between_root_saves_resumes_from_the_local_tier_exactly' \
+	'tests/accelerate/test_sharded.py::test_fsdp2_killed_between_root_saves_resumes_from_its_local_tier_exactly' \
 	'tests/accelerate/test_elastic.py::test_a_two_process_checkpoint_continues_on_one_and_three_processes_each_sample_once' \
 	'tests/accelerate/test_accelerator.py::test_checkpoint_downloaded_from_s3_loads_with_stock_load_state' \
 	'tests/transformers/test_crash_resume.py::test_sigkill_during_each_save_phase_resumes_exactly[serialize_start-2]' \
