@@ -155,20 +155,23 @@ class LocalTier:
         return handle
 
     def _run(self) -> None:
-        while (handle := self._queue.get()) is not None:
-            package = self._committed(handle)
-            if (self._send_to or self._receive_from) and not self.broken:
-                self._replicate(package)
-            if package.name and not self.broken:
-                self.settled.append(package.name)
-            self._meet()
-            with self._settling:
-                self._settled_through = handle.step
-                self._settling.notify_all()
-            if package.name:
-                self._drop_older(handle.step)
+        try:
+            while (handle := self._queue.get()) is not None:
+                package = self._committed(handle)
+                if (self._send_to or self._receive_from) and not self.broken:
+                    self._replicate(package)
+                if package.name and not self.broken:
+                    self.settled.append(package.name)
+                self._meet()
+                self._settle(handle.step)
+                if package.name:
+                    self._drop_older(handle.step)
+        finally:  # closed, or the thread failed: nobody waits for a save of this tier again
+            self._settle(_NEVER_BY_COUNT)
+
+    def _settle(self, step: int) -> None:
         with self._settling:
-            self._settled_through = _NEVER_BY_COUNT
+            self._settled_through = step
             self._settling.notify_all()
 
     def wait_settled(self, step: int, timeout: float) -> bool:
@@ -192,9 +195,12 @@ class LocalTier:
         """Drop the commits before ``step``, but the newest one every partner has (while ``step``'s copies
         are missing); later saves, committed meanwhile, are the next round's."""
         keep = set(self.settled[-1:])
-        for info in self.checkpointer.list(settle=False):
-            if info.status == "committed" and info.step < step and info.name not in keep:
-                self.checkpointer.delete(info.name, even_newest=True)
+        try:
+            for info in self.checkpointer.list(settle=False):
+                if info.status == "committed" and info.step < step and info.name not in keep:
+                    self.checkpointer.delete(info.name, even_newest=True)
+        except Exception as exc:  # the next save's round tries again
+            logger.warning("rank %d: older local checkpoints were not dropped: %s", self.rank, exc)
 
     def _committed(self, handle: SaveHandle) -> Package:
         try:
