@@ -4,14 +4,18 @@ A checkpoint is written once and read rarely, so caching its pages only costs. O
 page-cache path (allocate, copy and later write back every page) took over 80% of the writer's CPU and
 most of its time until durable (``benchmarks/checkpoint_stall.py --load train``: 768 MiB, 1.7 s of CPU
 buffered against 0.3 s direct). So a file is written in ``CHUNK_BYTES`` pieces copied into a
-page-aligned buffer the device reads from. Where the filesystem refuses ``O_DIRECT`` (tmpfs, some
-FUSE mounts) the file goes through the page cache instead, logged once: the same bytes and the same
-fsync, only more CPU. Placing files (rename, folder fsync) is ``storage.py``'s job, not this module's.
+page-aligned buffer the device reads from. Where the filesystem refuses ``O_DIRECT`` (some FUSE
+mounts, tmpfs before Linux 6.6) the file goes through the page cache instead, logged once: the same
+bytes and the same fsync, only more CPU. A filesystem in memory (tmpfs, ramfs: ``/dev/shm``, the local
+tier's usual disk) is written straight through without asking: its pages are the file, and since Linux
+6.6 tmpfs takes ``O_DIRECT`` as a buffered write, which the copy into the aligned buffer only adds to.
+Placing files (rename, folder fsync) is ``storage.py``'s job, not this module's.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import io
 import logging
 import mmap
@@ -46,9 +50,9 @@ class DirectFile(io.RawIOBase):
     ) -> None:
         super().__init__()
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        self._direct = bool(_O_DIRECT)
+        self._direct = bool(_O_DIRECT) and not in_memory(os.path.dirname(os.path.abspath(path)))
         try:
-            self._fd = os.open(path, flags | _O_DIRECT, 0o644)
+            self._fd = os.open(path, flags | (_O_DIRECT if self._direct else 0), 0o644)
         except OSError as exc:
             if not self._direct or exc.errno != errno.EINVAL:
                 raise
@@ -71,8 +75,12 @@ class DirectFile(io.RawIOBase):
         self.crc = zlib.crc32(view, self.crc)  # one call per buffer: zlib releases the GIL for it
         done = 0
         while not self._direct and done < len(view):  # through the page cache: no copy of ours
-            done += os.write(self._fd, view[done : done + self._chunk])
-            self._tick()
+            n = os.write(self._fd, view[done : done + self._chunk - self._fill])
+            done += n
+            self._fill += n  # the chunk's bytes written so far: a tick per chunk, as the direct path
+            if self._fill == self._chunk:
+                self._fill = 0
+                self._tick()
         while done < len(view):
             n = min(self._chunk - self._fill, len(view) - done)
             self._view[self._fill : self._fill + n] = view[done : done + n]
@@ -85,11 +93,13 @@ class DirectFile(io.RawIOBase):
 
     def finish(self, *, fsync: bool) -> None:
         """Write what is buffered, cut the file to its size, and fsync it if asked."""
-        if self._fill:
+        if self._fill and not self._direct:
+            self._fill = 0
+            self._tick()
+        elif self._fill:
             # O_DIRECT writes whole blocks: pad the tail, then truncate the padding away.
-            self._write_buffer(-(-self._fill // _ALIGN) * _ALIGN if self._direct else self._fill)
-            if self._direct:
-                os.ftruncate(self._fd, self.size)
+            self._write_buffer(-(-self._fill // _ALIGN) * _ALIGN)
+            os.ftruncate(self._fd, self.size)
         if fsync:
             os.fsync(self._fd)
 
@@ -115,6 +125,29 @@ class DirectFile(io.RawIOBase):
         _buffered_once(self._path, exc)
         _drop_direct(self._fd)
         self._direct = False
+
+
+_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def in_memory(folder: str) -> bool:
+    """Whether ``folder`` is on a filesystem held in memory (tmpfs, ramfs), by its device's entry in
+    ``/proc/self/mountinfo`` (False where that cannot be read)."""
+    return _fs_type(os.stat(folder).st_dev) in _MEMORY_FILESYSTEMS
+
+
+@functools.lru_cache(maxsize=64)
+def _fs_type(device: int) -> str:
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:  # "36 35 98:0 /root /mnt rw,... master:1 - ext4 /dev/sda1 rw"
+                fields, _, tail = line.partition(" - ")
+                if fields.split()[2:3] == [wanted]:
+                    return tail.split()[0]
+    except OSError:
+        pass
+    return ""
 
 
 _local = threading.local()

@@ -10,6 +10,7 @@ touch other files; such a record is a ``CorruptCheckpointError``.
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 from dataclasses import asdict, dataclass, field
@@ -181,7 +182,13 @@ class CheckpointInfo:
 
 
 def library_versions() -> dict[str, str]:
-    """Versions recorded in every manifest, to explain a later load failure."""
+    """Versions recorded in every manifest, to explain a later load failure: those of the code this
+    process runs, looked up once (a lookup scans the installed distributions: milliseconds per commit)."""
+    return dict(_versions())
+
+
+@functools.cache
+def _versions() -> tuple[tuple[str, str], ...]:
     from importlib import metadata
 
     import torch
@@ -191,4 +198,4 @@ def library_versions() -> dict[str, str]:
         versions["air-plugins"] = metadata.version("air-plugins")
     except metadata.PackageNotFoundError:
         versions["air-plugins"] = "unknown"
-    return versions
+    return tuple(versions.items())

@@ -120,13 +120,9 @@ class WriterPriority:
         if self._deadline is not None and self._clock() >= self._deadline:
             self.finish()
 
-    def hurry(self) -> None:
-        """Training waits for this save now (the local tier's gate): any thread may call it; the save
-        runs at the training's priority from now on."""
-        self.finish()
-
     def finish(self) -> None:
-        """Serialization is over (or late): run at the training's priority from now on."""
+        """Serialization is over (or late, or training waits for it: any thread may call it then, as the
+        local tier's gate does): run at the training's priority from now on."""
         if self._deadline is not None:
             self._deadline = None
             self._apply(self._target, only_raise=True)

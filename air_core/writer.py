@@ -142,8 +142,8 @@ class Writer:
         """The nice value of the thread that last submitted: what the writer never stays below."""
 
     def hurry(self) -> None:
-        """The save being serialized stops yielding to training (``WriterPriority.hurry``)."""
-        self._priority.hurry()
+        """The save being serialized stops yielding to training (``WriterPriority.finish``)."""
+        self._priority.finish()
 
     @property
     def busy(self) -> frozenset[str]:

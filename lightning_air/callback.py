@@ -10,7 +10,9 @@ and resumes them exactly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
 from collections import defaultdict
 from typing import Any
 
@@ -21,6 +23,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from typing_extensions import override
 
 from air_core import ConfigError
@@ -119,11 +122,12 @@ class AirCallback(Callback):
         self.session: TrainingSession | None = None
         """The session of the running (or last) fit."""
         self._saves_at_step: dict[int, int] = defaultdict(int)
+        self._quiet = contextlib.ExitStack()  # warnings filtered from the resume to the first batch
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``ddp_spawn``'s workers, ``deepcopy(trainer)``) starts without the session: its loaders,
         generators and threads stay with the original."""
-        return {**self.__dict__, "session": None}
+        return {**self.__dict__, "session": None, "_quiet": contextlib.ExitStack()}
 
     @property
     def records(self) -> Any:
@@ -219,6 +223,8 @@ class AirCallback(Callback):
             # again. End the stage as an epoch's end does (Lightning 2.6.6: fit_loop.py 398-404, 447-454).
             RESET_RESTART_STAGE.get(loop)()
         _count_from_the_share(trainer)
+        if self.session.positions.resuming:
+            self._quiet.enter_context(_continued_epoch_is_resumable())
         if pl_module.automatic_optimization:  # every step passes on_before_optimizer_step (manual ones
             for optimizer in trainer.optimizers:  # may step a raw optimizer, ungated)
                 self.session.track_optimizer(optimizer)
@@ -257,6 +263,12 @@ class AirCallback(Callback):
         """The snapshot gate too: a module's ``on_train_end`` (run after this) may write other weights."""
         if self.session is not None:
             self.session.before_optimizer_step()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._quiet.close()
 
     @override
     def on_train_batch_end(
@@ -343,7 +355,7 @@ class AirCallback(Callback):
         if trainer.is_global_zero:
             logger.info(
                 "AirCallback: every rank's data position and RNG are restored: an interrupted epoch "
-                "continues where it stopped (Lightning's warning that it restarts does not apply)."
+                "continues where it stopped."
             )
 
     @override
@@ -362,11 +374,27 @@ class AirCallback(Callback):
     def _end(self, trainer: pl.Trainer) -> None:
         """Close the session (commits what is in flight; goodput, MLflow), unhook ``ModelCheckpoint`` and
         end the plugin's asynchronous saves."""
+        self._quiet.close()
         for callback in trainer.checkpoint_callbacks:
             restore(callback, FILE_EXISTS, _WaitForSaves)
         restore(trainer.strategy, PROCESS_DATALOADER, _TrackTrainLoaders)
         if self.session is not None:
             self.session.close(trainer.global_step)
+
+
+@contextlib.contextmanager
+def _continued_epoch_is_resumable() -> Any:
+    """Lightning warns, at a resume mid-epoch, that a loader without ``state_dict`` cannot continue its
+    epoch ("...your dataloader is not resumable..."), as its epoch loop starts, before the first batch.
+    The tracked loader does continue it exactly, so that warning is false here: it is filtered until
+    the first batch (any other warning, and this one in any other fit, still shows)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message="You're resuming from a checkpoint that ended before the epoch ended",
+            category=PossibleUserWarning,
+        )
+        yield
 
 
 def _check_nothing_swaps_weights(trainer: pl.Trainer) -> None:

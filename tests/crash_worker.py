@@ -1,8 +1,9 @@
 """Saves step 1, then step 2, and SIGKILLs itself at a chosen phase of step 2 (run by tests).
 
 Usage: python tests/crash_worker.py ROOT STAGING PHASE [ENDPOINT]
-PHASE is a PhaseEvent name; ``upload_mid`` kills as soon as a partial file of the upload exists at the
-(local) destination. ENDPOINT, when given, is the S3 endpoint (root is then an s3:// URL).
+PHASE is a PhaseEvent name; ``upload_mid`` kills when a file of step 2's upload is at the (local)
+destination under its temp name, bytes in it, not yet renamed into place. ENDPOINT, when given, is the S3
+endpoint (root is then an s3:// URL).
 """
 
 from __future__ import annotations
@@ -10,11 +11,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 
 import torch
 
-from air_core import AsyncCheckpointer, PhaseEvent
+from air_core import AsyncCheckpointer, PhaseEvent, storage
 
 
 def state(step: int) -> dict:
@@ -26,12 +26,21 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _kill_when_partial_upload_exists(root: str) -> None:
-    while True:
-        for folder, _, files in os.walk(root):
-            for f in files:
-                if ".air-tmp-" in f and os.path.getsize(os.path.join(folder, f)) > 0:
-                    _die()
+def _die_before_renames_under(root: str) -> None:
+    """From now on, die just before a non-empty temp file under ``root`` would be renamed into place.
+
+    A staged file reaches a local root as a hard link or a copy under a temp name, then a rename: the
+    moment between them is the one a crash mid-upload leaves behind. Polling the folder for it races
+    the rename (a link appears complete and is renamed microseconds later); this hook cannot miss it.
+    """
+    rename = storage._rename_durably
+
+    def rename_or_die(tmp: str, final: str) -> None:
+        if tmp.startswith(root) and os.path.getsize(tmp) > 0:
+            _die()
+        rename(tmp, final)
+
+    storage._rename_durably = rename_or_die
 
 
 class KillAt:
@@ -42,7 +51,7 @@ class KillAt:
         if not isinstance(event, PhaseEvent) or event.step != 2:
             return
         if self.phase == "upload_mid" and event.phase == "upload_start":
-            threading.Thread(target=_kill_when_partial_upload_exists, args=(self.root,), daemon=True).start()
+            _die_before_renames_under(self.root)
         elif event.phase == self.phase:
             _die()
 

@@ -68,3 +68,10 @@ def assert_same_state(expected: dict, got: dict, what: str = "") -> None:
     for key, value in want.items():
         same = torch.equal(value, have[key]) if isinstance(value, torch.Tensor) else value == have[key]
         assert same, f"{key} {what}"
+
+
+def assert_tier_read_in_place(workdir: Path) -> None:
+    """A resume from the local tier read its assembled checkpoint where it was: no copy of a local-tier
+    checkpoint (``local-s<step>-w<world>``) in the job's staging cache (``workdir/nvme``)."""
+    copies = sorted(p.relative_to(workdir) for p in (workdir / "nvme").rglob("local-s*"))
+    assert not copies, f"the local tier's restore was copied into the staging cache: {copies}"

@@ -1,7 +1,8 @@
 """Two or more "nodes" on 127.0.0.1 for node-loss tests: each a torchrun elastic agent (c10d rendezvous,
 ``--nnodes 1:N``, ``--max-restarts``) with its own name (``AIR_NODE_NAME``) and node-local folder.
 
-The first agent started hosts the rendezvous store, so tests lose a later one. torchrun starts its
+The first agent started hosts the rendezvous store, so tests lose a later one. A lost node is dropped
+from the rendezvous after 3 missed keep-alives of 1 s. torchrun starts its
 workers in their own sessions: a node is lost by killing its agent and its workers by id (the job's
 ``--die ...:agent`` does it from inside the worker, at a chosen step).
 """
@@ -43,7 +44,9 @@ def agent(
         "--rdzv-id",
         "air-node-loss",
         "--rdzv-conf",
-        "last_call_timeout=2,join_timeout=60",
+        # A lost node leaves the rendezvous when it missed 3 keep-alives of 1 s (torch's default: 3 of 5 s,
+        # which the survivor's restart would wait out: ~10 s more per node loss).
+        "last_call_timeout=2,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3",
         "--max-restarts",
         str(restarts),
         "--monitor-interval",

@@ -71,13 +71,10 @@ def save(
             dcp.save(state, storage_writer=writer, process_group=process_group, planner=planner)
 
     def make(parts: list[PartRecord]) -> dict[str, bytes]:
-        if rank is None:
-            return {w.metadata_file: w.make_metadata(parts) for w in writers}
-        return {w.part_file: w.make_part(parts) for w in writers}
+        return {w.metadata_file: w.make_metadata(parts) for w in writers}
 
     bundles = {path: bundle for w in writers for path, bundle in w.files.items()}
-    made = tuple(w.metadata_file if rank is None else w.part_file for w in writers)
-    finalize = Finalize(made, make)
+    finalize = Finalize(tuple(w.metadata_file for w in writers), make)
     return checkpointer.save_files(
         {**bundles, **(files or {})}, step=step, name=name, finalize=finalize, in_order=in_order, gated=gated
     )

@@ -8,10 +8,18 @@ METADATA = ".metadata"
 """DCP's metadata file, in the checkpoint's folder (``<name>/.metadata``)."""
 
 
+_PART = f"{METADATA}-part-"
+
+
 def part_metadata(rank: int) -> str:
     """Rank ``rank``'s share of a folder's ``.metadata`` in a checkpoint each rank commits on its own (the
     local tier's): its items' extents, and on rank 0 DCP's global metadata (``writer.merge_parts``)."""
-    return f"{METADATA}-part-{rank}"
+    return f"{_PART}{rank}"
+
+
+def is_part_metadata(file: str) -> bool:
+    """Whether ``file`` (a name in a folder) is a rank's share of the folder's ``.metadata``."""
+    return file.startswith(_PART)
 
 
 def data_file(rank: int, index: int) -> str:

@@ -84,8 +84,10 @@ class DcpWriter(StorageWriter):
         self._ckpt = checkpointer
         self.rank = checkpointer.config.rank if rank is None else rank
         self.folder = check_filename(folder, call="DcpWriter(folder=...)")
-        self.metadata_file = f"{self.folder}/{METADATA}"
-        self.part_file = f"{self.folder}/{part_metadata(self.rank)}"
+        self.alone = rank is not None
+        """Whether this rank's part is committed alone (its share of the ``.metadata``: ``make_metadata``)."""
+        self.metadata_file = f"{self.folder}/{METADATA if rank is None else part_metadata(self.rank)}"
+        """What this writer's commit adds: the folder's ``.metadata``, or this rank's share of it."""
         self.files_per_rank = files_per_rank
         self.files: dict[str, Bundle] = {}
         """This rank's data files (path under the root -> items), once ``write_data`` ran."""
@@ -168,16 +170,16 @@ class DcpWriter(StorageWriter):
         return False  # never picked by DCP's storage auto-detection: always passed explicitly
 
     def make_metadata(self, parts: list[PartRecord]) -> bytes:
-        """Rank 0's commit: DCP's ``.metadata``, every item at its real extent (from the part records)."""
+        """The bytes of ``metadata_file`` at the commit. Rank 0's commit of every rank: DCP's ``.metadata``,
+        every item at its real extent (from the part records). A part committed ``alone``: this rank's
+        share (see the module docstring)."""
+        if self.alone:
+            share = {"metadata": self._metadata, "storage_data": self._placed(self._own, parts)}
+            return pickle.dumps(share)
         if self._metadata is None:
             raise RuntimeError(f"{self.metadata_file}: dcp.save never reached its finish step")
         results = [r for rank_results in self._results for r in rank_results]
         return _complete(self._metadata, self._placed(results, parts), self.folder)
-
-    def make_part(self, parts: list[PartRecord]) -> bytes:
-        """This rank's commit of its part alone: ``part_metadata(rank)`` (see the module docstring)."""
-        share = {"metadata": self._metadata, "storage_data": self._placed(self._own, parts)}
-        return pickle.dumps(share)
 
     def _placed(self, results: list[WriteResult], parts: list[PartRecord]) -> dict[Any, Any]:
         """Each result's item at its real extent, from the part records' extents of the files."""

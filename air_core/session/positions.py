@@ -80,6 +80,11 @@ class Positions:
             self._resume(tracked, len(self._loaders) - 1)
         return tracked
 
+    @property
+    def resuming(self) -> bool:
+        """Whether a checkpoint's loader positions apply to this launch (from ``restore`` until ``start``)."""
+        return self._pending is not None and bool(self._pending["loaders"])
+
     def forget(self) -> None:
         """Stop tracking every loader: the framework rebuilt its train loaders before training (a retry
         with a smaller batch size) and tracks the new ones; a restored position applies to those."""

@@ -17,6 +17,7 @@ the default process group before training starts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -38,6 +39,7 @@ from ..snapshot import stepped_tensors
 from ..storage import Storage, location
 from ..tiers import LocalTier, Resume, job_folder, recover
 from ..tiers import partners as tier_partners
+from ..tiers.recover import restore_root
 from .accounting import account, as_metrics
 from .config import SessionConfig
 from .goodput import Goodput, GoodputLog, analyze, read_events, restores
@@ -223,10 +225,21 @@ class TrainingSession:
 
     def reader(self, root: str) -> AsyncCheckpointer:
         """A read-only checkpointer of ``root`` (no lease, no probe write: any folder or URL may be read)
-        that reports its restores to this session and sees this process's saves in flight. Close it."""
-        return self._checkpointer(root, read_only=True)
+        that reports its restores to this session and sees this process's saves in flight. Close it.
 
-    def _checkpointer(self, root: str, *, read_only: bool = False) -> AsyncCheckpointer:
+        The local tier's assembled restore (``recover``) is read where it is, never through the staging
+        cache: it is on this node's disk and checked already, and a copy would cost the restore its time
+        again and the staging disk a checkpoint."""
+        in_place = (
+            bool(self.config.local_every_n_steps)
+            and self._ckpt is not None
+            and location(str(root)) == location(restore_root(self._tier_base(), self.rank))
+        )
+        return self._checkpointer(root, read_only=True, in_place=in_place)
+
+    def _checkpointer(
+        self, root: str, *, read_only: bool = False, in_place: bool = False
+    ) -> AsyncCheckpointer:
         config = self.checkpointer_config.for_root(
             str(root),
             rank=self.rank,
@@ -234,6 +247,8 @@ class TrainingSession:
             launch_id=self.launch_id,
             read_only=read_only,
         )
+        if in_place:
+            config = dataclasses.replace(config, staging_dir=None)  # a local root: read in place
         return AsyncCheckpointer.from_config(config, listeners=self._listeners)
 
     @property

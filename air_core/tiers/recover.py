@@ -5,7 +5,8 @@ each committed by its manifest), the reports are gathered in one collective, and
 same step (``choose``): the newest one newer than the root's newest commit for which each rank of the
 world that saved it has a committed part somewhere, of one step and one world size, never mixed. The
 pieces a rank's node lacks come from the rank that holds them, over the tier's group, checked against
-their CRC-32s on arrival; the ones on its node are linked, not copied. The parts are put together
+their CRC-32s on arrival; the ones on its node are linked, not copied, and checked once per node (by
+the node's lowest rank). The parts are put together
 (``assemble``) as one committed checkpoint of the saved world size in ``restore-<rank>/``, which the
 adapter loads as it loads a root's: the same verification, the same exact (or ``elastic``) resume.
 """
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from .. import layout
 from ..catalog import read_catalog
-from ..dcp.files import METADATA
+from ..dcp.files import METADATA, is_part_metadata
 from ..dcp.writer import merge_parts
 from ..errors import CorruptCheckpointError
 from ..manifest import FileEntry, Manifest
@@ -148,8 +149,9 @@ def _assemble_here(
     group: Any,
 ) -> list[tuple[int, int]]:
     """Gather the ``chosen`` step's parts in ``restore_root(base, rank)`` (received ones checked as they
-    arrive, linked ones checked here) and commit it there; the (saved rank, holding rank) of each part
-    that failed its check (then nothing is committed)."""
+    arrive, linked ones checked here by the lowest rank of the node that holds them: one read per node,
+    not one per rank) and commit it there; the (saved rank, holding rank) of each part that failed its
+    check (then nothing is committed)."""
     step, world = chosen
     name = tier_name(step, world)
     dest = restore_root(base, rank)
@@ -169,7 +171,8 @@ def _assemble_here(
                 finally:
                     sink.close()
     local = {s: here for s in range(world) if s not in parts and (here := _here(holders[s], rank))}
-    damaged = _assemble(dest, name, step, world, local, parts)
+    checks = {s for s, here in local.items() if rank == min(r for r, h in holders[s] if h.node == here.node)}
+    damaged = _assemble(dest, name, step, world, local, parts, checks)
     return [(s, rank if s in local else holders[s][0][0]) for s in damaged]
 
 
@@ -210,12 +213,18 @@ def _here(holders: list[tuple[int, Held]], rank: int) -> Held | None:
 
 
 def _assemble(
-    dest: str, name: str, step: int, world: int, local: dict[int, Held], parts: dict[int, Received]
+    dest: str,
+    name: str,
+    step: int,
+    world: int,
+    local: dict[int, Held],
+    parts: dict[int, Received],
+    checks: set[int],
 ) -> list[int]:
     """One committed checkpoint of ``world`` ranks in ``dest``: each part's files (linked from this node's
-    copy and checked against their CRC-32s, or received: written as they arrived, checked here), then a
-    manifest naming every file with its rank. Returns the saved ranks whose part failed its check; then
-    no manifest is written."""
+    copy, and for the saved ranks in ``checks`` checked against their CRC-32s; or received: written as
+    they arrived, checked here), then a manifest naming every file with its rank. Returns the saved ranks
+    whose part failed its check; then no manifest is written."""
     storage = local_storage(dest)
     entries: list[FileEntry] = []
     damaged: list[int] = []
@@ -225,7 +234,7 @@ def _assemble(
             if saved in parts:
                 manifest = parts[saved].check(where=f"rank {saved}'s part of {name}")
             else:
-                manifest = _link(local[saved].root, dest, name)
+                manifest = _link(local[saved].root, dest, name, check=saved in checks)
         except CorruptCheckpointError:
             damaged.append(saved)
             continue
@@ -244,7 +253,7 @@ def _merged_metadata(dest: str, entries: list[FileEntry]) -> list[FileEntry]:
     shares: dict[str, list[str]] = {}
     for e in entries:
         folder, _, file = e.path.rpartition("/")
-        if file.startswith(f"{METADATA}-part-"):
+        if is_part_metadata(file):
             shares.setdefault(folder, []).append(e.path)
     made = []
     for folder, paths in sorted(shares.items()):
@@ -255,12 +264,12 @@ def _merged_metadata(dest: str, entries: list[FileEntry]) -> list[FileEntry]:
     return made
 
 
-def _link(source: str, dest: str, name: str) -> Manifest:
-    """Hard-link a part held on this node into ``dest``, each file checked against its CRC-32 (remembered
-    for the load that follows: ``staging.matches``).
+def _link(source: str, dest: str, name: str, *, check: bool) -> Manifest:
+    """Hard-link a part held on this node into ``dest``, each file's size checked, and with ``check`` its
+    CRC-32 (remembered for the load that follows: ``staging.matches``).
 
     Raises:
-        CorruptCheckpointError: a file is missing, or its size or CRC-32 differs from the manifest.
+        CorruptCheckpointError: a file is missing, or its size (or CRC-32) differs from the manifest.
     """
     where = f"{source}/{name}"
     manifest = Manifest.from_json(local_storage(source).read_bytes(layout.manifest_path(name)), where=where)
@@ -272,7 +281,7 @@ def _link(source: str, dest: str, name: str) -> Manifest:
         except FileNotFoundError:
             missing = f"{where}: {f.path} is missing"
             raise CorruptCheckpointError(missing, path=f.path, reason="missing") from None
-        if not matches(target, f, remember=True):
+        if os.path.getsize(target) != f.size or (check and not matches(target, f, remember=True)):
             raise CorruptCheckpointError(
                 f"{where}: {f.path} does not match its manifest", path=f.path, reason="checksum mismatch"
             )

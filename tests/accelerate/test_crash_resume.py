@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.accelerate.runs import run_job, stats, training_args
-from tests.sameness import assert_same_run
+from tests.sameness import assert_same_run, assert_tier_read_in_place
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,8 @@ def test_sigkill_between_root_saves_resumes_from_the_local_tier_exactly(tmp_path
     run_job(tmp_path, *args)
     assert_same_run(tmp_path, reference(*args))
     (resumed,) = stats(tmp_path)
-    assert resumed["restores"][0][0] == "local-s000000015-w1", "resumed from the newest local checkpoint"
+    assert resumed["restores"][0] == ["local-s000000015-w1", "local"], "the newest local one, read in place"
+    assert_tier_read_in_place(tmp_path)
 
 
 # 16 batches per epoch, a save every 4 steps. The first launch is killed in the save of step 20: the

@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from tests.accelerate.runs import run_job, stats, training_args
-from tests.sameness import assert_same_run
+from tests.sameness import assert_same_run, assert_tier_read_in_place
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,8 @@ def test_two_ranks_killed_between_root_saves_resume_from_their_local_tier_exactl
     run_job(tmp_path, *args, processes=2)
     assert_same_run(tmp_path, reference(*args), ranks=2)
     (resumed,) = stats(tmp_path)
-    assert resumed["restores"][0][0] == "local-s000000006-w2", "both ranks' own local checkpoints of step 6"
+    assert resumed["restores"][0] == ["local-s000000006-w2", "local"], "both ranks' own local parts of step 6"
+    assert_tier_read_in_place(tmp_path)
 
 
 @pytest.mark.parametrize("workers", ["0", "2"])

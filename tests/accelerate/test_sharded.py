@@ -26,7 +26,7 @@ from tests.accelerate.job import N_SAMPLES
 from tests.accelerate.runs import JOB, run_job, stats
 from tests.concurrent_jobs import finish, start
 from tests.conftest import REPO
-from tests.sameness import assert_same_run, assert_same_state, records
+from tests.sameness import assert_same_run, assert_same_state, assert_tier_read_in_place, records
 from tests.zygote import python
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,8 @@ def test_fsdp2_killed_between_root_saves_resumes_from_its_local_tier_exactly(sav
     run_job(tmp_path, *args, "--die", "8", processes=2, expect_signal=signal.SIGKILL)
     run_job(tmp_path, *args, processes=2)
     assert_same_run(tmp_path, saved, ranks=2)
-    assert stats(tmp_path)[0]["restores"][0][0] == "local-s000000006-w2", "the local tier's step 6"
+    assert stats(tmp_path)[0]["restores"][0] == ["local-s000000006-w2", "local"], "the local tier's step 6"
+    assert_tier_read_in_place(tmp_path)
 
 
 def test_a_two_process_fsdp2_checkpoint_continues_on_one_and_three_processes(saved, tmp_path_factory):

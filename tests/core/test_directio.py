@@ -7,10 +7,10 @@ import zlib
 
 import pytest
 
-from air_core.directio import CHUNK_BYTES, DirectFile, copy_file
+from air_core.directio import CHUNK_BYTES, DirectFile, copy_file, in_memory
 
 SIZES = [0, 1, 4095, 4096, CHUNK_BYTES - 1, CHUNK_BYTES, 2 * CHUNK_BYTES + 17]
-FOLDERS = ["tmp", "shm"]  # a disk (O_DIRECT) and tmpfs (which refuses it: the page-cache path)
+FOLDERS = ["tmp", "shm"]  # a disk (O_DIRECT) and tmpfs (written straight into its pages)
 
 
 def _folder(kind: str, tmp_path) -> str:
@@ -52,3 +52,30 @@ def test_copy_holds_exactly_the_source_bytes(size: int, tmp_path):
     src.write_bytes(data)
     copy_file(str(src), str(dst))
     assert dst.read_bytes() == data, f"the copy must hold the source's {size} bytes exactly"
+
+
+def _open_flags(path: str) -> int:
+    """The flags this process opened ``path`` with (its descriptor's ``/proc/self/fdinfo``)."""
+    fd = next(fd for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == path)
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        return next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+
+
+@pytest.mark.parametrize("kind", FOLDERS)
+def test_files_in_memory_are_written_straight_through_and_those_on_disk_around_the_page_cache(kind, tmp_path):
+    folder = _folder(kind, tmp_path)
+    if kind == "tmp" and in_memory(folder):
+        pytest.skip(f"{folder} is in memory here: no disk folder to try O_DIRECT on")
+    assert in_memory(folder) == (kind == "shm"), f"{folder}: /proc/self/mountinfo names its filesystem"
+    path = os.path.realpath(os.path.join(folder, "flags"))
+    try:
+        with DirectFile(path) as f:
+            direct = bool(_open_flags(path) & os.O_DIRECT)
+            f.write(b"x" * 5000)
+            f.finish(fsync=False)
+        assert direct == (kind == "tmp"), "O_DIRECT on a disk; tmpfs pages are the file: no aligned copy"
+        with open(path, "rb") as back:
+            assert back.read() == b"x" * 5000
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)

@@ -121,7 +121,7 @@ def test_a_save_training_waits_for_runs_at_the_trainings_priority_before_its_dea
     priority = WriterPriority(nice=nice, clock=clock)
     priority.begin(WRITER, training_nice=0, nbytes=40 << 30)  # a deadline minutes away
     assert nice.values[WRITER] == BACKGROUND_NICE
-    priority.hurry()  # the local tier's gate waits for it (called from the training thread)
+    priority.finish()  # the local tier's gate waits for it (called from the training thread)
     assert nice.values[WRITER] == 0
     priority.check()
     assert nice.values[WRITER] == 0, "and stays there for the rest of the save"

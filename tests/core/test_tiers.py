@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import zlib
 
@@ -97,37 +98,51 @@ def test_a_copy_between_two_processes_is_committed_only_when_every_crc_matches(t
     assert {(h.saved_rank, h.step, h.kind) for h in found} == {(0, 5, "replica")}
 
 
-def _recover_worker(rank: int, port: int, folder: str) -> None:
+def _recover_worker(rank: int, port: int, folder: str, nodes: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    node = "AB"[rank]
+    node = nodes[rank]
+    blames: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = blames.append  # type: ignore[method-assign]
+    logging.getLogger("air_core.tiers.recover").addHandler(handler)
     resumed = recover(
         os.path.join(folder, node), rank=rank, world_size=2, newer_than=None, group=side_group(60), node=node
     )
     assert resumed is not None
     with AsyncCheckpointer(resumed.root, read_only=True) as reader:
         state = reader.load(reader.latest(), rank=rank)
+    finders = sorted(r.args[-1] for r in blames)  # type: ignore[index]  # "... check on rank <finder>"
     with open(os.path.join(folder, f"resumed-{rank}.json"), "w") as f:
-        json.dump({"step": resumed.step, "w": state["w"][:2].tolist()}, f)
+        json.dump({"step": resumed.step, "w": state["w"][:2].tolist(), "found_by": finders}, f)
     dist.destroy_process_group()
 
 
-def test_a_damaged_part_is_dropped_and_every_rank_agrees_on_the_older_complete_step(tmp_path):
-    for rank, node in enumerate("AB"):  # each "node" holds its rank's own local saves of steps 2 and 4
+@pytest.mark.parametrize(
+    ("nodes", "found_by"),
+    [("AB", [0, 1]), ("NN", [0])],
+    ids=["two-nodes", "one-node"],  # one node: the part is read once, by the node's lowest rank
+)
+def test_a_damaged_part_is_dropped_and_every_rank_agrees_on_the_older_complete_step(
+    tmp_path, nodes, found_by
+):
+    for rank, node in enumerate(nodes):  # each rank's own local saves of steps 2 and 4, on its node
         with AsyncCheckpointer(str(tmp_path / node / f"rank-{rank:05d}")) as ckpt:
             for step in (2, 4):
                 state = {"w": torch.full((1000,), float(10 * rank + step))}
                 ckpt.save_files({f"step-{step}/rank-{rank}.pt": state}, step=step, name=tier_name(step, 2))
-    damaged = tmp_path / "B/rank-00001/step-4/rank-1.pt"  # its own save of step 4: same size, one byte off
+    damaged = tmp_path / nodes[1] / "rank-00001/step-4/rank-1.pt"  # its own save of step 4: one byte off
     data = bytearray(damaged.read_bytes())
     data[-100] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    mp.spawn(_recover_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_recover_worker, args=(free_port(), str(tmp_path), nodes), nprocs=2)
     for rank in (0, 1):
         resumed = json.loads((tmp_path / f"resumed-{rank}.json").read_text())
-        assert resumed == {"step": 2, "w": [10.0 * rank + 2] * 2}, "both ranks resume step 2, loaded whole"
-    assert {(h.saved_rank, h.step) for h in holdings(str(tmp_path / "B"), "B")} == {(1, 2)}, (
-        "the damaged part is no longer offered"
-    )
+        assert resumed["step"] == 2 and resumed["w"] == [10.0 * rank + 2] * 2, "step 2 on both, loaded whole"
+        # Two nodes: the holder checks its own copy and the receiver what arrived; one node: only rank 0.
+        assert resumed["found_by"] == found_by, "the ranks that read the damaged part"
+    assert {(h.saved_rank, h.step) for h in holdings(str(tmp_path / nodes[1]), "x") if h.saved_rank == 1} == {
+        (1, 2)
+    }, "the damaged part is no longer offered"
 
 
 def test_a_remembered_check_serves_the_next_check_of_the_unchanged_file_once(tmp_path):

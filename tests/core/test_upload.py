@@ -51,9 +51,11 @@ def test_a_large_file_goes_up_in_parts_at_most_parts_in_flight_at_once(tmp_path,
     assert sorted(n for k, n in proxy.wire.parts_sent if k == key) == [1, 2, 3, 4, 5, 6]
     assert 1 <= proxy.most_parts_at_once <= upload.PARTS_IN_FLIGHT
     assert proxy.wire.sent[key] == len(data), "each byte sent once"
+    assert proxy.wire.crc32_checked[key] == 6, "every part carried its CRC-32 (the proxy refuses a wrong one)"
     assert storage.read_bytes("ck/big.bin") == data
     assert storage.read_bytes("ck/small.bin") == b"x" * 1000, "a small file is one put"
     assert not [k for k, _ in proxy.wire.parts_sent if k.endswith("small.bin")]
+    assert proxy.wire.crc32_checked[key.replace("big", "small")] == 1
 
 
 def test_parts_go_up_while_the_file_is_still_being_written(tmp_path, s3_root):

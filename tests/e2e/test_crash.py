@@ -44,6 +44,8 @@ def _check_recovery(root: str, staging: str, opts: dict) -> None:
 def test_sigkill_during_save_leaves_previous_checkpoint_newest(tmp_path, phase):
     root, staging = str(tmp_path / "remote"), str(tmp_path / "nvme")
     _run_until_killed(root, staging, phase)
+    if phase == "upload_mid":  # the kill left a temp file of step 2 at the root
+        assert any(".air-tmp-" in f for _, _, files in os.walk(root) for f in files)
     _check_recovery(root, staging, {})
 
 

@@ -1,18 +1,21 @@
 """A fault-injecting, byte-counting HTTP proxy on 127.0.0.1 in front of moto's S3 server.
 
 s3fs talks to the proxy as if it were S3; each request is forwarded to moto unchanged unless a rule
-matches it first. Rules answer what a real object store does on a bad day: throttling (503 SlowDown),
-access denied (403), a latency spike, a connection dropped half way through an upload, or an upload
-that is read and never answered. What passes is counted at the wire (``Wire``), so an accounting that
-misses or double counts a transfer cannot agree with it.
+matches it first, or it carries an ``x-amz-checksum-crc32`` its body does not match: S3 refuses that
+(400 BadDigest) and moto does not check. Rules answer what a real object store does on a bad day:
+throttling (503 SlowDown), access denied (403), a latency spike, a connection dropped half way through
+an upload, or an upload that is read and never answered. What passes is counted at the wire
+(``Wire``), so an accounting that misses or double counts a transfer cannot agree with it.
 """
 
 from __future__ import annotations
 
+import base64
 import http.client
 import re
 import threading
 import time
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +25,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 _ERRORS = {
     503: ("SlowDown", "Please reduce your request rate."),
     403: ("AccessDenied", "Access Denied"),
+    400: ("BadDigest", "The CRC32 you specified did not match the calculated checksum."),
 }
 
 
@@ -53,6 +57,8 @@ class Wire:
     """Each deleted key's size (``DeleteObject``, or a ``DeleteObjects`` batch naming it)."""
     parts_sent: list[tuple[str, int]] = field(default_factory=list)
     """(key, part number) of every part uploaded, in the order they completed."""
+    crc32_checked: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Uploads (puts and parts) per key whose ``x-amz-checksum-crc32`` header the proxy checked."""
     _parts: dict[str, dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
 
     def record(self, method: str, path: str, headers: Any, body: bytes, status: int, data: bytes) -> None:
@@ -181,6 +187,13 @@ class FaultProxy:
             h.connection.shutdown(2)
             return
         body = h.rfile.read(length) if length else b""
+        crc = h.headers.get("x-amz-checksum-crc32")
+        if crc is not None and "aws-chunked" not in h.headers.get("Content-Encoding", ""):
+            if base64.b64decode(crc) != zlib.crc32(body).to_bytes(4, "big"):
+                self._error(h, 400)
+                return
+            with self._lock:
+                self.wire.crc32_checked[unquote(urlsplit(h.path).path.lstrip("/"))] += 1
         if rule is not None:
             if rule.action == "hang":
                 self._stop.wait(rule.seconds or None)

@@ -3,7 +3,7 @@ with ``--fsdp1`` an FSDP1 (``FullyShardedDataParallel``) model under ``AirFSDPSt
 
     python tests/lightning/sharded_job.py WORKDIR [--devices D] [--every K] [--epochs E] [--fsdp1]
         [--kill STEP:PHASE[:RANK]] [--root URL --endpoint URL] [--elastic] [--top-k K] [--save-last] [--full]
-        [--local-every K [--die STEP]]
+        [--local-every K [--die STEP[:NODE]]]
     python tests/lightning/sharded_job.py WORKDIR --stock-resume PATH [--devices D] [--epochs E]
 
 The model, data and records are tests/lightning/job.py's (``ids-rank<R>.jsonl`` per step, rank 0's
@@ -11,6 +11,8 @@ The model, data and records are tests/lightning/job.py's (``ids-rank<R>.jsonl`` 
 ``saved-<step>.pt`` (the full weights at each checkpoint) and ``loaded.pt`` (the full weights right
 after a resume restored them), so a resume at another world size can be checked against the save;
 by every rank, ``restores-rank<R>.json``: the restores its last launch recorded (``[name, source]``).
+Under torchrun's agents (``tests/torchrun_nodes.py``, ``--devices 1``) each start's world size is
+``WORLD_SIZE``: as many nodes, all data parallel; the local tier's folder is named for ``AIR_NODE_NAME``.
 ``--stock-resume`` runs stock Lightning instead (``ModelParallelStrategy``, no air-plugins class):
 ``fit(ckpt_path=PATH)``, saving nothing.
 
@@ -135,7 +137,7 @@ def main() -> None:
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     p.add_argument("--local-every", type=int, default=0, help="AirCallback(local_every_n_steps=...), NEWEST")
-    p.add_argument("--die", default="", help="STEP: every rank SIGKILLed at once before that step, once")
+    p.add_argument("--die", default="", help="STEP[:NODE]: SIGKILL before that step, once (job.py's DieOnce)")
     args = p.parse_args()
     if args.fsdp1 and args.full:
         p.error("--fsdp1 --full: FSDP1's full state dict offloads to the CPU, which crashes on a CPU model")
@@ -153,6 +155,7 @@ def main() -> None:
     plugin.add_listener(Journal(args.workdir))
     if args.kill:
         plugin.add_listener(KillAt.parse(args.kill))
+    world = int(os.environ.get("WORLD_SIZE", args.devices))  # under torchrun's agents, this start's
     if args.fsdp1:
         strategy: pl.strategies.Strategy = CpuFSDPStrategy(
             auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
@@ -160,19 +163,20 @@ def main() -> None:
         )
     else:
         strategy = AirModelParallelStrategy(
-            data_parallel_size=args.devices, tensor_parallel_size=1, save_distributed_checkpoint=not args.full
+            data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=not args.full
         )
     full_options = FULL_FSDP1 if args.fsdp1 else FULL
     air = AirCallback(
         log_every_n_steps=8,
         elastic=args.elastic,
         local_every_n_steps=args.local_every or None,
-        local_dir=os.path.join(args.workdir, "local"),
+        local_dir=os.path.join(args.workdir, "local-" + os.environ.get("AIR_NODE_NAME", "node")),
     )
     trainer = pl.Trainer(
         max_epochs=args.epochs,
         accelerator="cpu",
         devices=args.devices,
+        num_nodes=max(world // args.devices, 1),
         strategy=strategy,
         plugins=[plugin],
         callbacks=[
@@ -186,7 +190,7 @@ def main() -> None:
                 save_last=args.save_last,
             ),
             FullWeights(args.workdir, full_options),
-            *([DieOnce(args.workdir, args.die)] if args.die else []),
+            *([DieOnce(args.workdir, *args.die.split(":"))] if args.die else []),
         ],
         **QUIET,
     )

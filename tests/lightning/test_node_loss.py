@@ -1,4 +1,5 @@
-"""A node lost under torchrun's elastic agents, Lightning DDP: the survivor resumes from the partner copy.
+"""A node lost under torchrun's elastic agents, Lightning DDP and FSDP2: the survivor resumes from the
+partner copy.
 
 Two agents on 127.0.0.1 act as nodes A and B (``tests/torchrun_nodes.py``), one worker each, running
 ``tests/lightning/job.py`` (``Trainer(num_nodes=WORLD_SIZE)``, DDP on gloo) with
@@ -7,7 +8,9 @@ Two agents on 127.0.0.1 act as nodes A and B (``tests/torchrun_nodes.py``), one 
 (step 7's optimizer step waited until every rank's local save of step 6 was committed and copied); A's
 agent re-forms the job at world 1 and the fit resumes from step 6, assembled from A's own local part and
 its copy of B's, not from the root's step 5. Every sample of the interrupted epoch is consumed exactly
-once across the world change.
+once across the world change. The FSDP2 job (``tests/lightning/sharded_job.py`` under
+``AirModelParallelStrategy``) loses B the same way: step 6 is A's own shards, its copy of B's and the
+``.metadata`` merged from both ranks' shares, resharded by DCP onto the one process left.
 """
 
 from __future__ import annotations
@@ -17,19 +20,21 @@ from collections import Counter
 import pytest
 
 from tests.lightning.model import N_SAMPLES
-from tests.sameness import records
+from tests.sameness import assert_tier_read_in_place, records
 from tests.torchrun_nodes import lose_node_b
 
 from .test_crash_resume import JOB
+from .test_sharded import JOB as SHARDED_JOB
 
 pytestmark = pytest.mark.slow
 LOCAL_EVERY, ROOT_EVERY, DIE_BEFORE, RESUMED = 2, 5, 8, 6
 
 
-def test_a_lost_node_resumes_the_fit_from_the_replica_on_the_survivor_each_sample_once(tmp_path):
+@pytest.mark.parametrize("job", [JOB, SHARDED_JOB], ids=["ddp", "fsdp2"])
+def test_a_lost_node_resumes_the_fit_from_the_replica_on_the_survivor_each_sample_once(tmp_path, job):
     args = ("--every", str(ROOT_EVERY), "--local-every", str(LOCAL_EVERY), "--epochs", "2", "--elastic",
-            "--die", f"{DIE_BEFORE}:B")  # fmt: skip
-    log = lose_node_b(JOB, tmp_path, *args)
+            "--devices", "1", "--die", f"{DIE_BEFORE}:B")  # fmt: skip
+    log = lose_node_b(job, tmp_path, *args)
     assert f"resuming from local tier step {RESUMED} (replica)" in log, log[-4000:]
     every = [
         rec
@@ -45,3 +50,4 @@ def test_a_lost_node_resumes_the_fit_from_the_replica_on_the_survivor_each_sampl
     assert Counter(before + rest) == Counter(range(N_SAMPLES)), "every sample of epoch 0 exactly once"
     assert {i for r in later if r["epoch"] == 1 for i in r["ids"]} == set(range(N_SAMPLES)), "epoch 1 whole"
     assert (tmp_path / "final.pt").exists(), "training completed on the survivor"
+    assert_tier_read_in_place(tmp_path)

@@ -23,7 +23,7 @@ from tests.concurrent_jobs import finish, start
 from tests.conftest import REPO
 from tests.lightning.model import N_SAMPLES
 from tests.lightning.test_crash_resume import run_job
-from tests.sameness import assert_same_run, records
+from tests.sameness import assert_same_run, assert_tier_read_in_place, records
 from tests.zygote import python
 
 JOB = os.path.join(REPO, "tests/lightning/sharded_job.py")
@@ -59,6 +59,7 @@ def test_sharded_fit_killed_between_root_saves_resumes_from_the_local_tier_exact
     assert_same_run(tmp_path, reference, ranks=2)
     restores = json.loads((tmp_path / "restores-rank0.json").read_text())
     assert restores[0][0] == "local-s000000006-w2", restores
+    assert_tier_read_in_place(tmp_path)
 
 
 @pytest.mark.slow
