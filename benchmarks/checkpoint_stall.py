@@ -8,6 +8,8 @@ fresh process, under each ``--load`` scenario, and prints one table per scenario
                 air_core, the files fsynced for the others (Lightning's plugin does not fsync: its
                 time is until its write returned);
 - step slowdown: median training-step time while the save runs in the background / idle median;
+- lost s:       what the save cost the training: blocking, plus the time the steps it overlapped
+                took beyond the idle median (a save done sooner at a higher slowdown can cost less);
 - extra MiB:    peak anonymous + shared-memory resident bytes (writer processes included) above
                 the level before the first save; page cache is left out.
 
@@ -329,6 +331,10 @@ def worker(
     extra = mem.stop()
     cleanup()
     during = [t for r in results for t in r[2]]
+    idle_step = statistics.median(idle)
+    # What a save costs the training: its blocking time plus what the steps it overlapped took beyond
+    # an idle step. A save that finishes sooner at a higher slowdown can cost less than a slow one.
+    lost = [blocking + sum(steps) - len(steps) * idle_step for blocking, _, steps in results]
     return {
         "method": method,
         "load": load,
@@ -336,9 +342,10 @@ def worker(
         "repeats": repeats,
         "blocking_seconds": statistics.median(r[0] for r in results),
         "durable_seconds": statistics.median(r[1] for r in results),
-        "idle_step_seconds": statistics.median(idle),
+        "idle_step_seconds": idle_step,
         "steps_during_save": len(during),
-        "step_slowdown": (statistics.median(during) / statistics.median(idle)) if during else None,
+        "step_slowdown": (statistics.median(during) / idle_step) if during else None,
+        "training_lost_seconds": statistics.median(lost),
         "peak_extra_mib": extra / (1 << 20),
         "bytes_per_second": state_bytes / statistics.median(r[1] for r in results),
         "budget_mib": state_bytes / 4 / (1 << 20) if method == "air_budget" else None,
@@ -426,14 +433,16 @@ def print_table(rows: dict[str, dict], load: str = "idle") -> None:
     extra = f", {first['augment_rounds']} augmentation rounds" if first.get("augment_rounds") else ""
     print(f"\nload: {load} ({LOAD_TITLES[load]})")
     print(f"state: {size:.0f} MiB (model + Adam), {os.cpu_count()} CPUs, idle step {idle_ms:.1f} ms{extra}\n")
-    head = f"{'method':32} {'blocking s':>10} {'durable s':>10} {'step slowdown':>14} {'extra MiB':>10}"
+    head = f"{'method':32} {'blocking s':>10} {'durable s':>10} {'step slowdown':>14} {'lost s':>7}"
+    head += f" {'extra MiB':>10}"
     if base:
         head += f" {'blocking/torch.save':>20} {'durable/torch.save':>19}"
     print(head)
     for method, r in rows.items():
         line = (
             f"{LABELS[method]:32} {r['blocking_seconds']:10.3f} {r['durable_seconds']:10.3f} "
-            f"{fmt(r['step_slowdown'], '13.2f', 'x')} {r['peak_extra_mib']:10.0f}"
+            f"{fmt(r['step_slowdown'], '13.2f', 'x')} {r['training_lost_seconds']:7.2f}"
+            f" {r['peak_extra_mib']:10.0f}"
         )
         if base:
             line += (

@@ -23,7 +23,7 @@ the job at world 1, and the log says which tier its resume came from and at whic
 
 The last line with ``--json`` is::
 
-    {"local_every": K, "remote_every": N,
+    {"local_every": K, "remote_every": N, "device_ms": D,
      "remote_only": {"lost_steps_per_failure": x, "goodput": g, ...},
      "two_tier": {"lost_steps_per_failure": x, "goodput": g, "step_slowdown": s,
                   "slowdown_by_local_every": {K: s, 4K: s, 8K: s}, "snapshot_times_apart": {K: a, ...},
@@ -31,6 +31,11 @@ The last line with ``--json`` is::
      "node_loss": {"recovered_from": "replica" or "remote", "lost_steps": n}}
 
 ``--quick`` (a few minutes on 2 cores): 60 steps, N = 20, K = 4, 3 failures, width 512.
+
+Here the training step is CPU work on every core, so whatever CPU the tier spends comes out of the
+training. On a GPU node the host's cores mostly wait for the device. ``--device-ms D`` makes each step
+wait D ms after its backward (a sleep: the cores are free meanwhile), which shows the tier's cost where
+its background work has cores to run on.
 """
 
 from __future__ import annotations
@@ -101,6 +106,8 @@ def worker(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             loss = model(x).pow(2).mean()
             accelerator.backward(loss)
+            if args.device_ms:
+                time.sleep(args.device_ms / 1000)  # the device's share of the step: the host's cores idle
             optimizer.step()
             optimizer.zero_grad()
             step += 1
@@ -166,6 +173,8 @@ def _job_args(args: argparse.Namespace, local_every: int, kill_at: list[int]) ->
         str(args.width),
         "--local-dir",
         args.local_dir,
+        "--device-ms",
+        str(args.device_ms),
         *every,
         *kills,
     ]
@@ -360,6 +369,13 @@ def main() -> None:
     p.add_argument("--remote-every", type=int, default=0)
     p.add_argument("--local-every", type=int, default=0)
     p.add_argument("--failures", type=int, default=0)
+    p.add_argument(
+        "--device-ms",
+        type=float,
+        default=0.0,
+        help="each step also waits this long after its backward, as a GPU job's host waits for the device "
+        "(default 0: the CPU step alone)",
+    )
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else ""
     p.add_argument("--local-dir", default=shm, help="the tier's disk (default /dev/shm; '': beside the root)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
@@ -392,7 +408,9 @@ def main() -> None:
         args.local_dir = tempfile.mkdtemp(prefix="air-goodput-local-", dir=args.local_dir)
     try:
         print(f"{args.steps} steps, width {args.width}, root every {args.remote_every}, local every {k}; "
-              f"failures before steps {kill_at}; node B lost before step {node_at}", flush=True)  # fmt: skip
+              f"failures before steps {kill_at}; node B lost before step {node_at}"
+              + (f"; each step waits {args.device_ms:g} ms for a 'device'" if args.device_ms else ""),
+              flush=True)  # fmt: skip
         sweep = (k, 4 * k, 8 * k)  # the slowdown falls as the local saves grow apart (8K: 10+ snapshots)
         # Two rounds, the configurations taking turns; each keeps its faster run (a busy moment of the host
         # only ever slows a run down).
@@ -447,6 +465,7 @@ def main() -> None:
             summary = {
                 "local_every": k,
                 "remote_every": args.remote_every,
+                "device_ms": args.device_ms,
                 "remote_only": {k_: remote[k_] for k_ in ("lost_steps_per_failure", "goodput")},
                 "two_tier": {k_: two[k_] for k_ in ("lost_steps_per_failure", "goodput", "step_slowdown")}
                 | {"slowdown_by_local_every": slowdown, "snapshot_times_apart": apart}

@@ -106,6 +106,8 @@ class FaultProxy:
         self.upstream = urlsplit(upstream)
         self.rules: list[Rule] = []
         self.log: list[tuple[str, str, str]] = []
+        """``(method, path, what happened)`` of each request: a rule's action, ``bad-digest`` (refused for a
+        body its ``x-amz-checksum-crc32`` does not match) or ``pass``."""
         self.ranges: list[tuple[str, str]] = []
         """``(path, Range header)`` of each ranged GET."""
         self.most_ranges_at_once = 0
@@ -162,7 +164,6 @@ class FaultProxy:
     def _serve(self, h: BaseHTTPRequestHandler) -> None:
         length = int(h.headers.get("Content-Length") or 0)
         rule = self._match(h.command, h.path)
-        self.log.append((h.command, h.path, rule.action if rule else "pass"))
         ranged = h.command == "GET" and "Range" in h.headers
         part = h.command == "PUT" and "partNumber=" in h.path
         with self._lock:
@@ -182,6 +183,7 @@ class FaultProxy:
 
     def _answer(self, h: BaseHTTPRequestHandler, rule: Rule | None, length: int) -> None:
         if rule is not None and rule.action == "drop":  # half the body, then the connection is gone
+            self.log.append((h.command, h.path, rule.action))
             h.rfile.read(length // 2)
             h.close_connection = True
             h.connection.shutdown(2)
@@ -190,10 +192,12 @@ class FaultProxy:
         crc = h.headers.get("x-amz-checksum-crc32")
         if crc is not None and "aws-chunked" not in h.headers.get("Content-Encoding", ""):
             if base64.b64decode(crc) != zlib.crc32(body).to_bytes(4, "big"):
+                self.log.append((h.command, h.path, "bad-digest"))  # refused, whatever rule matched
                 self._error(h, 400)
                 return
             with self._lock:
                 self.wire.crc32_checked[unquote(urlsplit(h.path).path.lstrip("/"))] += 1
+        self.log.append((h.command, h.path, rule.action if rule else "pass"))
         if rule is not None:
             if rule.action == "hang":
                 self._stop.wait(rule.seconds or None)

@@ -71,6 +71,7 @@ def test_transient_s3_faults_are_retried_and_the_save_commits(proxied, tmp_path,
         proxy.add("PUT", "/run/step-000000002/rank-", action, times=times, seconds=seconds)
         ckpt.save(state(2), step=2).result(120)
         assert data_puts(proxy, action) == times
+        assert data_puts(proxy, "bad-digest") == 0, "a retried upload sends its whole body again"
         clean = 1 if action == "delay" else 2  # a delayed upload goes through, late
         assert data_puts(proxy, "pass") == clean, "one clean upload per checkpoint, after the faults"
         assert_newest_loads(ckpt, 2)
