@@ -434,6 +434,12 @@ class AsyncCheckpointer:
         return self._storage
 
     @property
+    def local_dir(self) -> str:
+        """This node's folder of this root: the staging cache, or the spill folder of a root written in
+        place."""
+        return self._dest.cache_dir or self._dest.spill_dir
+
+    @property
     def host_bytes_allocated(self) -> int:
         """Host memory held by the staging buffers now (never above ``host_budget_bytes``)."""
         return self._pool.allocated_bytes

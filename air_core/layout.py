@@ -17,6 +17,9 @@ META_DIR = ".air"
 """Commit records: one folder per checkpoint, plus the lease."""
 EVENTS_DIR = ".air-events"
 """Rank 0's goodput event log, one folder per launch."""
+JOURNAL_DIR = ".air-journal"
+"""In a root's node-local folder (``AsyncCheckpointer.local_dir``): rank 0's journal of each launch's
+goodput log, until the log is all at the root."""
 LEASE_PATH = f"{META_DIR}/lease.json"
 RESERVED_DIRS = (META_DIR, EVENTS_DIR)
 """Folders that stay even when a delete empties them: another rank may be about to write into them."""

@@ -129,7 +129,8 @@ def worker(args: argparse.Namespace) -> None:
                 for r in records.restores
             ],  # fmt: skip
             "blocking": [r.blocking_seconds for r in records.saves if not r.error],
-            "goodput": accelerator.air_goodput.goodput if accelerator.air_goodput is not None else None,
+            "goodput": accelerator.air_goodput.goodput,
+            "goodput_report": accelerator.air_goodput.report(),
         }
         (work / "stats.json").write_text(json.dumps(stats))
 
@@ -154,13 +155,18 @@ def launch(work: Path, args: argparse.Namespace, local_every: int, kill_at: list
     command = [sys.executable, __file__, "--worker", str(work), *_job_args(args, local_every, kill_at)]
     codes = []
     env = {**os.environ, "PYTHONPATH": REPO}
+    work.mkdir(parents=True, exist_ok=True)
     while True:
-        out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
-        codes.append(out.returncode)
-        if out.returncode == 0:
-            return codes
-        if out.returncode != -signal.SIGKILL or len(codes) > len(kill_at) + 1:
-            raise SystemExit(f"the job failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
+        # Relaunched as soon as the process is gone, as an agent that waits for its pid does (a killed
+        # process's loader workers hold pipes open for up to 5 s more, until they see their parent gone).
+        with open(work / f"launch-{len(codes)}.log", "w+") as log:
+            code = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env).wait(1800)
+            codes.append(code)
+            if code == 0:
+                return codes
+            if code != -signal.SIGKILL or len(codes) > len(kill_at) + 1:
+                log.seek(0)
+                raise SystemExit(f"the job failed (rc {code}):\n{log.read()[-4000:]}")
 
 
 def _job_args(args: argparse.Namespace, local_every: int, kill_at: list[int]) -> list[str]:
@@ -225,6 +231,7 @@ def with_failures(args: argparse.Namespace, root: Path, local_every: int, kill_a
         "lost_steps": lost,
         "lost_steps_per_failure": statistics.fmean(lost) if lost else 0.0,
         "goodput": stats["goodput"],
+        "goodput_report": stats["goodput_report"],
         "wall_seconds": wall,
         "restore_seconds": {tier: statistics.fmean(s) for tier, s in by_tier.items()},
     }
@@ -439,6 +446,7 @@ def main() -> None:
                 f"(mean {r['lost_steps_per_failure']:.1f}); goodput {r['goodput']:.3f}; restore s by tier "
                 f"{tiers}; mean step {r['mean_step_seconds'] * 1e3:.1f} ms"
             )
+            print("  " + r["goodput_report"].replace("\n", "\n  "))
         for every in sweep:
             print(
                 f"local tier every {every} steps ({args.clean_steps} steps, {step * 1e3:.1f} ms each without "

@@ -5,9 +5,13 @@ Rank 0 of every launch writes one log under ``<root>/.air-events/<launch>/``: a 
 per training step (end time, duration, data wait), one ``save`` event per checkpoint (blocking seconds,
 committed or not) and an ``end`` event. Object stores cannot append, so the log is written as numbered
 segments, each a new file with the events since the previous one: a background thread uploads one
-every ``flush_every_seconds``, after each commit and at ``close``. A crash loses the events since the
-last segment; the time they covered then counts as "other". A rank the hang watchdog stops (any rank)
-leaves a ``hang`` record beside the logs (``air_core.health.watchdog``), read into its launch's events.
+at the start, every ``flush_every_seconds``, after each commit and at ``close``. Every event is also
+appended to a node-local journal (``Journal``: a write per event, no fsync; a killed process's writes
+survive in the page cache). The next launch whose rank 0 runs on that node puts a dead launch's journal
+beside its segments, and it is read instead of them, so a process failure loses no event. A node lost
+with rank 0 loses the events since the last segment; the time they covered then counts as "other". A
+rank the hang watchdog stops (any rank) leaves a ``hang`` record beside the logs
+(``air_core.health.watchdog``), read into its launch's events.
 
 ``analyze`` reads every launch's events and splits the wall time from the first start to the last
 event into productive step time and what was lost: checkpoint stalls, data waits, start-up (process
@@ -20,6 +24,9 @@ exit) and the rest (time between launches, evaluation, teardown). goodput = prod
 from __future__ import annotations
 
 import bisect
+import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -33,6 +40,9 @@ from ..layout import EVENTS_DIR, is_hang_record
 from ..storage import Storage
 
 logger = logging.getLogger(__name__)
+JOURNAL = "rank-00000-journal.jsonl"
+"""A launch's whole log, put at the root from its node-local journal after the launch died (read instead
+of the launch's segments)."""
 
 
 def process_start_time() -> float:
@@ -53,14 +63,23 @@ class GoodputLog:
         storage: the checkpoint root.
         launch_id: this launch's id (the log's folder starts with the start time, so folders sort).
         flush_every_seconds: how often a segment is written.
+        journal_dir: a node-local folder of this root for the journal (None: no journal). The dead
+            launches' journals found there are put at the root.
     """
 
     def __init__(
-        self, storage: Storage, launch_id: str, *, world_size: int = 1, flush_every_seconds: float = 10.0
+        self,
+        storage: Storage,
+        launch_id: str,
+        *,
+        world_size: int = 1,
+        flush_every_seconds: float = 10.0,
+        journal_dir: str | None = None,
     ) -> None:
         self._storage = storage
         started = process_start_time()
-        self._dir = f"{EVENTS_DIR}/{time.strftime('%Y%m%dT%H%M%S', time.gmtime(started))}-{launch_id[:8]}"
+        self._name = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(started))}-{launch_id[:8]}"
+        self._dir = f"{EVENTS_DIR}/{self._name}"
         self._lock = threading.Lock()
         self._buffer: list[str] = []
         self._segment = 0
@@ -68,6 +87,7 @@ class GoodputLog:
         self._closing = threading.Event()
         self._wake = threading.Event()
         self._warned = False
+        self._journal = Journal.start(journal_dir, self._name) if journal_dir else None
         self._append({"e": "start", "t": started, "launch": launch_id, "world": world_size})
         self._thread = threading.Thread(target=self._run, name="air-goodput", daemon=True)
         self._thread.start()
@@ -80,6 +100,8 @@ class GoodputLog:
         line = json.dumps(event, separators=(",", ":"))
         with self._lock:
             self._buffer.append(line)
+            if self._journal is not None and not self._journal.append(line):
+                self._journal = None
 
     def step(self, step: int, seconds: float, fetch_seconds: float, samples: int = 0) -> None:
         """Rank 0's step ``step``: its end, duration, data wait and the samples rank 0 fetched for it."""
@@ -128,18 +150,27 @@ class GoodputLog:
         """This rank hung (``air_core.health.watchdog``, which then ends the process): write the log up to
         the ``hang`` event now (bounded); the log takes nothing after it."""
         self._append(event)
-        self._closing.set()
-        self._wake.set()
-        self._thread.join(timeout_seconds)
+        self._finish(timeout_seconds)
 
     def close(self, timeout_seconds: float = 30.0) -> None:
         """Write the ``end`` event and the last segment (bounded)."""
         self._append({"e": "end", "t": time.time()})
+        self._finish(timeout_seconds)
+
+    def _finish(self, timeout_seconds: float) -> None:
         self._closing.set()
         self._wake.set()
         self._thread.join(timeout_seconds)
+        with self._lock:
+            journal, self._journal = self._journal, None
+            written = not self._buffer and not self._thread.is_alive()
+        if journal is not None:
+            journal.close(remove=written)  # else the next launch on this node puts it at the root
 
     def _run(self) -> None:
+        self._flush()  # the start: every launch that opened its root is in the log at once
+        if self._journal is not None:
+            put_journals(self._storage, os.path.dirname(self._journal.path), self._journal.path)
         while True:
             self._wake.wait(self._every)
             self._wake.clear()
@@ -167,13 +198,89 @@ class GoodputLog:
                 )
 
 
+class Journal:
+    """Rank 0's node-local copy of its launch's log: every event appended as it happens, locked while the
+    launch lives, removed once the log is all at the root (``GoodputLog``)."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path, self._fd = path, fd
+
+    @classmethod
+    def start(cls, folder: str, name: str) -> Journal | None:
+        """The journal of launch ``name`` in ``folder`` (None, logged, where it cannot be written)."""
+        path = os.path.join(folder, f"{name}.jsonl")
+        fd = -1
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
+            # A POSIX lock: released when this process dies, and not held by its forks (loader workers).
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
+            logger.warning(
+                "goodput log: no journal at %s (%s): a killed launch loses its last events", path, exc
+            )
+            return None
+        return cls(path, fd)
+
+    def append(self, line: str) -> bool:
+        """Append one event; False (the journal removed, logged) where the write failed: a journal with a
+        gap would be read instead of the segments."""
+        try:
+            os.write(self._fd, (line + "\n").encode())
+            return True
+        except OSError as exc:
+            logger.warning("goodput log: the journal %s stopped (%s)", self.path, exc)
+            self.close(remove=True)
+            return False
+
+    def close(self, *, remove: bool) -> None:
+        if remove:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        os.close(self._fd)
+
+
+def put_journals(storage: Storage, folder: str, own: str) -> None:
+    """Put at the root the journal of every dead launch of this root in ``folder`` (this node's), as its
+    launch's ``JOURNAL``, and remove it. A journal still locked is a live launch's; one whose launch has
+    no segment at the root is not this root's (the root was removed since) and is dropped."""
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".jsonl"))
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        if path == own:
+            continue
+        try:
+            with open(path, "r+b") as f:
+                try:
+                    fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as exc:
+                    if exc.errno in (errno.EACCES, errno.EAGAIN):
+                        continue  # a live launch's
+                    raise
+                launch = f"{EVENTS_DIR}/{name.removesuffix('.jsonl')}"
+                if storage.sizes(launch):
+                    storage.write_bytes(f"{launch}/{JOURNAL}", f.read())
+                    logger.info("goodput log: put %s's events from this node's journal", launch)
+                os.unlink(path)
+        except Exception as exc:  # the next launch tries again
+            logger.warning("goodput log: could not put the journal %s at the root: %s", path, exc)
+
+
 def read_events(storage: Storage) -> list[list[dict[str, Any]]]:
     """Every launch's events, launches in start order, each launch's events in order."""
     sizes = storage.sizes(EVENTS_DIR)
     files = sorted(p for p in sizes if p.endswith(".jsonl"))
+    journaled = {p.rsplit("/", 1)[0] for p in files if p.endswith(f"/{JOURNAL}")}
     launches: dict[str, list[dict[str, Any]]] = {}
     for path in files:
         folder = path.rsplit("/", 1)[0]
+        if folder in journaled and not path.endswith(f"/{JOURNAL}"):
+            continue  # the journal holds every event of the launch, these too
         for line in storage.read_bytes(path).decode().splitlines():
             if line.strip():
                 launches.setdefault(folder, []).append(json.loads(line))
@@ -284,12 +391,8 @@ def per_launch(launches: list[list[dict[str, Any]]]) -> list[LaunchTime]:
     for i, events in enumerate(launches):
         start = next(e for e in events if e["e"] == "start")
         steps = [e for e in events if e["e"] == "step"]
-        # The steps this launch ran beyond the checkpoint the next launch restored were done again.
-        resumed = (
-            next((e["s"] for e in launches[i + 1] if e["e"] == "restore"), 0)
-            if i + 1 < len(launches)
-            else None
-        )
+        # The steps this launch ran beyond the checkpoint the next launch resumed from were done again.
+        resumed = _resumed_from(launches[i + 1 :])
         redone = {e["s"] for e in steps if resumed is not None and e["s"] > resumed}
         blocking = {e["s"]: e["blocking"] for e in events if e["e"] == "save"}
         t: dict[str, Any] = {"world": start.get("world", 1)}
@@ -330,6 +433,20 @@ def per_launch(launches: list[list[dict[str, Any]]]) -> list[LaunchTime]:
             )
         )
     return out
+
+
+def _resumed_from(later: list[list[dict[str, Any]]]) -> int | None:
+    """The step the first of ``later`` launches that got that far resumed from: its restore, else the step
+    before its first (a launch whose restore event was lost with its node; 0: a fresh start). None: none
+    did."""
+    for events in later:
+        restored = next((e["s"] for e in events if e["e"] == "restore"), None)
+        if restored is not None:
+            return restored
+        first = next((e["s"] for e in events if e["e"] == "step"), None)
+        if first is not None:
+            return first - 1
+    return None
 
 
 def analyze(launches: list[list[dict[str, Any]]]) -> Goodput:

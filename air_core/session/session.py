@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -34,7 +35,7 @@ from ..errors import AirError, ConfigError
 from ..events import Listener
 from ..health.preflight import PreflightReport
 from ..health.stragglers import Stragglers
-from ..layout import rank_state_path
+from ..layout import JOURNAL_DIR, rank_state_path
 from ..snapshot import stepped_tensors
 from ..storage import Storage, location
 from ..tiers import LocalTier, Resume, job_folder, recover
@@ -210,7 +211,12 @@ class TrainingSession:
         if self._ckpt is None:
             self._ckpt = self._checkpointer(root)
             if self.rank == 0 and self._measure and self._goodput_log is None:
-                self._goodput_log = GoodputLog(self._ckpt.storage, self.launch_id, world_size=self.world_size)
+                self._goodput_log = GoodputLog(
+                    self._ckpt.storage,
+                    self.launch_id,
+                    world_size=self.world_size,
+                    journal_dir=os.path.join(self._ckpt.local_dir, JOURNAL_DIR),
+                )
                 self.records.goodput = self._goodput_log
                 report = self.health.report
                 if report is not None:  # it ran before the root was opened: log it now

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
 import time
 
 import pytest
@@ -10,6 +14,8 @@ from air_core import RestoreRecord, SaveRecord
 from air_core.session import GoodputLog, goodput_of
 from air_core.session.goodput import analyze, read_events
 from air_core.storage import Storage
+from tests.conftest import REPO
+from tests.zygote import python
 
 
 def _launch(
@@ -76,3 +82,70 @@ def test_the_log_survives_as_segments_and_reads_back_in_order(tmp_path):
     segments = [p for p in storage.sizes(".air-events") if p.endswith(".jsonl")]
     assert len(segments) >= 2, "the commit flushed a segment before close wrote the last one"
     assert goodput_of(storage).steps == 2
+
+
+_KILLED_LAUNCH = """
+import os, signal, sys, time
+from air_core.session import GoodputLog
+from air_core.storage import Storage
+root, journal, stay = sys.argv[1], sys.argv[2], sys.argv[3] == "stay"
+storage = Storage(root, storage_options={}, retries=0, retry_backoff_seconds=0.0)
+log = GoodputLog(storage, sys.argv[4] * 32, flush_every_seconds=600, journal_dir=journal)
+while not storage.sizes(".air-events"):  # the start is written at once
+    time.sleep(0.01)
+for s in range(1, 6):
+    log.step(s, 0.5, 0.1)
+print("ready", flush=True)
+if stay:
+    time.sleep(600)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _killed_launch(root, journal, letter: str, *, stay: bool = False) -> subprocess.Popen:
+    argv = [python(), "-c", _KILLED_LAUNCH, str(root), str(journal), "stay" if stay else "die", letter]
+    p = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    return p
+
+
+def test_a_killed_launch_s_events_come_back_from_its_node_local_journal(tmp_path):
+    storage = Storage(str(tmp_path / "root"), storage_options={}, retries=0, retry_backoff_seconds=0.0)
+    journal = tmp_path / "node-local"
+    killed = _killed_launch(tmp_path / "root", journal, "a")
+    assert killed.wait(60) == -signal.SIGKILL
+    (events,) = read_events(storage)
+    assert [e["e"] for e in events] == ["start"], "no segment after the start: the steps died with it"
+    live = _killed_launch(tmp_path / "root", journal, "b", stay=True)  # a launch still running
+    try:
+        log = GoodputLog(storage, "c" * 32, flush_every_seconds=600, journal_dir=str(journal))
+        log.step(6, 0.5, 0.1)
+        log.close()
+        launches = {events[0]["launch"][0]: [e["e"] for e in events] for events in read_events(storage)}
+        assert launches == {
+            "a": ["start", "step", "step", "step", "step", "step"],  # from the dead launch's journal
+            "b": ["start"],  # the live launch's segments so far: its journal is left to it
+            "c": ["start", "step", "end"],
+        }
+        assert [name[-7:] for name in os.listdir(journal)] == ["b.jsonl"], (
+            "the dead launch's journal was put at the root and removed, the closed one removed"
+        )
+        assert goodput_of(storage).steps == 6
+    finally:
+        live.kill()
+        live.wait()
+    # The root removed (a new run under the same root): an old launch's journal is not this run's.
+    shutil.rmtree(tmp_path / "root")
+    log = GoodputLog(storage, "d" * 32, flush_every_seconds=600, journal_dir=str(journal))
+    log.close()
+    assert len(read_events(storage)) == 1 and os.listdir(journal) == []
+
+
+def test_a_launch_whose_restore_event_was_lost_resumed_from_the_step_before_its_first():
+    first = _launch(0.0, [(s, 10.0 + s, 1.0, 0.0) for s in range(1, 31)])  # steps 1-30, then killed
+    died = [{"e": "start", "t": 50.0, "launch": "y"}]  # killed before its first step: says nothing
+    # Its node was lost with the restore event (steps 21-30 were done again).
+    last = _launch(60.0, [(s, 60.0 + s, 1.0, 0.0) for s in range(21, 41)])
+    g = analyze([first, died, last])
+    assert (g.launches, g.recomputed_steps, g.recomputed) == (3, 10, 10.0)
+    assert analyze([first]).recomputed_steps == 0, "no later launch: nothing known to be redone"
