@@ -170,7 +170,7 @@ class GoodputLog:
     def _run(self) -> None:
         self._flush()  # the start: every launch that opened its root is in the log at once
         if self._journal is not None:
-            put_journals(self._storage, os.path.dirname(self._journal.path), self._journal.path)
+            put_journals(self._storage, os.path.dirname(self._journal.path))
         while True:
             self._wake.wait(self._every)
             self._wake.clear()
@@ -202,8 +202,12 @@ class Journal:
     """Rank 0's node-local copy of its launch's log: every event appended as it happens, locked while the
     launch lives, removed once the log is all at the root (``GoodputLog``)."""
 
+    _live: set[str] = set()
+    """This process's open journals (a POSIX lock does not keep out the process that holds it)."""
+
     def __init__(self, path: str, fd: int) -> None:
         self.path, self._fd = path, fd
+        Journal._live.add(path)
 
     @classmethod
     def start(cls, folder: str, name: str) -> Journal | None:
@@ -236,13 +240,14 @@ class Journal:
             return False
 
     def close(self, *, remove: bool) -> None:
+        Journal._live.discard(self.path)
         if remove:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
         os.close(self._fd)
 
 
-def put_journals(storage: Storage, folder: str, own: str) -> None:
+def put_journals(storage: Storage, folder: str) -> None:
     """Put at the root the journal of every dead launch of this root in ``folder`` (this node's), as its
     launch's ``JOURNAL``, and remove it. A journal still locked is a live launch's; one whose launch has
     no segment at the root is not this root's (the root was removed since) and is dropped."""
@@ -252,7 +257,7 @@ def put_journals(storage: Storage, folder: str, own: str) -> None:
         return
     for name in names:
         path = os.path.join(folder, name)
-        if path == own:
+        if path in Journal._live:
             continue
         try:
             with open(path, "r+b") as f:
