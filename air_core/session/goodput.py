@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -211,7 +210,12 @@ class Journal:
 
     @classmethod
     def start(cls, folder: str, name: str) -> Journal | None:
-        """The journal of launch ``name`` in ``folder`` (None, logged, where it cannot be written)."""
+        """The journal of launch ``name`` in ``folder`` (None, logged, where it cannot be written; None on
+        a system without POSIX locks)."""
+        try:
+            import fcntl
+        except ImportError:
+            return None
         path = os.path.join(folder, f"{name}.jsonl")
         fd = -1
         try:
@@ -251,6 +255,8 @@ def put_journals(storage: Storage, folder: str) -> None:
     """Put at the root the journal of every dead launch of this root in ``folder`` (this node's), as its
     launch's ``JOURNAL``, and remove it. A journal still locked is a live launch's; one whose launch has
     no segment at the root is not this root's (the root was removed since) and is dropped."""
+    import fcntl  # journals exist only where ``Journal.start`` could import it
+
     try:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".jsonl"))
     except OSError:
