@@ -387,14 +387,19 @@ def _continued_epoch_is_resumable() -> Any:
     """Lightning warns, at a resume mid-epoch, that a loader without ``state_dict`` cannot continue its
     epoch ("...your dataloader is not resumable..."), as its epoch loop starts, before the first batch.
     The tracked loader does continue it exactly, so that warning is false here: it is filtered until
-    the first batch (any other warning, and this one in any other fit, still shows)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore",
-            message="You're resuming from a checkpoint that ended before the epoch ended",
-            category=PossibleUserWarning,
-        )
+    the first batch (any other warning, and this one in any other fit, still shows). Only that filter is
+    removed then: ``catch_warnings`` would also undo the filters the user's hooks added meanwhile."""
+    warnings.filterwarnings(
+        "ignore",
+        message="You're resuming from a checkpoint that ended before the epoch ended",
+        category=PossibleUserWarning,
+    )
+    ours = warnings.filters[0]
+    try:
         yield
+    finally:
+        with contextlib.suppress(ValueError):  # the user reset the filters meanwhile
+            warnings.filters.remove(ours)
 
 
 def _check_nothing_swaps_weights(trainer: pl.Trainer) -> None:

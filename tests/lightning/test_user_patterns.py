@@ -8,6 +8,7 @@ import logging
 import os
 import pickle
 import signal
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -15,9 +16,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from air_core import CorruptCheckpointError
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
+from lightning_air.callback import _continued_epoch_is_resumable
 
 
 def _trainer(root, plugin, callbacks=(), **kw) -> pl.Trainer:
@@ -325,3 +328,18 @@ def test_a_fit_leaves_the_sigterm_handler_it_found_even_when_it_fails(tmp_path, 
         assert signal.getsignal(signal.SIGTERM) is mine, "the fit did not put the user's SIGTERM handler back"
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_warning_filter_a_hook_adds_while_a_resume_filters_lightnings_warning_stays():
+    """A resume mid-epoch filters Lightning's "not resumable" warning until the first batch; a filter the
+    user's own ``on_train_start`` adds meanwhile is the user's, and stays."""
+    false_alarm = PossibleUserWarning("You're resuming from a checkpoint that ended before the epoch ended.")
+    with warnings.catch_warnings():  # the test's own filters go at its end
+        warnings.simplefilter("error")
+        with _continued_epoch_is_resumable():
+            warnings.warn(false_alarm, stacklevel=1)  # filtered: no error
+            warnings.filterwarnings("ignore", message="the user's own")
+            users = warnings.filters[0]
+        assert users in warnings.filters, "the user's filter was undone"
+        with pytest.raises(PossibleUserWarning):
+            warnings.warn(false_alarm, stacklevel=1)
