@@ -399,7 +399,7 @@ def _continued_epoch_is_resumable() -> Any:
         yield
     finally:
         with contextlib.suppress(ValueError):  # the user reset the filters meanwhile
-            warnings.filters.remove(ours)
+            warnings.filters.remove(ours)  # type: ignore[attr-defined]  # typeshed: a Sequence; it is a list
 
 
 def _check_nothing_swaps_weights(trainer: pl.Trainer) -> None:
