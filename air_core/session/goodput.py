@@ -168,13 +168,15 @@ class GoodputLog:
 
     def _run(self) -> None:
         self._flush()  # the start: every launch that opened its root is in the log at once
-        if self._journal is not None:
-            put_journals(self._storage, os.path.dirname(self._journal.path))
+        folder = os.path.dirname(self._journal.path) if self._journal is not None else None
+        locked = put_journals(self._storage, folder) if folder else 0
         while True:
             self._wake.wait(self._every)
             self._wake.clear()
             closing = self._closing.is_set()
             self._flush()
+            if locked and folder:  # a launch still ending (its lock goes when its process is gone)
+                locked = put_journals(self._storage, folder)
             if closing:
                 return
 
@@ -251,16 +253,18 @@ class Journal:
         os.close(self._fd)
 
 
-def put_journals(storage: Storage, folder: str) -> None:
+def put_journals(storage: Storage, folder: str) -> int:
     """Put at the root the journal of every dead launch of this root in ``folder`` (this node's), as its
-    launch's ``JOURNAL``, and remove it. A journal still locked is a live launch's; one whose launch has
-    no segment at the root is not this root's (the root was removed since) and is dropped."""
+    launch's ``JOURNAL``, and remove it; return how many are still locked (a live launch's, or one whose
+    process is still exiting). One whose launch has no segment at the root is not this root's (the root
+    was removed since) and is dropped."""
     import fcntl  # journals exist only where ``Journal.start`` could import it
 
     try:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".jsonl"))
     except OSError:
-        return
+        return 0
+    locked = 0
     for name in names:
         path = os.path.join(folder, name)
         if path in Journal._live:
@@ -271,7 +275,8 @@ def put_journals(storage: Storage, folder: str) -> None:
                     fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError as exc:
                     if exc.errno in (errno.EACCES, errno.EAGAIN):
-                        continue  # a live launch's
+                        locked += 1
+                        continue
                     raise
                 launch = f"{EVENTS_DIR}/{name.removesuffix('.jsonl')}"
                 if storage.sizes(launch):
@@ -280,6 +285,7 @@ def put_journals(storage: Storage, folder: str) -> None:
                 os.unlink(path)
         except Exception as exc:  # the next launch tries again
             logger.warning("goodput log: could not put the journal %s at the root: %s", path, exc)
+    return locked
 
 
 def read_events(storage: Storage) -> list[list[dict[str, Any]]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -114,6 +115,8 @@ def test_a_killed_launch_s_events_come_back_from_its_node_local_journal(tmp_path
     journal = tmp_path / "node-local"
     killed = _killed_launch(tmp_path / "root", journal, "a")
     assert killed.wait(60) == -signal.SIGKILL
+    (dead,) = journal.iterdir()
+    _wait_unlocked(dead)  # the launcher may return before the child's exit has closed every file
     (events,) = read_events(storage)
     assert [e["e"] for e in events] == ["start"], "no segment after the start: the steps died with it"
     live = _killed_launch(tmp_path / "root", journal, "b", stay=True)  # a launch still running
@@ -139,6 +142,18 @@ def test_a_killed_launch_s_events_come_back_from_its_node_local_journal(tmp_path
     log = GoodputLog(storage, "d" * 32, flush_every_seconds=600, journal_dir=str(journal))
     log.close()
     assert len(read_events(storage)) == 1 and os.listdir(journal) == []
+
+
+def _wait_unlocked(path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    with open(path, "r+b") as f:
+        while True:
+            try:
+                fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return  # closing the file releases it
+            except OSError:
+                assert time.monotonic() < deadline, f"{path} still locked after {timeout} s"
+                time.sleep(0.05)
 
 
 def test_a_launch_whose_restore_event_was_lost_resumed_from_the_step_before_its_first():
