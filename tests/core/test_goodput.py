@@ -92,7 +92,7 @@ from air_core.storage import Storage
 root, journal, stay = sys.argv[1], sys.argv[2], sys.argv[3] == "stay"
 storage = Storage(root, storage_options={}, retries=0, retry_backoff_seconds=0.0)
 log = GoodputLog(storage, sys.argv[4] * 32, flush_every_seconds=600, journal_dir=journal)
-while not storage.sizes(".air-events"):  # the start is written at once
+while not any(f"-{sys.argv[4] * 8}/" in p for p in storage.sizes(".air-events")):  # written at once
     time.sleep(0.01)
 for s in range(1, 6):
     log.step(s, 0.5, 0.1)
@@ -137,6 +137,8 @@ def test_a_killed_launch_s_events_come_back_from_its_node_local_journal(tmp_path
     finally:
         live.kill()
         live.wait()
+    (ended,) = journal.iterdir()
+    _wait_unlocked(ended)
     # The root removed (a new run under the same root): an old launch's journal is not this run's.
     shutil.rmtree(tmp_path / "root")
     log = GoodputLog(storage, "d" * 32, flush_every_seconds=600, journal_dir=str(journal))
