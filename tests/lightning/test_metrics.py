@@ -32,6 +32,12 @@ def test_metrics_land_in_the_mlflow_loggers_run_and_a_resumed_fit_continues_it(t
     assert _steps(client, run_id, "restore_seconds") == [5]
     metrics = client.get_run(run_id).data.metrics
     assert metrics["goodput_launches"] == 2 and 0 < metrics["goodput"] < 1
+    # The killed launch's journal (the relaunch ran on its node) holds every step it ran: 6-10 at least.
+    (lost,) = client.get_metric_history(run_id, "restore_lost_steps")
+    assert lost.step == 5 and lost.value >= 5, (
+        "the steps the restore lost, from the killed launch's whole log"
+    )
+    assert metrics["goodput_recomputed_steps"] == lost.value
 
 
 def test_without_a_logger_a_new_run_is_made_at_the_tracking_uri(tmp_path, mlflow_server):
