@@ -388,18 +388,25 @@ def _continued_epoch_is_resumable() -> Any:
     epoch ("...your dataloader is not resumable..."), as its epoch loop starts, before the first batch.
     The tracked loader does continue it exactly, so that warning is false here: it is filtered until
     the first batch (any other warning, and this one in any other fit, still shows). Only that filter is
-    removed then: ``catch_warnings`` would also undo the filters the user's hooks added meanwhile."""
+    removed then: ``catch_warnings`` would also undo the filters the user's hooks added meanwhile. A
+    user's own identical filter is left where it was."""
+    filters: list[Any] = warnings.filters  # type: ignore[assignment]  # typeshed: a Sequence; it is a list
+    before = list(filters)
     warnings.filterwarnings(
         "ignore",
         message="You're resuming from a checkpoint that ended before the epoch ended",
         category=PossibleUserWarning,
     )
-    ours = warnings.filters[0]
+    ours = filters[0]
+    if ours in before:  # filterwarnings moved the user's to the front: put the list back as it was
+        filters[:] = before
+        yield
+        return
     try:
         yield
     finally:
         with contextlib.suppress(ValueError):  # the user reset the filters meanwhile
-            warnings.filters.remove(ours)  # type: ignore[attr-defined]  # typeshed: a Sequence; it is a list
+            filters.remove(ours)
 
 
 def _check_nothing_swaps_weights(trainer: pl.Trainer) -> None:

@@ -343,3 +343,14 @@ def test_a_warning_filter_a_hook_adds_while_a_resume_filters_lightnings_warning_
         assert users in warnings.filters, "the user's filter was undone"
         with pytest.raises(PossibleUserWarning):
             warnings.warn(false_alarm, stacklevel=1)
+
+
+def test_a_users_own_filter_of_lightnings_resume_warning_outlives_the_resume():
+    message = "You're resuming from a checkpoint that ended before the epoch ended"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=message, category=PossibleUserWarning)
+        warnings.filterwarnings("ignore", message="another of the user's")
+        before = list(warnings.filters)
+        with _continued_epoch_is_resumable():
+            pass
+        assert warnings.filters == before, "the user's filters, in their order"
