@@ -34,15 +34,12 @@ from air_core import (
 from air_core.config import settings_of
 from air_core.session import Owner, Place, TrainingSession, entry_of, safe_name
 from air_core.session import split as split_place
-from air_core.tiers import Resume
+from air_core.tiers import NEWEST, Resume
 
 logger = logging.getLogger(__name__)
 
 AIR_KEY = "air"
 """Key of the plugin's entry in a Lightning checkpoint dict: {"name": ..., "rank_state": ...}."""
-NEWEST = "air:newest"
-"""``Trainer.fit(ckpt_path=NEWEST)``: resume from the newest complete state in any tier (``AirCallback``'s
-local tier, a partner's copy, or ``ModelCheckpoint.dirpath``), or start fresh when there is none."""
 _NEVER_BY_COUNT = 1 << 30  # ModelCheckpoint decides retention; the core only cleans partial saves
 
 

@@ -1,5 +1,6 @@
 """Two or more "nodes" on 127.0.0.1 for node-loss tests: each a torchrun elastic agent (c10d rendezvous,
-``--nnodes 1:N``, ``--max-restarts``) with its own name (``AIR_NODE_NAME``) and node-local folder.
+``--nnodes 1:N``, or ``N:N`` for a job that waits for a replacement node; ``--max-restarts``) with its own
+name (``AIR_NODE_NAME``) and node-local folder.
 
 The first agent started hosts the rendezvous store, so tests lose a later one. A lost node is dropped
 from the rendezvous after 3 missed keep-alives of 1 s. torchrun starts its
@@ -26,15 +27,23 @@ def free_port() -> int:
 
 
 def agent(
-    name: str, port: int, script: str, *args: str, workdir: Path, max_nodes: int = 2, restarts: int = 3
+    name: str,
+    port: int,
+    script: str,
+    *args: str,
+    workdir: Path,
+    min_nodes: int = 1,
+    max_nodes: int = 2,
+    restarts: int = 3,
 ) -> subprocess.Popen:
-    """Start node ``name``'s agent running ``script`` (one worker) in the rendezvous at ``port``."""
+    """Start node ``name``'s agent running ``script`` (one worker) in the rendezvous at ``port``; the job
+    runs on ``min_nodes`` to ``max_nodes`` nodes (a job of fixed size waits for a replacement node)."""
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nnodes",
-        f"1:{max_nodes}",
+        f"{min_nodes}:{max_nodes}",
         "--nproc-per-node",
         "1",
         "--rdzv-backend",
@@ -54,8 +63,10 @@ def agent(
         script,
         *args,
     ]
+    # One intra-op thread per worker, as torchrun gives several workers of one host: the "nodes" share its
+    # cores, and a run's float sums then match a reference run launched with --nproc-per-node 2.
     env = {**os.environ, "PYTHONPATH": REPO, "AIR_NODE_NAME": name, "ACCELERATE_USE_CPU": "true",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
     log = open(workdir / f"agent-{name}.log", "w")  # noqa: SIM115  # closed with the process
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 

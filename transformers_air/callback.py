@@ -25,6 +25,7 @@ from transformers.trainer_utils import SaveStrategy
 from air_core import AsyncCheckpointer, CheckpointerConfig, ConfigError, Listener
 from air_core.config import settings_of
 from air_core.session import Owner, Place, SessionConfig, TrainingSession
+from air_core.session.session import LocalPart
 from air_core.storage import location
 
 from .internals import MLFLOW_LOG_ARTIFACTS
@@ -38,7 +39,7 @@ from .layout import (
     trainer_state_bytes,
     update_callback_states,
 )
-from .resume import checkpoint_url, fetched, rank_states
+from .resume import checkpoint_url, fetch_folder, fetched, latest_checkpoint, rank_states
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -64,6 +65,14 @@ class AirTrainerCallback(TrainerCallback):
         mlflow: send ``fetch_seconds``, checkpoint latency and goodput to MLflow (process 0, background
             thread): into transformers' ``MLflowCallback`` run when ``report_to`` has it, else the active
             run, else a new run. None: when MLflow is installed.
+        local_every_n_steps: also checkpoint every this many optimizer steps to ``local_dir`` on this node
+            (the files a save writes, not uploaded; ``save_steps`` checkpoints at the root are unchanged),
+            copied to ``replication_factor - 1`` processes of other nodes before the next optimizer step
+            (at most this many steps lost). ``train(resume_from_checkpoint=True)`` then continues from the
+            newest step every process's state exists for, here, on a partner or at the root. None: off.
+        local_dir: that node-local folder (NVMe or ``/dev/shm``).
+        replication_factor: copies of each process's local checkpoint, its own included (2: one partner
+            on another node, so a lost node's state survives).
 
     Raises:
         ConfigError: a setting is invalid (named, with the fix), before anything runs.
@@ -92,6 +101,9 @@ class AirTrainerCallback(TrainerCallback):
         hang_watchdog: bool | None = None,
         hang_timeout_seconds: float | None = None,
         hang_floor_seconds: float = 300.0,
+        local_every_n_steps: int | None = None,
+        local_dir: str | None = None,
+        replication_factor: int = 2,
     ) -> None:
         if root is not None and (not isinstance(root, str) or not root.strip()):
             raise ConfigError(
@@ -147,9 +159,8 @@ class AirTrainerCallback(TrainerCallback):
         """The checkpoint root: ``root``, else ``args.output_dir``."""
         return (self.root or args.output_dir or "trainer_output").rstrip("/")
 
-    def begin(self, trainer: Trainer, resume_from: str | None) -> None:
-        """``train()`` starts: open this process's session and root (pre-flight first), and read the
-        resumed checkpoint's process states (``resume_from``: the folder Trainer loads, or None)."""
+    def begin(self, trainer: Trainer) -> None:
+        """``train()`` starts: open this process's session and root (pre-flight first)."""
         if self._trainer is not trainer:
             raise ConfigError(
                 "AirTrainerCallback: this callback belongs to another trainer; give each AirTrainer its own."
@@ -176,18 +187,48 @@ class AirTrainerCallback(TrainerCallback):
         self.positioned = set()
         self._started = False
         self._restore = contextlib.ExitStack()
-        if resume_from is not None:
-            root_key, record = fetched.get(resume_from, ("", None))
-            if record is not None and root_key == location(root):  # that fetch, Trainer's loads: one
-                self._restore.enter_context(self._ckpt.restoring(before=record.seconds, done=[record]))
-            self._resumed = rank_states(resume_from, session, what=f"AirTrainer.train({resume_from!r})")
-            if args.ignore_data_skip:  # the user asked for the epoch from its start: Trainer's own way
-                self._resumed = {}
-            self._resumed_from = resume_from if self._resumed else ""
-            run = (self._resumed.get(0) or {}).get("mlflow_run_id")
-            if run and "MLFLOW_RUN_ID" not in os.environ and _reports_to_mlflow(args):
-                # transformers' MLflowCallback starts its run from this (read in its on_train_begin)
-                os.environ["MLFLOW_RUN_ID"] = self._mlflow_env = run
+        if self.session_config.local_every_n_steps:
+            session.local_files(lambda: self._local_part(trainer))
+
+    def newest(self, trainer: Trainer) -> str | None:
+        """``train(resume_from_checkpoint=True)``, every process: a local folder with the newest complete
+        state across the tiers (the local tier's assembly when it is newer than the root's newest commit,
+        else ``latest_checkpoint`` of the root), or None when nothing was saved anywhere."""
+        session, ckpt = self.session, self._ckpt
+        assert session is not None and ckpt is not None  # begin() ran
+        latest = ckpt.latest()
+        resumed = session.recover(latest.step if latest is not None else None)
+        if resumed is None:
+            folder = latest_checkpoint(
+                ckpt.config.root,
+                staging_dir=self.checkpointer.staging_dir,
+                storage_options=self.checkpointer.storage_options,
+            )
+            if folder is not None and self.session_config.local_every_n_steps:
+                logger.info("AirTrainer: resuming from %s (nothing newer in the local tier)", folder)
+            return folder
+        reader = self._restore.enter_context(session.reader(resumed.root))
+        self._restore.enter_context(reader.restoring(tier=resumed.tier, before=resumed.seconds))
+        return fetch_folder(reader, resumed.name, rank=session.rank)
+
+    def resume_from(self, trainer: Trainer, folder: str | None) -> None:
+        """Read the process states of ``folder``, the checkpoint Trainer loads (None: a fresh start)."""
+        session, ckpt = self.session, self._ckpt
+        assert session is not None and ckpt is not None  # begin() ran
+        if folder is None:
+            return
+        args = trainer.args
+        root_key, record = fetched.get(folder, ("", None))
+        if record is not None and root_key == location(self.root_of(args)):  # that fetch, Trainer's loads
+            self._restore.enter_context(ckpt.restoring(before=record.seconds, done=[record]))
+        self._resumed = rank_states(folder, session, what=f"AirTrainer.train({folder!r})")
+        if args.ignore_data_skip:  # the user asked for the epoch from its start: Trainer's own way
+            self._resumed = {}
+        self._resumed_from = folder if self._resumed else ""
+        run = (self._resumed.get(0) or {}).get("mlflow_run_id")
+        if run and "MLFLOW_RUN_ID" not in os.environ and _reports_to_mlflow(args):
+            # transformers' MLflowCallback starts its run from this (read in its on_train_begin)
+            os.environ["MLFLOW_RUN_ID"] = self._mlflow_env = run
 
     def track_loader(self, prepared: Any) -> None:
         """The train loader Trainer iterates (``get_train_dataloader``): its position goes in each save."""
@@ -247,7 +288,11 @@ class AirTrainerCallback(TrainerCallback):
         """``train()`` returns or raises: commit what is in flight (bounded), report goodput, end the run
         the session started. A save error is raised, unless ``train()`` is failing already."""
         session, self.session = self.session, None
-        self._restore = contextlib.ExitStack()  # a train() that failed before its first step: no restore
+        restore, self._restore = self._restore, contextlib.ExitStack()
+        if error is None:
+            restore.close()  # closed at on_train_begin already, unless training never began
+        else:  # train() failed before its first step: no restore reported, readers closed
+            restore.__exit__(type(error), error, error.__traceback__)
         if self._mlflow_env is not None:
             os.environ.pop("MLFLOW_RUN_ID", None)
             self._mlflow_env = None
@@ -331,8 +376,6 @@ class AirTrainerCallback(TrainerCallback):
         if trial is not None:
             raise ConfigError("AirTrainer: hyperparameter_search trials are not checkpointed; use Trainer.")
         args, state = trainer.args, trainer.state
-        if trainer.hp_search_backend is None:
-            trainer.store_flos()
         root = self.root_of(args)
         entry = f"checkpoint-{state.global_step}"
         if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and (
@@ -342,21 +385,7 @@ class AirTrainerCallback(TrainerCallback):
             if best == entry or session.paths.is_saved(ckpt, Place(root, best)):
                 state.best_model_checkpoint = checkpoint_url(root, state.best_global_step)
         main = args.process_index == 0
-        files: dict[str, Any] = {}
-        if main:
-            files.update(model_files(trainer))
-        rank_state = session.rank_state()
-        if not args.save_only_model:
-            if main:
-                files.update(optimizer_files(trainer))
-            distributed = args.world_size > 1
-            files[rng_file(args.process_index, args.world_size)] = trainer_rng(
-                rank_state["rng"], distributed=distributed
-            )
-        if main:
-            update_callback_states(trainer)
-            files[TRAINER_STATE_NAME] = _bytes(trainer_state_bytes(trainer))
-        files[air_file(args.process_index)] = {"global_step": state.global_step, "rank_state": rank_state}
+        files = self._files(trainer, session)
         place = Place(root, entry)
         name = session.paths.fresh(ckpt, entry, place=place)
         session.paths.claim(ckpt, place, Owner(name, state.global_step, folder=True))
@@ -376,6 +405,37 @@ class AirTrainerCallback(TrainerCallback):
                     ", ".join(readers),
                 )
             self.wait_for_checkpoints()
+
+    def _files(self, trainer: Trainer, session: TrainingSession) -> dict[str, Any]:
+        """The files ``_save_checkpoint`` writes in this process now, named as in its folder: process 0
+        the model, optimizer and state; every process its RNG and its own state (``air_file``)."""
+        args, state = trainer.args, trainer.state
+        if trainer.hp_search_backend is None:
+            trainer.store_flos()
+        main = args.process_index == 0
+        files: dict[str, Any] = {}
+        if main:
+            files.update(model_files(trainer))
+        rank_state = session.rank_state()
+        if not args.save_only_model:
+            if main:
+                files.update(optimizer_files(trainer))
+            distributed = args.world_size > 1
+            files[rng_file(args.process_index, args.world_size)] = trainer_rng(
+                rank_state["rng"], distributed=distributed
+            )
+        if main:
+            update_callback_states(trainer)
+            files[TRAINER_STATE_NAME] = _bytes(trainer_state_bytes(trainer))
+        files[air_file(args.process_index)] = {"global_step": state.global_step, "rank_state": rank_state}
+        return files
+
+    def _local_part(self, trainer: Trainer) -> LocalPart:
+        """This process's part of a local-tier checkpoint (``local_every_n_steps``): what a save of this
+        step writes, in the folder it names, so the tier's assembly loads as a root checkpoint does."""
+        assert self.session is not None  # called by the session, between two steps of train()
+        entry = f"checkpoint-{trainer.state.global_step}"
+        return {f"{entry}/{f}": s for f, s in self._files(trainer, self.session).items()}, {}
 
 
 def _reads_checkpoints(callback: TrainerCallback) -> bool:

@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any
 from transformers import Trainer
 
 from air_core import ConfigError
+from air_core.tiers import NEWEST
 
 from .callback import AirTrainerCallback
 from .internals import SKIP_FIRST_BATCHES, SORT_CHECKPOINTS, check_methods, module_function
-from .resume import fetch_folder, latest_checkpoint
+from .resume import fetch_folder
 
 if TYPE_CHECKING:  # what the mixin is mixed into, for the type checker
     _Base = Trainer
@@ -58,21 +59,24 @@ class AirTrainerMixin(_Base):
         self.air_callback.bind(self)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        """As ``Trainer.train``; ``resume_from_checkpoint=True`` resumes from ``latest_checkpoint`` of the
-        root (any URL), and a folder it returned resumes each process's data position and RNG exactly.
-        Every save is committed before this returns (or raises)."""
+        """As ``Trainer.train``; ``resume_from_checkpoint=True`` resumes from the newest complete state
+        across the tiers: the local tier's (``local_every_n_steps``) when it is newer than the root's,
+        else ``latest_checkpoint`` of the root (any URL); ``NEWEST`` does the same, or starts fresh when
+        nothing was saved. Such a resume, or a folder ``latest_checkpoint`` returned, continues each
+        process's data position and RNG exactly. Every save is committed before this returns (or raises).
+        """
         air = self.air_callback
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = latest_checkpoint(
-                air.root_of(self.args),
-                staging_dir=air.checkpointer.staging_dir,
-                storage_options=air.checkpointer.storage_options,
-            )
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({air.root_of(self.args)})")
         failed: BaseException | None = None
         try:
-            air.begin(self, resume_from_checkpoint or None)
+            air.begin(self)
+            if resume_from_checkpoint is True or resume_from_checkpoint == NEWEST:
+                newest = air.newest(self)
+                if newest is None and resume_from_checkpoint is True:
+                    raise ValueError(
+                        f"No valid checkpoint found in output directory ({air.root_of(self.args)})"
+                    )
+                resume_from_checkpoint = newest
+            air.resume_from(self, resume_from_checkpoint or None)
             with _skip_replaced(air), _cleanup_replaced(self):
                 return super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException as exc:

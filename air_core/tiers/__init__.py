@@ -10,7 +10,13 @@ the tier's gloo group), ``transfer.py`` (a commit's files between ranks, verifie
 from .local import LocalTier, job_folder, parse_name, tier_name
 from .recover import Held, Resume, choose, holdings, recover
 
+NEWEST = "air:newest"
+"""The resume argument an adapter takes for: the newest complete state in any tier (the local tier, a
+partner's copy, or the root), or a fresh start when there is none (Lightning's ``ckpt_path``,
+transformers' ``resume_from_checkpoint``)."""
+
 __all__ = [
+    "NEWEST",
     "Held",
     "LocalTier",
     "Resume",

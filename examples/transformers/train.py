@@ -4,7 +4,9 @@
     torchrun --standalone --nproc-per-node 2 examples/transformers/train.py --output-dir transformers-run
 
 ``--output-dir`` can be any fsspec URL (``s3://bucket/run``; pass ``--staging-dir`` for the local
-copy). Relaunch the same command after a crash or a ``kill -9``: it resumes from the newest committed,
+copy). ``--local-every K --local-dir /dev/shm/air`` adds the node-local tier: a checkpoint every K steps
+on the node (not uploaded), and a relaunch resumes from the newest state in any tier (``NEWEST``).
+Relaunch the same command after a crash or a ``kill -9``: it resumes from the newest committed,
 verified checkpoint, mid-epoch included, with each process's data position, loader workers' RNG and
 dropout RNG as they were. Every checkpoint is a stock transformers ``checkpoint-<step>`` folder.
 The model is a 2-layer GPT-2 built from a config (no download) trained on generated token ids.
@@ -19,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
-from transformers_air import AirTrainer, AirTrainerCallback, latest_checkpoint
+from transformers_air import NEWEST, AirTrainer, AirTrainerCallback, latest_checkpoint
 
 
 class Tokens(Dataset):
@@ -44,9 +46,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=96)
     p.add_argument("--save-steps", type=int, default=16)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--local-every", type=int, default=0, help="also checkpoint every K steps to --local-dir")
+    p.add_argument("--local-dir", default="/dev/shm/air", help="the local tier's folder (NVMe, /dev/shm)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     logging.getLogger("transformers_air").setLevel(logging.INFO)
+    logging.getLogger("air_core.tiers").setLevel(logging.INFO)  # which tier a resume came from
 
     torch.manual_seed(0)
     config = GPT2Config(
@@ -66,10 +71,14 @@ def main() -> None:
         dataloader_num_workers=args.workers,
         disable_tqdm=True,
     )
-    air = AirTrainerCallback(staging_dir=args.staging_dir, mlflow=False)
+    local = dict(local_every_n_steps=args.local_every, local_dir=args.local_dir) if args.local_every else {}
+    air = AirTrainerCallback(staging_dir=args.staging_dir, mlflow=False, **local)
     trainer = AirTrainer(model, training, train_dataset=Tokens(), callbacks=[air])
-    resume = latest_checkpoint(args.output_dir, staging_dir=args.staging_dir)
-    print(f"resuming from {resume}" if resume else "starting fresh", flush=True)
+    if args.local_every:  # the newest complete state in any tier (logged), else a fresh start
+        resume = NEWEST
+    else:
+        resume = latest_checkpoint(args.output_dir, staging_dir=args.staging_dir)
+        print(f"resuming from {resume}" if resume else "starting fresh", flush=True)
     trainer.train(resume_from_checkpoint=resume)  # every save is committed when it returns
     if training.process_index == 0:
         print(f"done: step {trainer.state.global_step}", flush=True)

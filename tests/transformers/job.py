@@ -2,7 +2,7 @@
 
     python tests/transformers/job.py WORKDIR [--workers N] [--every K] [--steps S] [--ga G]
         [--kill STEP:PHASE[:RANK][+MS]] [--root URL --endpoint URL] [--stock] [--eval-every K]
-        [--limit N] [--best]
+        [--limit N] [--best] [--local-every K --die STEP[:NODE]]
 
 Trains a 2-layer GPT-2 (32 dimensions, built from a config: no download; dropout on) on token ids made
 here: sample i is 16 ids drawn from a generator seeded with i, and one of them is replaced by a token
@@ -12,6 +12,9 @@ steps and resumes with ``latest_checkpoint``. Each process appends the sample id
 sums of every micro-batch to WORKDIR/ids-rank<R>.jsonl; at the end process 0 writes the final weights to
 WORKDIR/final.pt and its stats (restores, fetches) to WORKDIR/stats-<launch>.json. --stock runs a
 plain ``Trainer`` (stock checkpoints in WORKDIR/stock, resumed with resume_from_checkpoint=True).
+--local-every K adds the local tier (``local_every_n_steps=K``, ``local_dir`` WORKDIR/local-$AIR_NODE_NAME)
+and resumes with ``resume_from_checkpoint=NEWEST``; --die STEP[:NODE] SIGKILLs every process (or node
+NODE) before step STEP (1-based) of the first launch.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ import time
 
 import torch
 from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from tests import stalls
-from tests.kill_at import Journal, KillAt
+from tests.kill_at import Journal, KillAt, die
 
 N_SAMPLES, LENGTH, VOCAB = 48, 16, 96
 
@@ -80,6 +83,24 @@ def recording(base: type, workdir: str) -> type:
     return Recording
 
 
+class DieOnce(TrainerCallback):
+    """--die STEP[:NODE]: SIGKILL before step STEP (1-based) of the first launch (a marker file): every
+    process, or with NODE only the one on the node of that ``AIR_NODE_NAME``, its torchrun agent first
+    (the node is lost). Nothing is waited for: what survives is what the local tier's gate promises."""
+
+    def __init__(self, workdir: str, spec: str) -> None:
+        step, _, self.node = spec.partition(":")
+        self.step = int(step)
+        self.marker = os.path.join(workdir, f"died-once-{self.node or os.environ.get('RANK', '0')}")
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if self.node and os.environ.get("AIR_NODE_NAME") != self.node:
+            return
+        if state.global_step + 1 == self.step and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            die(agent=bool(self.node))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("workdir")
@@ -95,6 +116,8 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=3)
     p.add_argument("--best", action="store_true", help="load_best_model_at_end on eval_loss")
     p.add_argument("--mlflow", default="", help="tracking URI: report_to mlflow as well")
+    p.add_argument("--local-every", type=int, default=0, help="AirTrainerCallback(local_every_n_steps=...)")
+    p.add_argument("--die", default="", help="STEP[:NODE]: SIGKILL before this step of the first launch")
     args = p.parse_args()
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
@@ -133,7 +156,7 @@ def main() -> None:
         resume = any(n.startswith("checkpoint-") for n in os.listdir(root)) if os.path.isdir(root) else False
         trainer.train(resume_from_checkpoint=resume or None)
     else:
-        from transformers_air import AirTrainer, AirTrainerCallback, latest_checkpoint
+        from transformers_air import NEWEST, AirTrainer, AirTrainerCallback, latest_checkpoint
 
         opts = {"client_kwargs": {"endpoint_url": args.endpoint}} if args.endpoint else None
         air = AirTrainerCallback(
@@ -142,20 +165,27 @@ def main() -> None:
             flush_timeout_seconds=5,
             mlflow=bool(args.mlflow),
             preflight=False,
+            local_every_n_steps=args.local_every or None,
+            local_dir=os.path.join(args.workdir, "local-" + os.environ.get("AIR_NODE_NAME", "node")),
         )
         air.add_listener(Journal(args.workdir))
         if args.kill:
             air.add_listener(KillAt.parse(args.kill))
-        trainer = recording(AirTrainer, args.workdir)(tiny_gpt2(), training, callbacks=[air], **kwargs)
-        resume = latest_checkpoint(root, staging_dir=air.checkpointer.staging_dir, storage_options=opts)
-        trainer.train(resume_from_checkpoint=resume)
+        callbacks = [air, *([DieOnce(args.workdir, args.die)] if args.die else [])]
+        trainer = recording(AirTrainer, args.workdir)(tiny_gpt2(), training, callbacks=callbacks, **kwargs)
+        if args.local_every:
+            trainer.train(resume_from_checkpoint=NEWEST)
+        else:
+            staging = air.checkpointer.staging_dir
+            resume = latest_checkpoint(root, staging_dir=staging, storage_options=opts)
+            trainer.train(resume_from_checkpoint=resume)
     if training.process_index == 0:
         torch.save(trainer.model.state_dict(), os.path.join(args.workdir, "final.pt"))
         if not args.stock:
             session = air.last_session
             records = session.records
             stats = {
-                "restores": [[r.name, r.source] for r in records.restores],
+                "restores": [[r.name, r.source, r.tier] for r in records.restores],
                 "fetches": len(records.fetch_seconds),
                 "best": trainer.state.best_model_checkpoint,
             }

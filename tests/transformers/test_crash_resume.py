@@ -10,12 +10,14 @@ loads them (the main process, or a loader worker), and GPT-2's dropout draws fro
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
 from tests.kill_at import read_journal
-from tests.sameness import assert_same_run
-from tests.transformers.runs import run_job, stats
+from tests.sameness import assert_same_run, assert_tier_read_in_place, records
+from tests.torchrun_nodes import agent, free_port
+from tests.transformers.runs import JOB, run_job, stats
 
 pytestmark = pytest.mark.slow
 
@@ -89,3 +91,49 @@ def test_two_processes_killed_mid_save_resume_exactly_per_rank(tmp_path, referen
     run_job(tmp_path, *args, processes=2)
     assert_same_run(tmp_path, reference(*args, processes=2), ranks=2)
     resumed_step(tmp_path, told)
+
+
+# The local tier: a save every 3 steps on the node, the root's every 10; every process is SIGKILLed at
+# once before step 18. Step 17's optimizer step waited until the local save of step 15 was committed
+# (and copied to the partner, with two nodes), so ``resume_from_checkpoint=NEWEST`` continues from step
+# 15, not the root's 10.
+TIER = ("--workers", "2", "--every", "10", "--local-every", "3")
+
+
+def test_sigkill_between_root_saves_resumes_from_the_local_tier_exactly(tmp_path, reference):
+    run_job(tmp_path, *TIER, "--die", "18", expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *TIER)
+    assert_same_run(tmp_path, reference("--workers", "2"))  # the tier changes nothing in the training
+    steps = [r["step"] for r in records(tmp_path)]
+    resumed = next(b for a, b in zip(steps, steps[1:], strict=False) if b <= a)
+    assert resumed == 15, f"resumed from the newest local checkpoint, not the root's step 10: {resumed}"
+    assert stats(tmp_path)[0]["restores"] == [["local-s000000015-w1", "local", "local"]]
+    assert_tier_read_in_place(tmp_path)
+
+
+def test_a_lost_node_replaced_by_a_new_one_resumes_from_the_partner_copy_exactly(tmp_path, reference):
+    """Two torchrun agents on 127.0.0.1 are nodes A and B of a job of fixed size (``--nnodes 2:2``), one
+    process each. Node B (its agent and its process) is lost before step 18; A's process fails on the
+    broken process group and A's agent waits for a node to take B's place. Node C joins with an empty
+    local folder: step 15 is assembled from A's own part and A's copy of B's (C receives both from A),
+    and the job ends bitwise equal to an uninterrupted two-process run."""
+    port = free_port()
+    args = (str(tmp_path), *TIER, "--die", "18:B")
+    a = agent("A", port, JOB, *args, workdir=tmp_path, min_nodes=2)
+    time.sleep(1.0)  # A hosts the rendezvous store
+    b = agent("B", port, JOB, *args, workdir=tmp_path, min_nodes=2)
+    c = None
+    try:
+        assert b.wait(timeout=180) != 0, "node B was lost"
+        c = agent("C", port, JOB, *args, workdir=tmp_path, min_nodes=2)
+        assert a.wait(timeout=240) == 0, (tmp_path / "agent-A.log").read_text()[-4000:]
+        assert c.wait(timeout=60) == 0, (tmp_path / "agent-C.log").read_text()[-4000:]
+    finally:
+        for p in (a, b, c):
+            if p is not None and p.poll() is None:
+                p.kill()
+    log = (tmp_path / "agent-A.log").read_text() + (tmp_path / "agent-C.log").read_text()
+    assert "resuming from local tier step 15 (replica)" in log, log[-4000:]
+    assert "from node A, rank 1: from node A" in log, "the new node received both parts from A"
+    assert stats(tmp_path)[0]["restores"] == [["local-s000000015-w2", "local", "replica"]]
+    assert_same_run(tmp_path, reference("--workers", "2", processes=2), ranks=2)
