@@ -16,7 +16,7 @@ from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
 from air_core import AsyncCheckpointer, ConfigError
 from tests.transformers.job import Tokens, tiny_gpt2
-from transformers_air import AirTrainer, AirTrainerCallback, latest_checkpoint
+from transformers_air import NEWEST, AirTrainer, AirTrainerCallback, latest_checkpoint
 
 
 def arguments(out, **overrides) -> TrainingArguments:
@@ -162,6 +162,31 @@ def test_bad_settings_fail_when_the_callback_is_built():
         AirTrainerCallback(max_in_flight=0)
     with pytest.raises(ConfigError, match="root"):
         AirTrainerCallback(root="  ")
+    with pytest.raises(ConfigError, match="local_dir"):
+        AirTrainerCallback(local_every_n_steps=3)
+
+
+def test_newest_starts_fresh_with_nothing_saved_where_true_raises_as_stock(tmp_path):
+    """``NEWEST`` looks in the local tier and the root and starts fresh when both are empty; ``True`` looks
+    in both too, and with nothing saved raises stock's error. (A resume from the tier itself, newer than
+    the root, is ``test_crash_resume.py``'s: a finished ``train()`` always ends with a root save.)"""
+    out = tmp_path / "run"
+
+    def trainer(steps: int) -> AirTrainer:
+        tier = dict(local_every_n_steps=2, local_dir=str(tmp_path))
+        air = AirTrainerCallback(mlflow=False, preflight=False, **tier)
+        args = arguments(out, max_steps=steps)
+        return AirTrainer(tiny_gpt2(), args, train_dataset=Plain(), callbacks=[air])
+
+    first = trainer(5)
+    with pytest.raises(ValueError, match="No valid checkpoint found"):
+        first.train(resume_from_checkpoint=True)
+    first.train(resume_from_checkpoint=NEWEST)
+    assert first.state.global_step == 5 and not first.air_callback.last_session.records.restores
+    again = trainer(6)
+    again.train(resume_from_checkpoint=True)  # the root's step 5 is newer than the tier's step 4
+    (restore,) = again.air_callback.last_session.records.restores
+    assert (restore.name, restore.tier, again.state.global_step) == ("checkpoint-5", "remote", 6)
 
 
 def test_resume_true_skips_a_newer_unfinished_save(tmp_path):
