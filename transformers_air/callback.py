@@ -181,7 +181,9 @@ class AirTrainerCallback(TrainerCallback):
             listeners=self.listeners,
         )
         root = self.root_of(args)
-        session.preflight(root)
+        params = trainer.model.parameters() if trainer.model is not None else ()
+        weights = sum(int(p.numel() * p.element_size()) for p in params)
+        session.preflight(root, parameter_bytes=weights or None)  # a checkpoint with Adam's moments: 3x
         self._ckpt = session.open(root)
         self._resumed, self._resumed_from = {}, ""
         self.positioned = set()

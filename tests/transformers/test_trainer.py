@@ -261,3 +261,6 @@ def test_preflight_runs_before_the_first_step(tmp_path):
     trainer.train()
     health = air.last_session.health
     assert health.report is not None and {r.check for r in health.report.results} == {"storage", "staging"}
+    (staging,) = [r for r in health.report.results if r.check == "staging"]
+    weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert staging.data["expected_bytes"] == 3 * weights, "the disk is checked against a checkpoint's size"
