@@ -192,10 +192,10 @@ class AirTrainerCallback(TrainerCallback):
         if self.session_config.local_every_n_steps:
             session.local_files(lambda: self._local_part(trainer))
 
-    def newest(self, trainer: Trainer) -> str | None:
-        """``train(resume_from_checkpoint=True)``, every process: a local folder with the newest complete
-        state across the tiers (the local tier's assembly when it is newer than the root's newest commit,
-        else ``latest_checkpoint`` of the root), or None when nothing was saved anywhere."""
+    def newest(self) -> str | None:
+        """``train(resume_from_checkpoint=True or NEWEST)``, every process: a local folder with the newest
+        complete state across the tiers (the local tier's assembly when it is newer than the root's newest
+        commit, else ``latest_checkpoint`` of the root), or None when nothing was saved anywhere."""
         session, ckpt = self.session, self._ckpt
         assert session is not None and ckpt is not None  # begin() ran
         latest = ckpt.latest()

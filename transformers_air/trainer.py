@@ -70,7 +70,7 @@ class AirTrainerMixin(_Base):
         try:
             air.begin(self)
             if resume_from_checkpoint is True or resume_from_checkpoint == NEWEST:
-                newest = air.newest(self)
+                newest = air.newest()
                 if newest is None and resume_from_checkpoint is True:
                     raise ValueError(
                         f"No valid checkpoint found in output directory ({air.root_of(self.args)})"
