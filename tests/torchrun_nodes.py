@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -71,18 +72,39 @@ def agent(
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
 
-def lose_node_b(script: str, workdir: Path, *args: str, timeout: float = 240.0) -> str:
-    """Run ``script WORKDIR *args`` on nodes A and B, whose ``args`` make node B lose itself (its agent
-    and worker, ``--die ...:B``); node A must finish the job alone. Returns A's agent log."""
+def lose_node_b(
+    script: str,
+    workdir: Path,
+    *args: str,
+    timeout: float = 240.0,
+    min_nodes: int = 1,
+    replace_when: Callable[[subprocess.Popen], bool] | None = None,
+) -> dict[str, str]:
+    """Run ``script WORKDIR *args`` on nodes A and B (``min_nodes``: the job's smallest size), whose
+    ``args`` make node B lose itself (its agent and worker, ``--die ...:B``). Node A finishes the job
+    alone, or with ``replace_when`` (polled with B's agent) a node C joins once it holds and both finish
+    it. Returns each node's agent log by name."""
     port = free_port()
-    a = agent("A", port, script, str(workdir), *args, workdir=workdir)
+    nodes = {"A": agent("A", port, script, str(workdir), *args, workdir=workdir, min_nodes=min_nodes)}
     time.sleep(1.0)  # A hosts the rendezvous store
-    b = agent("B", port, script, str(workdir), *args, workdir=workdir)
+    b = nodes["B"] = agent("B", port, script, str(workdir), *args, workdir=workdir, min_nodes=min_nodes)
+
+    def logs() -> dict[str, str]:
+        return {n: (workdir / f"agent-{n}.log").read_text() for n in nodes}
+
     try:
-        assert a.wait(timeout=timeout) == 0, (workdir / "agent-A.log").read_text()[-4000:]
+        if replace_when is not None:
+            deadline = time.monotonic() + 180
+            while not replace_when(b):
+                assert time.monotonic() < deadline, "node C's turn never came\n" + logs()["A"][-4000:]
+                time.sleep(0.2)
+            nodes["C"] = agent("C", port, script, str(workdir), *args, workdir=workdir, min_nodes=min_nodes)
+        assert nodes["A"].wait(timeout=timeout) == 0, logs()["A"][-4000:]
+        if "C" in nodes:
+            assert nodes["C"].wait(timeout=60) == 0, logs()["C"][-4000:]
     finally:
-        for p in (a, b):
+        for p in nodes.values():
             if p.poll() is None:
                 p.kill()
     assert b.wait(timeout=10) != 0, "node B was lost"
-    return (workdir / "agent-A.log").read_text()
+    return logs()

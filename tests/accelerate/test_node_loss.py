@@ -19,7 +19,6 @@ epoch's last step, as Accelerate pads an epoch).
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import pytest
 from tests.accelerate.job import BATCH, N_SAMPLES
 from tests.accelerate.runs import JOB
 from tests.sameness import records
-from tests.torchrun_nodes import agent, free_port, lose_node_b
+from tests.torchrun_nodes import lose_node_b
 
 pytestmark = pytest.mark.slow
 LOCAL_EVERY, ROOT_EVERY, DIE_BEFORE, RESUMED = 2, 5, 8, 6
@@ -50,38 +49,15 @@ def _launches(workdir: Path) -> list[list[dict]]:
     return sorted(by_launch.values(), key=lambda recs: min(r["t"] for r in recs))
 
 
-def _wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def test_a_lost_node_resumes_from_the_replica_and_a_new_node_grows_the_job_back(tmp_path):
-    port = free_port()
     args = ("--every", str(ROOT_EVERY), "--local-every", str(LOCAL_EVERY), "--epochs", "4", "--elastic",
             "--die", f"{DIE_BEFORE}:B:agent", "--step-sleep", "0.15")  # fmt: skip
-    a = agent("A", port, JOB, str(tmp_path), *args, workdir=tmp_path)
-    time.sleep(1.0)  # A hosts the rendezvous store
-    b = agent("B", port, JOB, str(tmp_path), *args, workdir=tmp_path)
-    c = None
-    try:
 
-        def alone() -> bool:
-            return any(
-                r["world"] == 1 and r["epoch"] == 1 and r["step"] >= 12 for r in _every_record(tmp_path)
-            )
+    def alone(_: object) -> bool:  # node C joins once the survivor trains alone into epoch 1
+        return any(r["world"] == 1 and r["epoch"] == 1 and r["step"] >= 12 for r in _every_record(tmp_path))
 
-        _wait_for(alone, 180, "the survivor to train alone into epoch 1")
-        c = agent("C", port, JOB, str(tmp_path), *args, workdir=tmp_path)
-        assert a.wait(timeout=240) == 0, (tmp_path / "agent-A.log").read_text()[-4000:]
-        assert c.wait(timeout=60) == 0, (tmp_path / "agent-C.log").read_text()[-4000:]
-    finally:
-        for p in (a, b, c):
-            if p is not None and p.poll() is None:
-                p.kill()
-    assert b.wait(timeout=10) != 0, "node B was lost"
-    log_a, log_c = (tmp_path / "agent-A.log").read_text(), (tmp_path / "agent-C.log").read_text()
+    logs = lose_node_b(JOB, tmp_path, *args, replace_when=alone)
+    log_a, log_c = logs["A"], logs["C"]
     assert f"resuming from local tier step {RESUMED} (replica)" in log_a, log_a[-4000:]
     first, alone_run, grown = _launches(tmp_path)[-3:]
     assert [first[0]["world"], alone_run[0]["world"], grown[0]["world"]] == [2, 1, 2], "2 -> 1 -> 2 processes"
@@ -113,7 +89,7 @@ def test_a_lost_fsdp2_node_resumes_resharded_from_the_replica(tmp_path):
     both ranks' shares make step 6 whole again, and DCP reshards it onto the one process left."""
     args = ("--every", str(ROOT_EVERY), "--local-every", str(LOCAL_EVERY), "--epochs", "2", "--elastic",
             "--fsdp2", "--die", f"{DIE_BEFORE}:B:agent")  # fmt: skip
-    log_a = lose_node_b(JOB, tmp_path, *args)
+    log_a = lose_node_b(JOB, tmp_path, *args)["A"]
     assert f"resuming from local tier step {RESUMED} (replica)" in log_a, log_a[-4000:]
     first, alone_run = _launches(tmp_path)[-2:]
     assert [first[0]["world"], alone_run[0]["world"]] == [2, 1], "2 -> 1 processes"

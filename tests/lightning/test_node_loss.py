@@ -34,7 +34,7 @@ LOCAL_EVERY, ROOT_EVERY, DIE_BEFORE, RESUMED = 2, 5, 8, 6
 def test_a_lost_node_resumes_the_fit_from_the_replica_on_the_survivor_each_sample_once(tmp_path, job):
     args = ("--every", str(ROOT_EVERY), "--local-every", str(LOCAL_EVERY), "--epochs", "2", "--elastic",
             "--devices", "1", "--die", f"{DIE_BEFORE}:B")  # fmt: skip
-    log = lose_node_b(job, tmp_path, *args)
+    log = lose_node_b(job, tmp_path, *args)["A"]
     assert f"resuming from local tier step {RESUMED} (replica)" in log, log[-4000:]
     every = [
         rec

@@ -10,13 +10,13 @@ loads them (the main process, or a loader worker), and GPT-2's dropout draws fro
 from __future__ import annotations
 
 import signal
-import time
+import subprocess
 
 import pytest
 
 from tests.kill_at import read_journal
 from tests.sameness import assert_same_run, assert_tier_read_in_place, records
-from tests.torchrun_nodes import agent, free_port
+from tests.torchrun_nodes import lose_node_b
 from tests.transformers.runs import JOB, run_job, stats
 
 pytestmark = pytest.mark.slow
@@ -111,28 +111,19 @@ def test_sigkill_between_root_saves_resumes_from_the_local_tier_exactly(tmp_path
     assert_tier_read_in_place(tmp_path)
 
 
+def _gone(agent: subprocess.Popen) -> bool:
+    """Node C joins once node B's agent is gone."""
+    return agent.poll() is not None
+
+
 def test_a_lost_node_replaced_by_a_new_one_resumes_from_the_partner_copy_exactly(tmp_path, reference):
     """Two torchrun agents on 127.0.0.1 are nodes A and B of a job of fixed size (``--nnodes 2:2``), one
     process each. Node B (its agent and its process) is lost before step 18; A's process fails on the
     broken process group and A's agent waits for a node to take B's place. Node C joins with an empty
     local folder: step 15 is assembled from A's own part and A's copy of B's (C receives both from A),
     and the job ends bitwise equal to an uninterrupted two-process run."""
-    port = free_port()
-    args = (str(tmp_path), *TIER, "--die", "18:B")
-    a = agent("A", port, JOB, *args, workdir=tmp_path, min_nodes=2)
-    time.sleep(1.0)  # A hosts the rendezvous store
-    b = agent("B", port, JOB, *args, workdir=tmp_path, min_nodes=2)
-    c = None
-    try:
-        assert b.wait(timeout=180) != 0, "node B was lost"
-        c = agent("C", port, JOB, *args, workdir=tmp_path, min_nodes=2)
-        assert a.wait(timeout=240) == 0, (tmp_path / "agent-A.log").read_text()[-4000:]
-        assert c.wait(timeout=60) == 0, (tmp_path / "agent-C.log").read_text()[-4000:]
-    finally:
-        for p in (a, b, c):
-            if p is not None and p.poll() is None:
-                p.kill()
-    log = (tmp_path / "agent-A.log").read_text() + (tmp_path / "agent-C.log").read_text()
+    logs = lose_node_b(JOB, tmp_path, *TIER, "--die", "18:B", min_nodes=2, replace_when=_gone)
+    log = logs["A"] + logs["C"]
     assert "resuming from local tier step 15 (replica)" in log, log[-4000:]
     assert "from node A, rank 1: from node A" in log, "the new node received both parts from A"
     assert stats(tmp_path)[0]["restores"] == [["local-s000000015-w2", "local", "replica"]]
