@@ -2,10 +2,14 @@
 every K, side by side in one run.
 
     python benchmarks/goodput_failures.py [--quick] [--json] [--seed S] [--steps T] [--width W]
+        [--adapter accelerate|transformers]
 
 An Accelerate job (an MLP of ``--width``, AdamW, trained flat out, loader with 2 workers) runs a fixed
 number of steps to a local root through NVMe staging (the root's saves are ``save_state()`` every N
-steps; the tier's ``local_dir`` is ``--local-dir``, default ``/dev/shm``). Each configuration runs:
+steps; the tier's ``local_dir`` is ``--local-dir``, default ``/dev/shm``). ``--adapter transformers``
+runs the same model and data through ``AirTrainer`` (root saves by ``save_steps``, resumed with
+``train(resume_from_checkpoint=NEWEST)``), without the node loss below: ``Trainer`` has no elastic
+resume. Each configuration runs:
 
 1. twice without failures (taking turns; the faster run of each counts), for at least 300 steps (1000
    without ``--quick``), and with the tier at K, 4K and 8K: the mean step time, save stalls included,
@@ -24,12 +28,13 @@ the job at world 1, and the log says which tier its resume came from and at whic
 
 The last line with ``--json`` is::
 
-    {"local_every": K, "remote_every": N, "device_ms": D,
+    {"local_every": K, "remote_every": N, "device_ms": D, "adapter": "accelerate" or "transformers",
      "remote_only": {"lost_steps_per_failure": x, "goodput": g, ...},
      "two_tier": {"lost_steps_per_failure": x, "goodput": g, "step_slowdown": s,
                   "slowdown_by_local_every": {K: s, 4K: s, 8K: s}, "snapshot_times_apart": {K: a, ...},
                   "cpu_seconds_per_local_save": c},
-     "node_loss": {"recovered_from": "replica" or "remote", "lost_steps": n}}
+     "node_loss": {"recovered_from": "replica" or "remote", "lost_steps": n} (null for transformers),
+     "restore": {"own_local_vs_torch_load": r, "partner_vs_loopback": r}}
 
 ``--quick`` (a few minutes on 2 cores): 60 steps, N = 20, K = 4, 3 failures, width 512.
 
@@ -136,6 +141,109 @@ def worker(args: argparse.Namespace) -> None:
         (work / "stats.json").write_text(json.dumps(stats))
 
 
+def trainer_worker(args: argparse.Namespace) -> None:
+    """The same job through transformers' ``Trainer`` (``--adapter transformers``): ``AirTrainer`` with
+    root saves every N steps (``save_steps``) and ``AirTrainerCallback(local_every_n_steps=K)``, resumed
+    with ``train(resume_from_checkpoint=NEWEST)``; the same steps log and stats as ``worker``."""
+    import logging
+
+    import torch
+    from transformers import TrainerCallback, TrainingArguments
+
+    from transformers_air import NEWEST, AirTrainer, AirTrainerCallback
+
+    logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
+    logging.getLogger("air_core.tiers").setLevel(logging.INFO)
+    work = Path(args.worker)
+    w = args.width
+    kills = {int(s) for s in args.kill_at.split(",") if s}
+
+    class Mlp(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            nn = torch.nn
+            self.net = nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w))
+
+        def forward(self, x: torch.Tensor) -> dict:
+            return {"loss": self.net(x).pow(2).mean()}
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.x = torch.randn(512, w)
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"x": self.x[i]}
+
+    class Steps(TrainerCallback):
+        """Each step's row in the steps log; the seeded kills; the 'device' wait after the backward."""
+
+        def __init__(self) -> None:
+            self.log = open(work / "steps-node.jsonl", "a")  # noqa: SIM115  # closed at exit
+            self.t0 = 0.0
+
+        def on_step_begin(self, targs, state, control, **kwargs) -> None:
+            _maybe_die(work, state.global_step + 1, kills, "")
+            self.t0 = time.perf_counter()
+
+        def on_pre_optimizer_step(self, targs, state, control, **kwargs) -> None:
+            if args.device_ms:
+                time.sleep(args.device_ms / 1000)  # the device's share of the step: the host's cores idle
+
+        def on_step_end(self, targs, state, control, **kwargs) -> None:
+            row = {"step": state.global_step, "t": time.time(), "d": time.perf_counter() - self.t0}
+            self.log.write(json.dumps(row | {"pid": os.getpid(), "world": targs.world_size}) + "\n")
+            self.log.flush()
+
+    torch.manual_seed(0)
+    training = TrainingArguments(
+        str(work / "root"),
+        per_device_train_batch_size=16,
+        max_steps=args.steps,
+        save_steps=args.remote_every,
+        save_total_limit=2,
+        learning_rate=1e-4,
+        logging_steps=1000,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=2,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
+    air = AirTrainerCallback(
+        staging_dir=str(work / "nvme-node"),
+        mlflow=False,
+        preflight=False,
+        straggler_threshold=None,
+        flush_timeout_seconds=10,
+        hang_timeout_seconds=60,
+        local_every_n_steps=args.local_every or None,
+        local_dir=os.path.join(args.local_dir or str(work), f"local-{work.name}-node"),
+    )
+    started = time.time()
+    # Steps first: its 'device' wait comes before the session's gate at the optimizer step, as a GPU's
+    # backward runs on while the host waits there (the Accelerate job sleeps before optimizer.step()).
+    trainer = AirTrainer(Mlp(), training, train_dataset=Rows(), callbacks=[Steps(), air])
+    trainer.train(resume_from_checkpoint=NEWEST)
+    session = air.last_session
+    assert session is not None and session.goodput is not None
+    records = session.records
+    stats = {
+        "pid": os.getpid(),
+        "started": started,
+        "restores": [
+            {"tier": r.tier, "seconds": r.seconds, "bytes": r.bytes, "step": r.step} for r in records.restores
+        ],
+        "blocking": [r.blocking_seconds for r in records.saves if not r.error],
+        "goodput": session.goodput.goodput,
+        "goodput_report": session.goodput.report(),
+    }
+    (work / "stats.json").write_text(json.dumps(stats))
+
+
 def _maybe_die(work: Path, step: int, kills: set[int], node_loss: str) -> None:
     """SIGKILL before ``step`` if it is a failure step not yet taken (a marker per step); with
     ``node_loss`` (a node name) only on that node, taking its torchrun agent along."""
@@ -174,6 +282,8 @@ def _job_args(args: argparse.Namespace, local_every: int, kill_at: list[int]) ->
     every = ["--remote-every", str(args.remote_every), "--local-every", str(local_every)]
     kills = ["--kill-at", ",".join(map(str, kill_at))]
     return [
+        "--adapter",
+        args.adapter,
         "--steps",
         str(args.steps),
         "--width",
@@ -390,13 +500,20 @@ def main() -> None:
     )
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else ""
     p.add_argument("--local-dir", default=shm, help="the tier's disk (default /dev/shm; '': beside the root)")
+    p.add_argument(
+        "--adapter",
+        choices=("accelerate", "transformers"),
+        default="accelerate",
+        help="the job's framework: AirAccelerator (default) or transformers' AirTrainer (no node loss: "
+        "Trainer has no elastic resume)",
+    )
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--kill-at", default="", help=argparse.SUPPRESS)
     p.add_argument("--node-loss", default="", help=argparse.SUPPRESS)
     p.add_argument("--transfer", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        return worker(args)
+        return trainer_worker(args) if args.adapter == "transformers" else worker(args)
     if args.transfer:
         import torch.multiprocessing as mp
 
@@ -420,7 +537,8 @@ def main() -> None:
         args.local_dir = tempfile.mkdtemp(prefix="air-goodput-local-", dir=args.local_dir)
     try:
         print(f"{args.steps} steps, width {args.width}, root every {args.remote_every}, local every {k}; "
-              f"failures before steps {kill_at}; node B lost before step {node_at}"
+              f"failures before steps {kill_at}"
+              + (f"; node B lost before step {node_at}" if args.adapter == "accelerate" else "")
               + (f"; each step waits {args.device_ms:g} ms for a 'device'" if args.device_ms else ""),
               flush=True)  # fmt: skip
         sweep = (k, 4 * k, 8 * k)  # the slowdown falls as the local saves grow apart (8K: 10+ snapshots)
@@ -441,7 +559,7 @@ def main() -> None:
         two["step_slowdown"] = slowdown[k]
         local_saves = args.clean_steps // k
         cpu_per_save = (clean[k]["cpu_seconds"] - clean[0]["cpu_seconds"]) / local_saves
-        lost_node = node_loss(args, root, k, node_at)
+        lost_node = node_loss(args, root, k, node_at) if args.adapter == "accelerate" else None
         own = local_restore_speed(64 if quick else 512, Path(args.local_dir or root))
         partner = transfer_speed(64 if quick else 512, args.local_dir or str(root))
         for name, r in results.items():
@@ -461,9 +579,11 @@ def main() -> None:
         print(
             f"CPU per local save (K = {k}): {cpu_per_save * 1e3:.0f} ms (all processes, {local_saves} saves)"
         )
-        print(
-            f"node loss: recovered from {lost_node['recovered_from']}, {lost_node['lost_steps']} steps lost"
-        )
+        if lost_node is not None:
+            tier, lost = lost_node["recovered_from"], lost_node["lost_steps"]
+            print(f"node loss: recovered from {tier}, {lost} steps lost")
+        else:  # it would resume on one process; a replaced node is tests/transformers/test_crash_resume.py's
+            print("node loss: not run (AirTrainer has no elastic resume)")
         print(
             f"restore from the own local tier: {own['restore_seconds']:.3f} s vs torch.load "
             f"{own['torch_load_seconds']:.3f} s of {own['bytes'] >> 20} MiB: {own['ratio']:.2f}x"
@@ -479,11 +599,14 @@ def main() -> None:
                 "local_every": k,
                 "remote_every": args.remote_every,
                 "device_ms": args.device_ms,
+                "adapter": args.adapter,
                 "remote_only": {k_: remote[k_] for k_ in ("lost_steps_per_failure", "goodput")},
                 "two_tier": {k_: two[k_] for k_ in ("lost_steps_per_failure", "goodput", "step_slowdown")}
                 | {"slowdown_by_local_every": slowdown, "snapshot_times_apart": apart}
                 | {"cpu_seconds_per_local_save": cpu_per_save},
-                "node_loss": {k_: lost_node[k_] for k_ in ("recovered_from", "lost_steps")},
+                "node_loss": {k_: lost_node[k_] for k_ in ("recovered_from", "lost_steps")}
+                if lost_node
+                else None,
                 "restore": {"own_local_vs_torch_load": own["ratio"], "partner_vs_loopback": partner["ratio"]},
             }
             print(json.dumps(summary))
