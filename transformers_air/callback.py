@@ -147,6 +147,12 @@ class AirTrainerCallback(TrainerCallback):
     def bind(self, trainer: Trainer) -> None:
         """Called by ``AirTrainerMixin.__init__``: check what the trainer is set to, before any step."""
         check_supported(trainer)
+        if self.session_config.local_every_n_steps and trainer.args.save_only_model:
+            raise ConfigError(
+                "AirTrainerCallback(local_every_n_steps=...) with TrainingArguments(save_only_model=True): "
+                "a local checkpoint is only for resuming, which a save without the optimizer, scheduler "
+                "and RNG cannot do. Set save_only_model=False, or local_every_n_steps=None."
+            )
         self._trainer = trainer
         root = self.root_of(trainer.args)
         made = trainer.args.output_dir

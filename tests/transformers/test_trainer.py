@@ -166,6 +166,14 @@ def test_bad_settings_fail_when_the_callback_is_built():
         AirTrainerCallback(local_every_n_steps=3)
 
 
+def test_the_local_tier_with_save_only_model_fails_when_the_trainer_is_built(tmp_path):
+    """A local checkpoint exists to resume from; one without optimizer, scheduler and RNG cannot."""
+    air = AirTrainerCallback(mlflow=False, local_every_n_steps=2, local_dir=str(tmp_path / "local"))
+    args = arguments(tmp_path / "run", save_only_model=True)
+    with pytest.raises(ConfigError, match="save_only_model=False, or local_every_n_steps=None"):
+        AirTrainer(tiny_gpt2(), args, train_dataset=Plain(), callbacks=[air])
+
+
 def test_newest_starts_fresh_with_nothing_saved_where_true_raises_as_stock(tmp_path):
     """``NEWEST`` looks in the local tier and the root and starts fresh when both are empty; ``True`` looks
     in both too, and with nothing saved raises stock's error. (A resume from the tier itself, newer than
