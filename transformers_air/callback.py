@@ -204,8 +204,10 @@ class AirTrainerCallback(TrainerCallback):
         commit, else ``latest_checkpoint`` of the root), or None when nothing was saved anywhere."""
         session, ckpt = self.session, self._ckpt
         assert session is not None and ckpt is not None  # begin() ran
-        latest = ckpt.latest()
-        resumed = session.recover(latest.step if latest is not None else None)
+        resumed = None
+        if self.session_config.local_every_n_steps:  # does the tier hold a state newer than the root's?
+            latest = ckpt.latest()
+            resumed = session.recover(latest.step if latest is not None else None)
         if resumed is None:
             folder = latest_checkpoint(
                 ckpt.config.root,
