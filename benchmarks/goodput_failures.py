@@ -60,6 +60,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = str(Path(__file__).resolve().parent.parent)
 sys.path.insert(0, REPO)  # tests/torchrun_nodes.py: the two "nodes"
@@ -95,8 +96,7 @@ def worker(args: argparse.Namespace) -> None:
     accelerator = AirAccelerator(air_plugin=plugin, cpu=True)
     torch.manual_seed(0)
     w = args.width
-    nn = torch.nn
-    model = nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w))
+    model = _layers(w)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = TensorDataset(torch.randn(512, w))  # the same at every world size (an elastic resume checks)
     loader = DataLoader(data, batch_size=16, shuffle=True, num_workers=2)
@@ -126,19 +126,30 @@ def worker(args: argparse.Namespace) -> None:
                 break
     accelerator.end_training()
     if accelerator.is_main_process:
-        records = accelerator.air_records
-        stats = {
-            "pid": os.getpid(),
-            "started": started,
-            "restores": [
-                {"tier": r.tier, "seconds": r.seconds, "bytes": r.bytes, "step": r.step}
-                for r in records.restores
-            ],  # fmt: skip
-            "blocking": [r.blocking_seconds for r in records.saves if not r.error],
-            "goodput": accelerator.air_goodput.goodput,
-            "goodput_report": accelerator.air_goodput.report(),
-        }
-        (work / "stats.json").write_text(json.dumps(stats))
+        _write_stats(work, started, accelerator.air_records, accelerator.air_goodput)
+
+
+def _layers(width: int) -> Any:
+    """The job's model: three linear layers of ``width`` (the same in both adapters' jobs)."""
+    from torch import nn
+
+    w = width
+    return nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w))
+
+
+def _write_stats(work: Path, started: float, records: Any, goodput: Any) -> None:
+    """Process 0's ``stats.json`` of one launch: its restores, its root saves' blocking, the goodput."""
+    stats = {
+        "pid": os.getpid(),
+        "started": started,
+        "restores": [
+            {"tier": r.tier, "seconds": r.seconds, "bytes": r.bytes, "step": r.step} for r in records.restores
+        ],
+        "blocking": [r.blocking_seconds for r in records.saves if not r.error],
+        "goodput": goodput.goodput,
+        "goodput_report": goodput.report(),
+    }
+    (work / "stats.json").write_text(json.dumps(stats))
 
 
 def trainer_worker(args: argparse.Namespace) -> None:
@@ -161,8 +172,7 @@ def trainer_worker(args: argparse.Namespace) -> None:
     class Mlp(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            nn = torch.nn
-            self.net = nn.Sequential(nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w))
+            self.net = _layers(w)
 
         def forward(self, x: torch.Tensor) -> dict:
             return {"loss": self.net(x).pow(2).mean()}
@@ -230,18 +240,7 @@ def trainer_worker(args: argparse.Namespace) -> None:
     trainer.train(resume_from_checkpoint=NEWEST)
     session = air.last_session
     assert session is not None and session.goodput is not None
-    records = session.records
-    stats = {
-        "pid": os.getpid(),
-        "started": started,
-        "restores": [
-            {"tier": r.tier, "seconds": r.seconds, "bytes": r.bytes, "step": r.step} for r in records.restores
-        ],
-        "blocking": [r.blocking_seconds for r in records.saves if not r.error],
-        "goodput": session.goodput.goodput,
-        "goodput_report": session.goodput.report(),
-    }
-    (work / "stats.json").write_text(json.dumps(stats))
+    _write_stats(work, started, session.records, session.goodput)
 
 
 def _maybe_die(work: Path, step: int, kills: set[int], node_loss: str) -> None:
