@@ -30,6 +30,9 @@ Checked by reading the source of transformers 5.24.0 and by ``tests/transformers
 - ``transformers.modeling_utils.safe_save_file``: ``save_pretrained`` writes each weight shard through
   it. Replaced only while ``layout.model_files`` runs ``save_model`` into a scratch folder, so the
   shards' tensors are captured (and written later by the writer thread) instead of written.
+- ``safetensors.torch.save_file``, as ``Trainer._save`` calls it: a model that is no ``PreTrainedModel``
+  has its state dict written through it (``model.safetensors``). Replaced, as above, only while
+  ``layout.model_files`` runs, and only for the thread running it.
 """
 
 from __future__ import annotations
@@ -77,6 +80,11 @@ SAFE_SAVE_FILE = _transformers(
     "transformers.modeling_utils.safe_save_file",
     "save_pretrained writes each weight shard through it, and has no option that returns the shards "
     "instead of writing them",
+)
+TRAINER_SAVE_FILE = _transformers(
+    "safetensors.torch.save_file",
+    "Trainer._save writes the state dict of a model that is no PreTrainedModel through it, with no "
+    "option that returns the tensors instead of writing them",
 )
 
 MLFLOW_LOG_ARTIFACTS = _transformers(

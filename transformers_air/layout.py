@@ -5,9 +5,10 @@ tokenizer's files, ``training_args.bin``, ``optimizer.pt``, ``scheduler.pt``, ``
 ``rng_state.pth`` / ``rng_state_<r>.pth``, ``trainer_state.json``) is what lets a stock
 ``Trainer.train(resume_from_checkpoint=folder)`` and ``from_pretrained(folder)`` read a downloaded
 checkpoint. The model's files come from transformers' own ``save_model`` run into a scratch folder, with
-the weight shards captured rather than written (``internals.SAFE_SAVE_FILE``): every rule of
-``save_pretrained`` (tied weights, shards, weight-name conversions, configs) stays transformers'. The
-shards become ``air_core.formats.safetensors_file`` bundles that the writer thread writes. Only what a
+the weight files captured rather than written (``internals.SAFE_SAVE_FILE``, ``TRAINER_SAVE_FILE``):
+every rule of ``save_pretrained`` (tied weights, shards, weight-name conversions, configs) stays
+transformers'. The weight files become ``air_core.formats.safetensors_file`` bundles that the writer
+thread writes. Only what a
 process would write is built: process 0 the shared files, every process its RNG file.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -30,7 +32,7 @@ from accelerate_air.layout import written_in
 from air_core.formats import safetensors_file
 from air_core.session import raw_from_safe
 
-from .internals import SAFE_SAVE_FILE, module_function
+from .internals import SAFE_SAVE_FILE, TRAINER_SAVE_FILE, module_function
 
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
@@ -49,28 +51,44 @@ def rng_file(rank: int, world_size: int) -> str:
     return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
 
 
+Shards = dict[str, tuple[dict[str, torch.Tensor], dict[str, str] | None]]
+
+
 @contextlib.contextmanager
-def _captured_shards() -> Iterator[dict[str, tuple[dict[str, torch.Tensor], dict[str, str] | None]]]:
-    """While inside, ``save_pretrained``'s shard writes are recorded (file name -> tensors, metadata)."""
-    module, name = module_function(SAFE_SAVE_FILE)
-    shards: dict[str, tuple[dict[str, torch.Tensor], dict[str, str] | None]] = {}
-
-    def capture(
-        tensors: dict[str, torch.Tensor], filename: str, metadata: dict[str, str] | None = None
-    ) -> None:
-        shards[os.path.basename(filename)] = (dict(tensors), metadata)
-
+def _captured_shards() -> Iterator[Shards]:
+    """While inside, this thread's safetensors writes in ``save_model`` (``save_pretrained``'s shards, a
+    plain module's ``model.safetensors``) are recorded (file name -> tensors, metadata), not written.
+    Other threads' writes go through: the functions are module-level, and only this call is ours."""
+    shards: Shards = {}
+    ours = threading.get_ident()
+    patched = [module_function(touch) for touch in (SAFE_SAVE_FILE, TRAINER_SAVE_FILE)]
     with _capture_lock:
-        original = getattr(module, name)
-        setattr(module, name, capture)
+        originals = [getattr(module, name) for module, name in patched]
+        for (module, name), original in zip(patched, originals, strict=True):
+            setattr(module, name, functools.partial(_capture, shards, ours, original))
         try:
             yield shards
         finally:
-            setattr(module, name, original)
+            for (module, name), original in zip(patched, originals, strict=True):
+                setattr(module, name, original)
+
+
+def _capture(
+    shards: Shards,
+    thread: int,
+    original: Any,
+    tensors: dict[str, torch.Tensor],
+    filename: str,
+    metadata: dict[str, str] | None = None,
+) -> None:
+    if threading.get_ident() != thread:
+        return original(tensors, filename, metadata=metadata)
+    shards[os.path.basename(filename)] = (dict(tensors), metadata)
+    return None
 
 
 def model_files(trainer: Trainer) -> dict[str, Any]:
-    """What ``trainer.save_model(checkpoint_folder)`` writes: weight shards as safetensors bundles of the
+    """What ``trainer.save_model(checkpoint_folder)`` writes: weight files as safetensors bundles of the
     live tensors (the snapshot copies them), every other file as its bytes."""
     with tempfile.TemporaryDirectory(prefix="air-model-") as scratch, _captured_shards() as shards:
         trainer.save_model(scratch, _internal_call=True)

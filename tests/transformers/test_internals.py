@@ -49,6 +49,12 @@ def test_save_pretrained_writes_its_shards_through_safe_save_file():
     assert "safe_save_file(" in inspect.getsource(modeling_utils.PreTrainedModel.save_pretrained)
 
 
+def test_trainer_saves_a_plain_module_through_safetensors_save_file():
+    """The capture in layout.model_files relies on it for a model that is no PreTrainedModel."""
+    internals.module_function(internals.TRAINER_SAVE_FILE)
+    assert "safetensors.torch.save_file(" in inspect.getsource(Trainer._save)
+
+
 def test_mlflow_callback_keeps_whether_it_logs_checkpoint_artifacts():
     """Off until its setup reads HF_MLFLOW_LOG_ARTIFACTS (AirTrainer saves only after that)."""
     from transformers.integrations import MLflowCallback

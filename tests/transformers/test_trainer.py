@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
+import safetensors.torch
 import torch
+from safetensors.torch import load_file
 from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
 from air_core import AsyncCheckpointer, ConfigError
 from tests.transformers.job import Tokens, tiny_gpt2
 from transformers_air import NEWEST, AirTrainer, AirTrainerCallback, latest_checkpoint
+from transformers_air.layout import model_files
 
 
 def arguments(out, **overrides) -> TrainingArguments:
@@ -77,6 +81,77 @@ def test_a_committed_checkpoint_resumes_in_stock_trainer_as_its_own_and_loads_wi
     assert all(torch.equal(from_ours[k], v) for k, v in from_stock.items()), "stock resumes ours as its own"
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "air/checkpoint-6")
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in ours.model.state_dict().items())
+
+
+class Bag(torch.nn.Module):
+    """A model that is no ``PreTrainedModel``: stock ``Trainer`` saves its state dict alone, through
+    ``safetensors.torch.save_file``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(96, 16)
+        self.head = torch.nn.Linear(16, 96)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
+        logits = self.head(self.embed(input_ids))
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+def test_a_plain_module_s_weights_are_snapshotted_not_written_and_stock_resumes_them(tmp_path):
+    """``save_model`` of a plain module writes ``model.safetensors`` through ``safetensors.torch.save_file``;
+    ours builds it from the live tensors (the snapshot copies them; the writer thread writes the file),
+    so a save costs the loop a copy, not a serialization, and stock still resumes it as its own."""
+    trainer = AirTrainer(Bag(), arguments(tmp_path / "probe"), train_dataset=Plain(), callbacks=[quiet()])
+    bundle = model_files(trainer)["model.safetensors"]
+    live = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    assert bundle.raw and {t.untyped_storage().data_ptr() for t in bundle.items[1:]} == live
+
+    ours = AirTrainer(Bag(), arguments(tmp_path / "air"), train_dataset=Plain(), callbacks=[quiet()])
+    ours.train()
+    stock = Trainer(Bag(), arguments(tmp_path / "stock"), train_dataset=Plain())
+    stock.train()
+    mine, theirs = tmp_path / "air/checkpoint-3", tmp_path / "stock/checkpoint-3"
+    assert {p.name for p in mine.iterdir()} - {"air-rank-00000.pt"} == {p.name for p in theirs.iterdir()}
+    assert load_file(mine / "model.safetensors").keys() == load_file(theirs / "model.safetensors").keys()
+    resumed = {}
+    for folder in (mine, theirs):
+        again = Trainer(Bag(), arguments(tmp_path / f"again-{folder.parent.name}"), train_dataset=Plain())
+        again.train(resume_from_checkpoint=str(folder))
+        resumed[folder] = weights(again.model)
+    assert all(torch.equal(resumed[mine][k], v) for k, v in resumed[theirs].items()), "resumed as its own"
+    assert all(torch.equal(ours.model.state_dict()[k], v) for k, v in stock.model.state_dict().items())
+
+
+def test_another_thread_s_safetensors_write_during_a_capture_is_written(tmp_path):
+    """The capture replaces module-level functions for the saving thread only: a safetensors file that
+    another thread writes meanwhile (a data pipeline, another trainer) reaches its disk."""
+    trainer = AirTrainer(Bag(), arguments(tmp_path / "probe"), train_dataset=Plain(), callbacks=[quiet()])
+    target = tmp_path / "other.safetensors"
+    entered, written = threading.Event(), threading.Event()
+
+    def other() -> None:
+        entered.wait(30)
+        safetensors.torch.save_file({"x": torch.ones(3)}, str(target))
+        written.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    original = Bag.state_dict
+
+    def state_dict(self, *args, **kwargs):  # called inside save_model, while the capture is on
+        entered.set()
+        assert written.wait(30)
+        return original(self, *args, **kwargs)
+
+    Bag.state_dict = state_dict
+    try:
+        files = model_files(trainer)
+    finally:
+        Bag.state_dict = original
+        thread.join()
+    assert torch.equal(load_file(target)["x"], torch.ones(3)), "the other thread's file was written"
+    assert "model.safetensors" in files
 
 
 def test_save_total_limit_keeps_the_folders_stock_keeps_and_the_best_model_loads_at_the_end(tmp_path):
