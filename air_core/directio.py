@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20
 """Bytes per write system call (larger chunks measured no faster, smaller ones cost more calls)."""
+_GATHER_BYTES = 64 << 10
+"""Writes through the page cache smaller than this are gathered into one system call."""
 COPY_CHUNK_BYTES = 1 << 20
 """Bytes per read and write of ``copy_file``: it holds two such buffers (one per parallel transfer)."""
 _ALIGN = 4096
@@ -63,6 +65,7 @@ class DirectFile(io.RawIOBase):
         self._chunk = chunk_bytes
         self._view = _aligned_buffer(chunk_bytes) if self._direct else memoryview(b"")
         self._fill = 0
+        self._gathered = bytearray()
         self._tick = tick or (lambda: None)
         self.crc = 0
         self.size = 0
@@ -73,14 +76,15 @@ class DirectFile(io.RawIOBase):
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         self.crc = zlib.crc32(view, self.crc)  # one call per buffer: zlib releases the GIL for it
+        if self._direct:
+            self._into_buffer(view)
+        else:
+            self._through(view)
+        self.size += len(view)
+        return len(view)
+
+    def _into_buffer(self, view: memoryview) -> None:
         done = 0
-        while not self._direct and done < len(view):  # through the page cache: no copy of ours
-            n = os.write(self._fd, view[done : done + self._chunk - self._fill])
-            done += n
-            self._fill += n  # the chunk's bytes written so far: a tick per chunk, as the direct path
-            if self._fill == self._chunk:
-                self._fill = 0
-                self._tick()
         while done < len(view):
             n = min(self._chunk - self._fill, len(view) - done)
             self._view[self._fill : self._fill + n] = view[done : done + n]
@@ -88,11 +92,37 @@ class DirectFile(io.RawIOBase):
             done += n
             if self._fill == self._chunk:
                 self._write_buffer(self._chunk)
-        self.size += len(view)
-        return len(view)
+
+    def _through(self, view: memoryview) -> None:
+        """Through the page cache: a large buffer is written from where it is (no copy of ours); small
+        ones (``torch.save``'s headers and records, hundreds per file) are gathered into one system
+        call."""
+        if len(view) < _GATHER_BYTES:
+            self._gathered += view
+            if len(self._gathered) >= _GATHER_BYTES:
+                self._write_gathered()
+            return
+        self._write_gathered()
+        self._write_through(view)
+
+    def _write_gathered(self) -> None:
+        if self._gathered:
+            gathered, self._gathered = self._gathered, bytearray()
+            self._write_through(memoryview(gathered))
+
+    def _write_through(self, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            n = os.write(self._fd, view[done : done + self._chunk - self._fill])
+            done += n
+            self._fill += n  # the chunk's bytes written so far: a tick per chunk, as the direct path
+            if self._fill == self._chunk:
+                self._fill = 0
+                self._tick()
 
     def finish(self, *, fsync: bool) -> None:
         """Write what is buffered, cut the file to its size, and fsync it if asked."""
+        self._write_gathered()
         if self._fill and not self._direct:
             self._fill = 0
             self._tick()

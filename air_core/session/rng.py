@@ -60,8 +60,10 @@ def safe_rng(raw: RawRng) -> dict[str, Any]:
     """``raw`` as tensors and plain values (what ``torch.load(weights_only=True)`` accepts)."""
     python, numpy_state, torch_state = raw
     kind, keys, pos, has_gauss, cached = cast(tuple, numpy_state)
+    version, internal, gauss = python
     return {
-        "python": python,
+        # the 625 words as one tensor: as a tuple, torch.save's pickler makes a Python call for each
+        "python": (version, torch.tensor(internal, dtype=torch.int64), gauss),
         "numpy": {
             "kind": kind,
             "keys": torch.from_numpy(keys.astype(np.int64)),
@@ -75,7 +77,7 @@ def safe_rng(raw: RawRng) -> dict[str, Any]:
 
 def raw_from_safe(state: dict[str, Any]) -> RawRng:
     """The inverse of ``safe_rng``."""
-    version, internal, gauss = state["python"]  # a weights_only round trip may make the inner tuple a list
+    version, internal, gauss = state["python"]  # older checkpoints: a tuple (a list once loaded)
     n = state["numpy"]
     numpy_state = (
         n["kind"],
@@ -84,7 +86,8 @@ def raw_from_safe(state: dict[str, Any]) -> RawRng:
         n["has_gauss"],
         n["cached_gaussian"],
     )
-    return (version, tuple(internal), gauss), numpy_state, state["torch"]
+    words = internal.tolist() if isinstance(internal, torch.Tensor) else internal
+    return (version, tuple(words), gauss), numpy_state, state["torch"]
 
 
 def capture_rng() -> dict[str, Any]:

@@ -29,6 +29,18 @@ def test_restore_rng_replays_every_generator_after_a_weights_only_round_trip(tmp
     assert [_draws() for _ in range(3)] == expected
 
 
+def test_an_older_checkpoint_s_python_rng_as_a_list_still_restores(tmp_path):
+    """Before the words became one tensor, python's state was saved as its tuple (a list once loaded)."""
+    random.seed(1)
+    state = capture_rng()
+    expected = [_draws() for _ in range(3)]
+    version, words, gauss = state["python"]
+    state["python"] = (version, words.tolist(), gauss)
+    torch.save(state, tmp_path / "old.pt")
+    restore_rng(torch.load(tmp_path / "old.pt", weights_only=True))
+    assert [_draws() for _ in range(3)] == expected
+
+
 class Noisy:
     """Map-style samples whose augmentation comes from the global RNGs of whoever reads them (the
     training thread with num_workers=0, else a loader worker); counts reads on the training thread."""
