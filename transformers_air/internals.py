@@ -2,7 +2,7 @@
 
 ``Trainer`` has callback hooks around a checkpoint save (``on_save``, after it) but none that replaces
 how one is written, loaded, or how the data is skipped on resume. ``AirTrainerMixin`` overrides three
-private methods where that happens, and replaces two module-level functions on the calls that need it.
+private methods where that happens, and replaces four module-level functions on the calls that need it.
 Checked by reading the source of transformers 5.24.0 and by ``tests/transformers/test_internals.py`` with
 ``test_trainer.py`` against 5.2.0 (the floor in ``pyproject.toml``: 5.0 and 5.1 have no module-level
 ``sort_checkpoints``) and the installed release:

@@ -8,8 +8,8 @@ checkpoint. The model's files come from transformers' own ``save_model`` run int
 the weight files captured rather than written (``internals.SAFE_SAVE_FILE``, ``TRAINER_SAVE_FILE``):
 every rule of ``save_pretrained`` (tied weights, shards, weight-name conversions, configs) stays
 transformers'. The weight files become ``air_core.formats.safetensors_file`` bundles that the writer
-thread writes. Only what a
-process would write is built: process 0 the shared files, every process its RNG file.
+thread writes. Only what a process would write is built: process 0 the shared files, every process its
+RNG file.
 """
 
 from __future__ import annotations

@@ -29,7 +29,13 @@ def test_a_changed_method_fails_naming_itself():
 
 
 @pytest.mark.parametrize(
-    "touch", [internals.SKIP_FIRST_BATCHES, internals.SAFE_SAVE_FILE, internals.SORT_CHECKPOINTS]
+    "touch",
+    [
+        internals.SKIP_FIRST_BATCHES,
+        internals.SAFE_SAVE_FILE,
+        internals.TRAINER_SAVE_FILE,
+        internals.SORT_CHECKPOINTS,
+    ],
 )
 def test_the_replaced_module_functions_are_there_and_called_as_expected(touch):
     module, name = internals.module_function(touch)
@@ -37,6 +43,7 @@ def test_the_replaced_module_functions_are_there_and_called_as_expected(touch):
     expected = {
         "skip_first_batches": ["dataloader", "num_batches"],
         "safe_save_file": ["tensors", "filename"],
+        "save_file": ["tensors", "filename"],
         "sort_checkpoints": ["output_dir", "checkpoint_prefix"],
     }
     assert params[:2] == expected[name]
@@ -51,7 +58,6 @@ def test_save_pretrained_writes_its_shards_through_safe_save_file():
 
 def test_trainer_saves_a_plain_module_through_safetensors_save_file():
     """The capture in layout.model_files relies on it for a model that is no PreTrainedModel."""
-    internals.module_function(internals.TRAINER_SAVE_FILE)
     assert "safetensors.torch.save_file(" in inspect.getsource(Trainer._save)
 
 
