@@ -61,24 +61,28 @@ def weights(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_a_committed_checkpoint_resumes_in_stock_trainer_as_its_own_and_loads_with_from_pretrained(tmp_path):
-    ours = AirTrainer(tiny_gpt2(), arguments(tmp_path / "air"), train_dataset=Plain(), callbacks=[quiet()])
+def stock_resumes_ours_as_its_own(tmp_path, model) -> AirTrainer:
+    """Train ``model()`` with ``AirTrainer`` and with stock ``Trainer`` side by side: the same files in
+    ``checkpoint-3`` (ours adds its rank file), the same final weights, and stock resumed from either
+    folder ends with the same weights. Returns our trainer."""
+    ours = AirTrainer(model(), arguments(tmp_path / "air"), train_dataset=Plain(), callbacks=[quiet()])
     ours.train()
-    stock = Trainer(tiny_gpt2(), arguments(tmp_path / "stock"), train_dataset=Plain())
+    stock = Trainer(model(), arguments(tmp_path / "stock"), train_dataset=Plain())
     stock.train()
     mine, theirs = tmp_path / "air/checkpoint-3", tmp_path / "stock/checkpoint-3"
     assert {p.name for p in mine.iterdir()} - {"air-rank-00000.pt"} == {p.name for p in theirs.iterdir()}
     assert all(torch.equal(ours.model.state_dict()[k], v) for k, v in stock.model.state_dict().items())
+    resumed = {}
+    for folder in (mine, theirs):
+        again = Trainer(model(), arguments(tmp_path / f"again-{folder.parent.name}"), train_dataset=Plain())
+        again.train(resume_from_checkpoint=str(folder))
+        resumed[folder] = weights(again.model)
+    assert all(torch.equal(resumed[mine][k], v) for k, v in resumed[theirs].items()), "resumed as its own"
+    return ours
 
-    def resumed(folder) -> dict:
-        trainer = Trainer(
-            tiny_gpt2(), arguments(tmp_path / f"again-{folder.parent.name}"), train_dataset=Plain()
-        )
-        trainer.train(resume_from_checkpoint=str(folder))
-        return weights(trainer.model)
 
-    from_ours, from_stock = resumed(mine), resumed(theirs)
-    assert all(torch.equal(from_ours[k], v) for k, v in from_stock.items()), "stock resumes ours as its own"
+def test_a_committed_checkpoint_resumes_in_stock_trainer_as_its_own_and_loads_with_from_pretrained(tmp_path):
+    ours = stock_resumes_ours_as_its_own(tmp_path, tiny_gpt2)
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "air/checkpoint-6")
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in ours.model.state_dict().items())
 
@@ -107,20 +111,9 @@ def test_a_plain_module_s_weights_are_snapshotted_not_written_and_stock_resumes_
     live = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
     assert bundle.raw and {t.untyped_storage().data_ptr() for t in bundle.items[1:]} == live
 
-    ours = AirTrainer(Bag(), arguments(tmp_path / "air"), train_dataset=Plain(), callbacks=[quiet()])
-    ours.train()
-    stock = Trainer(Bag(), arguments(tmp_path / "stock"), train_dataset=Plain())
-    stock.train()
-    mine, theirs = tmp_path / "air/checkpoint-3", tmp_path / "stock/checkpoint-3"
-    assert {p.name for p in mine.iterdir()} - {"air-rank-00000.pt"} == {p.name for p in theirs.iterdir()}
-    assert load_file(mine / "model.safetensors").keys() == load_file(theirs / "model.safetensors").keys()
-    resumed = {}
-    for folder in (mine, theirs):
-        again = Trainer(Bag(), arguments(tmp_path / f"again-{folder.parent.name}"), train_dataset=Plain())
-        again.train(resume_from_checkpoint=str(folder))
-        resumed[folder] = weights(again.model)
-    assert all(torch.equal(resumed[mine][k], v) for k, v in resumed[theirs].items()), "resumed as its own"
-    assert all(torch.equal(ours.model.state_dict()[k], v) for k, v in stock.model.state_dict().items())
+    stock_resumes_ours_as_its_own(tmp_path, Bag)
+    kept = load_file(tmp_path / "air/checkpoint-3/model.safetensors")
+    assert kept.keys() == load_file(tmp_path / "stock/checkpoint-3/model.safetensors").keys()
 
 
 def test_another_thread_s_safetensors_write_during_a_capture_is_written(tmp_path):
