@@ -69,6 +69,8 @@ class DirectFile(io.RawIOBase):
         self._tick = tick or (lambda: None)
         self.crc = 0
         self.size = 0
+        self.error: OSError | None = None
+        """The first write that failed (a caller such as ``torch.save`` may report it as something else)."""
 
     def writable(self) -> bool:
         return True
@@ -76,10 +78,14 @@ class DirectFile(io.RawIOBase):
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         self.crc = zlib.crc32(view, self.crc)  # one call per buffer: zlib releases the GIL for it
-        if self._direct:
-            self._into_buffer(view)
-        else:
-            self._through(view)
+        try:
+            if self._direct:
+                self._into_buffer(view)
+            else:
+                self._through(view)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
         self.size += len(view)
         return len(view)
 

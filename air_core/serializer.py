@@ -68,14 +68,26 @@ def serialize_file(state: Any, path: str, *, fsync: bool, tick: Callable[[], Non
                 elif isinstance(item, torch.Tensor):
                     # torch.save writes a tensor's whole storage: a view into a larger one is copied out
                     tensor = item if item.untyped_storage().nbytes() == item.nbytes else item.clone()
-                    torch.save(tensor, cast(IO[bytes], w))
+                    _torch_save(tensor, w)
                 else:
                     w.write(item)
                 extents.append((start, w.size - start))
         else:
-            torch.save(state, cast(IO[bytes], w))
+            _torch_save(state, w)
         w.finish(fsync=fsync)
     return Written(w.size, w.crc, tuple(extents))
+
+
+def _torch_save(state: Any, w: DirectFile) -> None:
+    """``torch.save`` into ``w``. A write that fails in the middle of one of its records comes out of
+    torch's zip writer as a RuntimeError ("unexpected pos") that hides the OSError (ENOSPC, EIO): the
+    write's own error is raised instead."""
+    try:
+        torch.save(state, cast(IO[bytes], w))
+    except RuntimeError as exc:
+        if w.error is None:
+            raise
+        raise w.error from exc
 
 
 def raw_bytes(tensor: torch.Tensor) -> Any:
