@@ -11,6 +11,7 @@ full state it produced to ROOT/../loaded-<world>.pt).
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -56,6 +57,7 @@ class DieWhileWriting:
 
 
 def main() -> None:
+    faulthandler.enable()  # a hung rank that the test aborts prints every thread's stack
     rank, world, root, init_file, mode = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:6]
     arg = int(sys.argv[6]) if len(sys.argv) > 6 else -1
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -44,8 +45,15 @@ def _run(
         for r in range(world)
     ]
     outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=180)
+    for rank, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for q in procs:  # the workers enable faulthandler: SIGABRT prints each thread's stack
+                if q.poll() is None:
+                    q.send_signal(signal.SIGABRT)
+            out, err = p.communicate(timeout=30)
+            pytest.fail(f"rank {rank} of {mode} hung for 180 s; its output:\n{out}\n{err[-8000:]}")
         outs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     return outs
 
