@@ -9,7 +9,10 @@ mounts, tmpfs before Linux 6.6) the file goes through the page cache instead, lo
 bytes and the same fsync, only more CPU. A filesystem in memory (tmpfs, ramfs: ``/dev/shm``, the local
 tier's usual disk) is written straight through without asking: its pages are the file, and since Linux
 6.6 tmpfs takes ``O_DIRECT`` as a buffered write, which the copy into the aligned buffer only adds to.
-Placing files (rename, folder fsync) is ``storage.py``'s job, not this module's.
+A large write through the page cache overlaps its two passes over the bytes: a helper thread copies
+each chunk into the file while the writer computes its CRC-32 (both release the GIL), so a file lands in
+tmpfs in about the time of the copy alone (``_Helper``). Placing files (rename, folder fsync) is
+``storage.py``'s job, not this module's.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ import os
 import threading
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+from .priority import own_nice
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +37,9 @@ CHUNK_BYTES = 8 << 20
 """Bytes per write system call (larger chunks measured no faster, smaller ones cost more calls)."""
 _GATHER_BYTES = 64 << 10
 """Writes through the page cache smaller than this are gathered into one system call."""
+_OVERLAP_BYTES = 1 << 20
+"""Writes through the page cache this large are copied in by a helper thread while their CRC-32 is
+computed (``_Helper``); below it the hand-over costs more than it saves."""
 COPY_CHUNK_BYTES = 1 << 20
 """Bytes per read and write of ``copy_file``: it holds two such buffers (one per parallel transfer)."""
 _ALIGN = 4096
@@ -77,12 +86,16 @@ class DirectFile(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        self.crc = zlib.crc32(view, self.crc)  # one call per buffer: zlib releases the GIL for it
         try:
             if self._direct:
+                self.crc = zlib.crc32(view, self.crc)  # one call per buffer: zlib releases the GIL for it
                 self._into_buffer(view)
-            else:
+            elif len(view) < _OVERLAP_BYTES:
+                self.crc = zlib.crc32(view, self.crc)
                 self._through(view)
+            else:
+                self._write_gathered()
+                self._write_through(view, checksum=True)
         except OSError as exc:
             self.error = self.error or exc
             raise
@@ -116,12 +129,20 @@ class DirectFile(io.RawIOBase):
             gathered, self._gathered = self._gathered, bytearray()
             self._write_through(memoryview(gathered))
 
-    def _write_through(self, view: memoryview) -> None:
+    def _write_through(self, view: memoryview, *, checksum: bool = False) -> None:
+        """Write ``view`` a chunk at a time; with ``checksum``, each chunk's CRC-32 is computed here while
+        the helper thread writes it (the chunks still reach the file one after another, in order)."""
         done = 0
         while done < len(view):
-            n = os.write(self._fd, view[done : done + self._chunk - self._fill])
-            done += n
-            self._fill += n  # the chunk's bytes written so far: a tick per chunk, as the direct path
+            piece = view[done : done + self._chunk - self._fill]
+            if checksum:
+                written = _Helper.write(self._fd, piece)
+                self.crc = zlib.crc32(piece, self.crc)
+                written.result()
+            else:
+                _write_all(self._fd, piece)
+            done += len(piece)
+            self._fill += len(piece)  # the chunk's bytes written so far: a tick per chunk, as the direct path
             if self._fill == self._chunk:
                 self._fill = 0
                 self._tick()
@@ -161,6 +182,41 @@ class DirectFile(io.RawIOBase):
         _buffered_once(self._path, exc)
         _drop_direct(self._fd)
         self._direct = False
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+
+
+class _Helper:
+    """The threads that copy large writes into the page cache while the writer checksums them.
+
+    Each write runs at the nice value of the thread that asked for it, read at that moment: the writer
+    yields to training until its deadline and no longer after it (``priority.py``), and its copies must
+    do the same. A process forked after the pool started gets a pool of its own.
+    """
+
+    _pool: tuple[int, ThreadPoolExecutor] | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def write(cls, fd: int, view: memoryview) -> Future[None]:
+        with cls._lock:
+            if cls._pool is None or cls._pool[0] != os.getpid():
+                cls._pool = (os.getpid(), ThreadPoolExecutor(4, thread_name_prefix="air-write"))
+            pool = cls._pool[1]
+        return pool.submit(cls._write_at, own_nice(), fd, view)
+
+    @staticmethod
+    def _write_at(nice: int | None, fd: int, view: memoryview) -> None:
+        if nice is not None and own_nice() != nice:
+            try:
+                os.setpriority(os.PRIO_PROCESS, 0, nice)
+            except OSError:
+                logger.debug("could not set a write helper's nice value to %d", nice, exc_info=True)
+        _write_all(fd, view)
 
 
 _MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})

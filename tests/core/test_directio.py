@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
+import threading
 import zlib
 
 import pytest
 
+from air_core import directio
 from air_core.directio import CHUNK_BYTES, DirectFile, copy_file, in_memory
+from air_core.priority import own_nice
 
 SIZES = [0, 1, 4095, 4096, CHUNK_BYTES - 1, CHUNK_BYTES, 2 * CHUNK_BYTES + 17]
 FOLDERS = ["tmp", "shm"]  # a disk (O_DIRECT) and tmpfs (written straight into its pages)
@@ -107,5 +111,63 @@ def test_files_in_memory_are_written_straight_through_and_those_on_disk_around_t
         with open(path, "rb") as back:
             assert back.read() == b"x" * 5000
     finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_a_large_write_s_failure_in_the_helper_is_raised_by_write_and_kept(tmp_path):
+    """A large write through the page cache is copied in by a helper thread: a failing copy (every write
+    to /dev/full gets ENOSPC) comes out of ``write`` as the OSError itself, and ``error`` keeps it."""
+    folder = _folder("shm", tmp_path)
+    path = os.path.join(folder, "full")
+    os.symlink("/dev/full", path)
+    try:
+        with DirectFile(path) as f:
+            with pytest.raises(OSError) as raised:
+                f.write(os.urandom(CHUNK_BYTES + 1))
+        assert raised.value.errno == errno.ENOSPC
+        assert f.error is raised.value, "the first failed write is kept for a caller that hides it"
+    finally:
+        os.unlink(path)
+
+
+def test_the_helper_copies_a_large_write_at_the_nice_value_of_the_thread_writing(tmp_path, monkeypatch):
+    """The writer yields to training until its deadline (``priority.py``): the helper that copies its
+    large writes must run at the writer's nice value of the moment, not at the one it started with."""
+    folder = _folder("shm", tmp_path)
+    seen: list[tuple[int, int | None]] = []
+    real = directio._write_all
+
+    def recording(fd: int, view: memoryview) -> None:
+        seen.append((threading.get_native_id(), own_nice()))
+        real(fd, view)
+
+    monkeypatch.setattr(directio, "_write_all", recording)
+    monkeypatch.setattr(directio._Helper, "_pool", None)  # helpers of this test's own, shut down after it
+    data = os.urandom(2 * CHUNK_BYTES)
+    path = os.path.join(folder, "nice")
+    nices: list[int | None] = []
+
+    def write_at(nice: int) -> None:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        nices.append(own_nice())
+        with DirectFile(path) as f:
+            f.write(data)
+            f.finish(fsync=False)
+        assert f.crc == zlib.crc32(data)
+
+    try:
+        for nice in (5, 12):  # a thread may raise its own nice value without privileges
+            seen.clear()
+            writer = threading.Thread(target=write_at, args=(nice,))
+            writer.start()
+            writer.join()
+            assert seen and all(tid != writer.native_id for tid, _ in seen), "a helper thread copied"
+            assert {n for _, n in seen} == {nices[-1]} == {nice}
+        with open(path, "rb") as back:
+            assert back.read() == data
+    finally:
+        if directio._Helper._pool is not None:
+            directio._Helper._pool[1].shutdown()
         if os.path.exists(path):
             os.unlink(path)
