@@ -75,6 +75,7 @@ class AsyncCheckpointer:
         commit_timeout_seconds: float = 600.0,
         close_timeout_seconds: float = 600.0,
         lease_seconds: float = 30.0,
+        recycle_files: bool = False,
         read_only: bool = False,
         listeners: Iterable[Listener] = (),
     ) -> None:
@@ -102,6 +103,7 @@ class AsyncCheckpointer:
             commit_timeout_seconds=commit_timeout_seconds,
             close_timeout_seconds=close_timeout_seconds,
             lease_seconds=lease_seconds,
+            recycle_files=recycle_files,
             read_only=read_only,
         )
         cfg = self.config

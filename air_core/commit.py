@@ -166,14 +166,25 @@ def retention_victims(
     return old + stale
 
 
-def delete_checkpoint(storage: Storage, info: CheckpointInfo, catalog: Catalog) -> Catalog:
-    """Delete one checkpoint: the manifest first, then its files, then its records; return the rest.
+def delete_checkpoint(
+    storage: Storage,
+    info: CheckpointInfo,
+    catalog: Catalog,
+    *,
+    discard: Callable[[list[str]], None] | None = None,
+) -> Catalog:
+    """Delete one checkpoint: the manifest first, then its files (``discard``: the destination's way,
+    default removed), then its records; return the rest.
 
     A file that another checkpoint in ``catalog`` also names is left alone (``Catalog.owned_files``).
     """
     storage.remove(layout.manifest_path(info.name))
-    for path in catalog.owned_files(info):
-        storage.remove(path)
+    files = list(catalog.owned_files(info))
+    if discard is not None:
+        discard(files)
+    else:
+        for path in files:
+            storage.remove(path)
     storage.remove(layout.record_dir(info.name))
     logger.info("deleted checkpoint %s (step %d, %s)", info.name, info.step, info.status)
     return catalog.without(info.name)

@@ -72,6 +72,11 @@ class CheckpointerConfig:
     lease_seconds: float = 30.0
     """Rank 0 holds the root for its launch and renews the hold every third of this; a launch on
     another host takes over a root whose holder has not renewed for this long (see ``lease.py``)."""
+    recycle_files: bool = False
+    """Overwrite a deleted checkpoint's files with the next save's instead of removing them, so their
+    pages (tmpfs allocates and zeroes every page of a new file) or blocks are reused. Only for a local
+    root written directly that nothing else reads while the job runs: the local tier's own
+    (``tiers.LocalTier``). A file with another link is removed as usual."""
     read_only: bool = False
     """Open the root to list, verify and load only: no probe write, no lease, ``save`` refused.
     For tools that look at a root while a job may be writing it."""
@@ -133,6 +138,16 @@ class CheckpointerConfig:
             object.__setattr__(self, "launch_id", uuid.uuid4().hex)
         _check_int("max_transfers", self.max_transfers, 1)
         _check_int("retries", self.retries, 0)
+        if not isinstance(self.recycle_files, bool):
+            raise bad("recycle_files", self.recycle_files, "recycle_files must be True or False.")
+        if self.recycle_files and (
+            self.staging_dir is not None or "://" in self.root.removeprefix("file://")
+        ):
+            raise bad(
+                "recycle_files",
+                self.recycle_files,
+                "recycle_files is for a local root written directly: pass no staging_dir and a local root.",
+            )
         if not isinstance(self.read_only, bool):
             raise bad("read_only", self.read_only, "read_only must be True or False.")
         for name in (

@@ -53,14 +53,20 @@ class DirectFile(io.RawIOBase):
 
     ``write`` accepts any buffer and returns its length; ``tick`` is called after each chunk reaches
     the file. ``finish(fsync=...)`` writes the tail (and fsyncs); ``close`` releases the file. Writer
-    thread only.
+    thread only. ``overwrite``: ``path`` holds a recycled file (``staging.Direct``), written over in
+    place, its pages reused rather than freed and allocated again, and cut to the new size at ``finish``.
     """
 
     def __init__(
-        self, path: str, *, tick: Callable[[], None] | None = None, chunk_bytes: int = CHUNK_BYTES
+        self,
+        path: str,
+        *,
+        tick: Callable[[], None] | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+        overwrite: bool = False,
     ) -> None:
         super().__init__()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        flags = os.O_WRONLY | os.O_CREAT | (0 if overwrite else os.O_TRUNC) | getattr(os, "O_CLOEXEC", 0)
         self._direct = bool(_O_DIRECT) and not in_memory(os.path.dirname(os.path.abspath(path)))
         try:
             self._fd = os.open(path, flags | (_O_DIRECT if self._direct else 0), 0o644)
@@ -71,6 +77,7 @@ class DirectFile(io.RawIOBase):
             self._direct = False
             self._fd = os.open(path, flags, 0o644)
         self._path = path
+        self._overwrite = overwrite
         self._chunk = chunk_bytes
         self._view = _aligned_buffer(chunk_bytes) if self._direct else memoryview(b"")
         self._fill = 0
@@ -156,6 +163,8 @@ class DirectFile(io.RawIOBase):
         elif self._fill:
             # O_DIRECT writes whole blocks: pad the tail, then truncate the padding away.
             self._write_buffer(-(-self._fill // _ALIGN) * _ALIGN)
+            os.ftruncate(self._fd, self.size)
+        if self._overwrite:  # a recycled file may have been longer
             os.ftruncate(self._fd, self.size)
         if fsync:
             os.fsync(self._fd)

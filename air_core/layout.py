@@ -26,6 +26,9 @@ RESERVED_DIRS = (META_DIR, EVENTS_DIR)
 TEMP_MARK = ".air-tmp"
 """In the name of every temp file air_core writes: ``<file>.air-tmp`` while a staged file is
 serialized, ``.<file>.air-tmp-<id>`` beside a file being placed (a killed process may leave one)."""
+SPARE_DIR = ".air-spare"
+"""The files of a root's dropped checkpoint kept to be overwritten by its next save's (``recycle_files``:
+the local tier's own root), ``.air-spare/<k>``: the k-th of its files in path order."""
 PROBE_PREFIX = ".probe-"
 """Names a write probe (under ``.air/`` at the root, or in a local folder), removed right away."""
 _MANIFEST = "manifest.json"
@@ -94,6 +97,11 @@ def is_hang_record(rel: str) -> bool:
     """Whether ``rel`` is a ``hang_record_path``."""
     head, _, tail = rel.rpartition("/")
     return head == EVENTS_DIR and tail.startswith("hang-") and tail.endswith(".json")
+
+
+def spare_path(index: int) -> str:
+    """The ``index``-th spare file of a root that recycles its files (``SPARE_DIR``)."""
+    return f"{SPARE_DIR}/{index:05d}"
 
 
 def checkpoint_of(rel: str) -> str | None:

@@ -56,10 +56,18 @@ class Written(NamedTuple):
     """A ``Bundle``'s (offset, length) per item, in order; empty for a plain file."""
 
 
-def serialize_file(state: Any, path: str, *, fsync: bool, tick: Callable[[], None] | None = None) -> Written:
-    """Write ``state`` (one ``torch.save``, or a ``Bundle``'s items in turn) to ``path``."""
+def serialize_file(
+    state: Any,
+    path: str,
+    *,
+    fsync: bool,
+    tick: Callable[[], None] | None = None,
+    overwrite: bool = False,
+) -> Written:
+    """Write ``state`` (one ``torch.save``, or a ``Bundle``'s items in turn) to ``path`` (``overwrite``:
+    over the recycled file there, ``DirectFile``)."""
     extents: list[tuple[int, int]] = []
-    with DirectFile(path, tick=tick) as w:
+    with DirectFile(path, tick=tick, overwrite=overwrite) as w:
         if isinstance(state, Bundle):
             for item in state.items:
                 start = w.size
@@ -97,10 +105,19 @@ def raw_bytes(tensor: torch.Tensor) -> Any:
 
 
 def serialize_files(
-    state: dict[str, Any], paths: dict[str, str], *, fsync: bool, tick: Callable[[], None] | None = None
+    state: dict[str, Any],
+    paths: dict[str, str],
+    *,
+    fsync: bool,
+    tick: Callable[[], None] | None = None,
+    reuse: frozenset[str] = frozenset(),
 ) -> dict[str, Written]:
-    """Write each ``state[rel]`` to ``paths[rel]``."""
-    return {rel: serialize_file(state[rel], path, fsync=fsync, tick=tick) for rel, path in paths.items()}
+    """Write each ``state[rel]`` to ``paths[rel]`` (over the recycled file there for the paths in
+    ``reuse``)."""
+    return {
+        rel: serialize_file(state[rel], path, fsync=fsync, tick=tick, overwrite=path in reuse)
+        for rel, path in paths.items()
+    }
 
 
 class Serializer(Protocol):
@@ -112,8 +129,16 @@ class Serializer(Protocol):
         ...
 
     def write(
-        self, snap: Snapshot, paths: dict[str, str], *, fsync: bool, tick: Callable[[], None]
-    ) -> dict[str, Written]: ...
+        self,
+        snap: Snapshot,
+        paths: dict[str, str],
+        *,
+        fsync: bool,
+        tick: Callable[[], None],
+        reuse: frozenset[str] = frozenset(),
+    ) -> dict[str, Written]:
+        """Write each file of ``snap`` to its path (``reuse``: paths holding a recycled file)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -126,9 +151,15 @@ class ThreadSerializer:
         return threading.get_native_id()
 
     def write(
-        self, snap: Snapshot, paths: dict[str, str], *, fsync: bool, tick: Callable[[], None]
+        self,
+        snap: Snapshot,
+        paths: dict[str, str],
+        *,
+        fsync: bool,
+        tick: Callable[[], None],
+        reuse: frozenset[str] = frozenset(),
     ) -> dict[str, Written]:
-        return serialize_files(materialize(snap), paths, fsync=fsync, tick=tick)
+        return serialize_files(materialize(snap), paths, fsync=fsync, tick=tick, reuse=reuse)
 
     def close(self) -> None:
         pass
@@ -140,7 +171,8 @@ def _child_main(jobs: Any, results: Any) -> None:
     while (job := jobs.get()) is not None:
         try:
             state = materialize_parts(job["skeleton"], job["refs"], job["slots"], job["buffer"], job["spill"])
-            results.put(("ok", serialize_files(state, job["paths"], fsync=job["fsync"])))
+            written = serialize_files(state, job["paths"], fsync=job["fsync"], reuse=job["reuse"])
+            results.put(("ok", written))
         except BaseException as exc:  # handed to the parent, which raises SaveError
             results.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         del job
@@ -161,7 +193,13 @@ class ProcessSerializer:
         return self._proc.pid or 0  # the process serializes on its main thread, whose id is its pid
 
     def write(
-        self, snap: Snapshot, paths: dict[str, str], *, fsync: bool, tick: Callable[[], None]
+        self,
+        snap: Snapshot,
+        paths: dict[str, str],
+        *,
+        fsync: bool,
+        tick: Callable[[], None],
+        reuse: frozenset[str] = frozenset(),
     ) -> dict[str, Written]:
         self._jobs.put(
             {
@@ -172,6 +210,7 @@ class ProcessSerializer:
                 "spill": snap.spill_path,
                 "paths": paths,
                 "fsync": fsync,
+                "reuse": reuse,
             }
         )
         while True:

@@ -41,10 +41,13 @@ class Destination(Protocol):
     """How one save's files get to the root. Called on the writer thread, in this order, per save:
 
     1. ``temp_paths``: where the serializer writes each file (``fsync`` says whether it must sync);
-       ``follow``: start uploading them as they are written (None: upload after ``place``);
+       ``reuse``: which of them hold a recycled file to overwrite; ``follow``: start uploading them as
+       they are written (None: upload after ``place``);
     2. ``place``: move the finished temp files to where ``to_upload`` reads them (or to the root);
     3. ``to_upload``: local file per root path still to upload (empty: nothing to upload);
     4. after the commit, ``remember`` the manifest; after retention, ``trim`` the local cache.
+
+    ``discard`` removes a deleted checkpoint's files from the root (writer thread, between saves).
 
     ``fetch`` (training thread, any time) returns verified local copies of committed files.
     """
@@ -65,6 +68,14 @@ class Destination(Protocol):
         ...
 
     def temp_paths(self, files: tuple[str, ...]) -> dict[str, str]: ...
+
+    def reuse(self, temps: dict[str, str]) -> frozenset[str]:
+        """The temp paths that now hold a file to overwrite in place (``recycle_files``)."""
+        ...
+
+    def discard(self, files: list[str]) -> None:
+        """Remove a deleted checkpoint's ``files`` (root paths) from the root."""
+        ...
 
     def follow(self, temps: dict[str, str]) -> Following | None: ...
 
@@ -90,18 +101,59 @@ class Destination(Protocol):
 
 
 class Direct:
-    """A local root written in place: temp file beside the final one, fsync, rename, folder fsync."""
+    """A local root written in place: temp file beside the final one, fsync, rename, folder fsync.
+
+    With ``recycle`` (``recycle_files``: the local tier's own root) a deleted checkpoint's files are set
+    aside as spares (``layout.SPARE_DIR``) and the next save overwrites them, the k-th of its files in
+    path order the k-th spare: a tier's saves hold the same files each time, so each lands in the pages
+    of its predecessor. tmpfs allocates and zeroes every page of a new file and frees every page of a
+    removed one, which cost about as much as writing the bytes. A file with another link (a resume's
+    assembly links the tier's files) is removed instead: its other name must keep its bytes.
+    """
 
     fsync = True
 
-    def __init__(self, storage: Storage, spill_dir: str = "") -> None:
+    def __init__(self, storage: Storage, spill_dir: str = "", *, recycle: bool = False) -> None:
         assert storage.is_local, "a direct destination is a local root"
         self._storage = storage
+        self._recycle = recycle
         self.cache_dir: str | None = None
         self.spill_dir = spill_dir
 
     def temp_paths(self, files: tuple[str, ...]) -> dict[str, str]:
         return {rel: self._storage.local_temp(rel) for rel in files}
+
+    def reuse(self, temps: dict[str, str]) -> frozenset[str]:
+        if not self._recycle:
+            return frozenset()
+        reused = []
+        for index, rel in enumerate(sorted(temps)):
+            try:
+                os.replace(self._storage.path(layout.spare_path(index)), temps[rel])
+            except FileNotFoundError:
+                continue
+            reused.append(temps[rel])
+        return frozenset(reused)
+
+    def discard(self, files: list[str]) -> None:
+        if not self._recycle:
+            for rel in files:
+                self._storage.remove(rel)
+            return
+        spares = self._storage.path(layout.SPARE_DIR)
+        os.makedirs(spares, exist_ok=True)
+        for index, rel in enumerate(sorted(files)):
+            try:
+                info = os.lstat(self._storage.path(rel))
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+                self._storage.move_local(rel, self._storage.path(layout.spare_path(index)))
+            else:
+                self._storage.remove(rel)
+        for name in os.listdir(spares):  # a larger save's spares beyond this one's
+            if not name.isdigit() or int(name) >= len(files):
+                self._storage.remove(f"{layout.SPARE_DIR}/{name}")
 
     def follow(self, temps: dict[str, str]) -> Following | None:
         return None
@@ -157,6 +209,13 @@ class Staged:
         for path in local.values():
             self._make_room(path)
         return {rel: f"{path}{layout.TEMP_MARK}" for rel, path in local.items()}
+
+    def reuse(self, temps: dict[str, str]) -> frozenset[str]:
+        return frozenset()  # an upload that follows a file reads as far as it has grown: never overwrite
+
+    def discard(self, files: list[str]) -> None:
+        for rel in files:
+            self._storage.remove(rel)
 
     def follow(self, temps: dict[str, str]) -> Following | None:
         """Upload the files as the serializer writes them, where the root allows (S3)."""
@@ -292,7 +351,9 @@ def choose_destination(config: CheckpointerConfig, storage: Storage) -> Destinat
     key = hashlib.sha1(storage.url.encode()).hexdigest()[:16]
     dest: Direct | Staged
     if config.staging_dir is None and storage.is_local:
-        dest = Direct(storage, os.path.join(tempfile.gettempdir(), "air-spill", key))
+        dest = Direct(
+            storage, os.path.join(tempfile.gettempdir(), "air-spill", key), recycle=config.recycle_files
+        )
     else:
         staging = _local_dir(config.staging_dir) if config.staging_dir else None
         if staging is None:

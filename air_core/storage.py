@@ -313,16 +313,27 @@ class Storage:
                 pass
 
         self.call("delete", rel, rm)
-        if self.is_local:  # keep the tree tidy: drop folders the delete left empty
-            parent = os.path.dirname(self.path(rel))
-            # ...but never the shared record folders: another rank may be about to write into them.
-            shared = {os.path.join(self.base, folder) for folder in RESERVED_DIRS}
-            while parent.startswith(self.base + os.sep) and parent not in shared:
-                try:
-                    os.rmdir(parent)
-                except OSError:
-                    break
-                parent = os.path.dirname(parent)
+        if self.is_local:
+            self._prune(rel)
+
+    def move_local(self, rel: str, to: str) -> None:
+        """Rename the file ``rel`` to the absolute path ``to`` on the same filesystem (local roots),
+        replacing what is there; the folders it leaves empty go as after ``remove``."""
+        assert self.is_local, "move_local is for local roots"
+        self.call("move", rel, lambda: os.replace(self.path(rel), to))
+        self._prune(rel)
+
+    def _prune(self, rel: str) -> None:
+        """Keep the tree tidy: drop the folders above ``rel`` that a delete left empty, but never the
+        shared record folders (another rank may be about to write into them)."""
+        parent = os.path.dirname(self.path(rel))
+        shared = {os.path.join(self.base, folder) for folder in RESERVED_DIRS}
+        while parent.startswith(self.base + os.sep) and parent not in shared:
+            try:
+                os.rmdir(parent)
+            except OSError:
+                break
+            parent = os.path.dirname(parent)
 
     @property
     def follows(self) -> bool:

@@ -252,7 +252,13 @@ class Writer:
             self._serializer.native_id, training_nice=self._training_nice, nbytes=job.snapshot.nbytes
         )
         try:
-            written = self._serializer.write(job.snapshot, temps, fsync=self._dest.fsync, tick=priority.check)
+            written = self._serializer.write(
+                job.snapshot,
+                temps,
+                fsync=self._dest.fsync,
+                tick=priority.check,
+                reuse=self._dest.reuse(temps),
+            )
         finally:
             priority.finish()
         if run.following is not None:
@@ -445,7 +451,7 @@ class Writer:
         self._fence(f"deleting checkpoint {info.name!r}")
         self._emit(PhaseEvent("retention_start", info.name, info.step, self._config.rank))
         nbytes = catalog.bytes_of(info)
-        catalog = commit.delete_checkpoint(self._storage, info, catalog)
+        catalog = commit.delete_checkpoint(self._storage, info, catalog, discard=self._dest.discard)
         self._emit(PhaseEvent("retention_deleted", info.name, info.step, self._config.rank))
         self._emit(DeleteRecord(info.name, info.step, nbytes))
         return catalog
