@@ -482,7 +482,9 @@ class AsyncCheckpointer:
         try:
             self.flush(self.config.close_timeout_seconds)
         finally:
-            if not self._writer.stop(max(deadline - time.monotonic(), 0.0)):
+            if self._writer.stop(max(deadline - time.monotonic(), 0.0)):
+                self._dest.close()
+            else:
                 logger.error(
                     "rank %d: the writer did not stop within %ss",
                     self.config.rank,

@@ -95,6 +95,10 @@ class Destination(Protocol):
 
     def disk_full_fix(self, exc: OSError) -> str: ...
 
+    def close(self) -> None:
+        """The writer stopped: give back what was kept for later saves (a recycling root's spares)."""
+        ...
+
     def fetch(
         self, manifest: Manifest, entries: list[FileEntry], *, max_transfers: int
     ) -> tuple[dict[str, str], Source]: ...
@@ -179,6 +183,10 @@ class Direct:
 
     def disk_full_fix(self, exc: OSError) -> str:
         return fix_for(exc)
+
+    def close(self) -> None:
+        if self._recycle:  # a finished job's tier keeps its newest commit only, as before recycling
+            self._storage.remove(layout.SPARE_DIR)
 
     def fetch(
         self, manifest: Manifest, entries: list[FileEntry], *, max_transfers: int
@@ -269,6 +277,9 @@ class Staged:
             " point staging_dir at a larger disk, or lower keep_last (the local cache keeps that many"
             " checkpoints)."
         )
+
+    def close(self) -> None:
+        pass
 
     def fetch(
         self, manifest: Manifest, entries: list[FileEntry], *, max_transfers: int
