@@ -37,9 +37,11 @@ CHUNK_BYTES = 8 << 20
 """Bytes per write system call (larger chunks measured no faster, smaller ones cost more calls)."""
 _GATHER_BYTES = 64 << 10
 """Writes through the page cache smaller than this are gathered into one system call."""
-_OVERLAP_BYTES = 1 << 20
+_OVERLAP_BYTES = CHUNK_BYTES
 """Writes through the page cache this large are copied in by a helper thread while their CRC-32 is
-computed (``_Helper``); below it the hand-over costs more than it saves."""
+computed (``_Helper``). Below it the hand-over costs more than it saves on a busy host: with 1 MiB
+writes and every core training, the local tier's saves of a 9.5 MB state waited longer for their commit
+(``benchmarks/goodput_failures.py``'s job with the CPU step, timed per call)."""
 COPY_CHUNK_BYTES = 1 << 20
 """Bytes per read and write of ``copy_file``: it holds two such buffers (one per parallel transfer)."""
 _ALIGN = 4096
