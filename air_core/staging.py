@@ -23,7 +23,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, Protocol
 
-from . import layout
+from . import layout, spares
 from .catalog import read_catalog
 from .commit import keep_newest
 from .config import CheckpointerConfig
@@ -108,11 +108,7 @@ class Direct:
     """A local root written in place: temp file beside the final one, fsync, rename, folder fsync.
 
     With ``recycle`` (``recycle_files``: the local tier's own root) a deleted checkpoint's files are set
-    aside as spares (``layout.SPARE_DIR``) and the next save overwrites them, the k-th of its files in
-    path order the k-th spare: a tier's saves hold the same files each time, so each lands in the pages
-    of its predecessor. tmpfs allocates and zeroes every page of a new file and frees every page of a
-    removed one, which cost about as much as writing the bytes. A file with another link (a resume's
-    assembly links the tier's files) is removed instead: its other name must keep its bytes.
+    aside and the next save is written over them (``spares.py``).
     """
 
     fsync = True
@@ -128,36 +124,14 @@ class Direct:
         return {rel: self._storage.local_temp(rel) for rel in files}
 
     def reuse(self, temps: dict[str, str]) -> frozenset[str]:
-        if not self._recycle:
-            return frozenset()
-        reused = []
-        for index, rel in enumerate(sorted(temps)):
-            try:
-                os.replace(self._storage.path(layout.spare_path(index)), temps[rel])
-            except FileNotFoundError:
-                continue
-            reused.append(temps[rel])
-        return frozenset(reused)
+        return spares.take(self._storage, temps) if self._recycle else frozenset()
 
     def discard(self, files: list[str]) -> None:
-        if not self._recycle:
-            for rel in files:
-                self._storage.remove(rel)
+        if self._recycle:
+            spares.set_aside(self._storage, files)
             return
-        spares = self._storage.path(layout.SPARE_DIR)
-        os.makedirs(spares, exist_ok=True)
-        for index, rel in enumerate(sorted(files)):
-            try:
-                info = os.lstat(self._storage.path(rel))
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
-                self._storage.move_local(rel, self._storage.path(layout.spare_path(index)))
-            else:
-                self._storage.remove(rel)
-        for name in os.listdir(spares):  # a larger save's spares beyond this one's
-            if not name.isdigit() or int(name) >= len(files):
-                self._storage.remove(f"{layout.SPARE_DIR}/{name}")
+        for rel in files:
+            self._storage.remove(rel)
 
     def follow(self, temps: dict[str, str]) -> Following | None:
         return None
@@ -185,8 +159,8 @@ class Direct:
         return fix_for(exc)
 
     def close(self) -> None:
-        if self._recycle:  # a finished job's tier keeps its newest commit only, as before recycling
-            self._storage.remove(layout.SPARE_DIR)
+        if self._recycle:
+            spares.clear(self._storage)
 
     def fetch(
         self, manifest: Manifest, entries: list[FileEntry], *, max_transfers: int

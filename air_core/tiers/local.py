@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import dcp
+from .. import dcp, spares
 from ..checkpointer import AsyncCheckpointer
 from ..config import CheckpointerConfig
 from ..dcp.planning import SavePlans
@@ -238,4 +238,7 @@ class LocalTier:
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("rank %d: the local tier's replication did not finish in %ss", self.rank, timeout)
+        else:
+            for replica in self._replicas.values():  # the copies' spares (the own root's go with its writer)
+                spares.clear(replica)
         self.checkpointer.close()

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .. import layout
+from .. import layout, spares
 from ..errors import CorruptCheckpointError
 from ..manifest import FileEntry, Manifest
 from ..storage import Storage
@@ -99,6 +99,10 @@ NOTHING = Received("")
 class Sink(Protocol):
     """Where a receiver writes each chunk of each file as it arrives."""
 
+    def expect(self, sizes: dict[str, int]) -> None:
+        """The package's files and their sizes, before any of their bytes."""
+        ...
+
     def write(self, path: str, offset: int, data: memoryview) -> None: ...
 
     def close(self) -> None: ...
@@ -114,6 +118,9 @@ class UnsyncedFiles:
 
     def target(self, path: str) -> str:
         return layout.local_path(self.root, path)
+
+    def expect(self, sizes: dict[str, int]) -> None:
+        pass
 
     def write(self, path: str, offset: int, data: memoryview) -> None:
         fd = self._open.get(path)
@@ -133,7 +140,8 @@ class UnsyncedFiles:
 
 class StagedFiles(UnsyncedFiles):
     """A ``Sink`` into a replica root: files land beside their final places, and only ``commit`` (every
-    CRC checked) makes them a commit: fsynced, renamed, the manifest last, the older copies dropped."""
+    CRC checked) makes them a commit: fsynced, renamed, the manifest last, the older copies dropped. The
+    dropped copies' files are set aside, and the next copy is written over them (``spares.py``)."""
 
     def __init__(self, storage: Storage) -> None:
         super().__init__(storage.path(""))
@@ -142,6 +150,15 @@ class StagedFiles(UnsyncedFiles):
 
     def target(self, path: str) -> str:
         return self._temps.setdefault(path, self.storage.local_temp(path))
+
+    def expect(self, sizes: dict[str, int]) -> None:
+        """Open the files that take a spare now, cut to their sizes (the others are made as they arrive)."""
+        temps = {rel: self.target(rel) for rel in sizes}
+        taken = spares.take(self.storage, temps)
+        for rel, temp in temps.items():
+            if temp in taken:
+                fd = self._open[rel] = os.open(temp, os.O_WRONLY)
+                os.ftruncate(fd, sizes[rel])
 
     def commit(self, received: Received) -> Manifest:
         """Place ``received`` as a committed checkpoint (``CorruptCheckpointError``: nothing placed)."""
@@ -154,7 +171,7 @@ class StagedFiles(UnsyncedFiles):
             self.abort()
             raise
         self.storage.write_bytes(layout.manifest_path(received.name), received.manifest)
-        drop_commits(self.storage, keep={received.name})
+        drop_commits(self.storage, keep={received.name}, recycle=True)
         return manifest
 
     def abort(self) -> None:
@@ -166,24 +183,31 @@ class StagedFiles(UnsyncedFiles):
         self._temps.clear()
 
 
-def drop_commits(storage: Storage, *, keep: set[str] | frozenset[str]) -> None:
-    """Remove every checkpoint of the local root ``storage`` (its manifest, files, records) but ``keep``."""
+def drop_commits(storage: Storage, *, keep: set[str] | frozenset[str], recycle: bool = False) -> None:
+    """Remove every checkpoint of the local root ``storage`` (its manifest, files, records) but ``keep``;
+    with ``recycle`` the files of the newest dropped one are set aside for the next copy (``spares.py``)."""
     sizes = storage.sizes()
     names = {n for rel in sizes if (n := layout.checkpoint_of(rel)) is not None} - keep
+    newest = max(names, default="")
     for name in sorted(names):
         manifest = storage.read_if_present(layout.manifest_path(name))
         files: list[str] = []
         if manifest is not None:
             try:
-                files = [f.path for f in Manifest.from_json(manifest, where=name).files]
+                files = [f.path for f in Manifest.from_json(manifest, where=name).files if f.path in sizes]
             except CorruptCheckpointError:
                 files = []
         records = [rel for rel in sizes if layout.checkpoint_of(rel) == name]
-        manifest_rel = layout.manifest_path(name)
-        for rel in [manifest_rel, *files, *records]:  # the manifest first: never a commit missing files
-            if rel in sizes:
+        storage.remove(layout.manifest_path(name))  # the manifest first: never a commit missing files
+        if recycle and name == newest:
+            spares.set_aside(storage, files)
+        else:
+            for rel in files:
                 storage.remove(rel)
-                sizes.pop(rel)
+        for rel in records:
+            storage.remove(rel)
+        for rel in (*files, *records):
+            sizes.pop(rel, None)
 
 
 def exchange(
@@ -225,6 +249,7 @@ def _receive(src: int, head: dict[str, Any], sink: Sink, group: Any) -> Received
     manifest = torch.empty(head["sizes"][0], dtype=torch.uint8)
     _run([dist.irecv(c, src, group=group) for c in _chunks(manifest)])
     paths, sizes = head["paths"], head["sizes"][1:]
+    sink.expect(dict(zip(paths, sizes, strict=True)))
     plan = [
         (k, offset, min(CHUNK, size - offset))
         for k, size in enumerate(sizes)

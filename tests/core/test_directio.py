@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import shutil
 import threading
 import zlib
 
@@ -16,6 +17,12 @@ from air_core.priority import own_nice
 
 SIZES = [0, 1, 4095, 4096, CHUNK_BYTES - 1, CHUNK_BYTES, 2 * CHUNK_BYTES + 17]
 FOLDERS = ["tmp", "shm"]  # a disk (O_DIRECT) and tmpfs (written straight into its pages)
+
+
+@pytest.fixture(autouse=True)
+def _no_folder_left_in_shm():
+    yield
+    shutil.rmtree(f"/dev/shm/air-test-{os.getpid()}", ignore_errors=True)
 
 
 def _folder(kind: str, tmp_path) -> str:

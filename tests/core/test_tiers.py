@@ -64,7 +64,7 @@ def _copy_worker(rank: int, port: int, folder: str) -> None:
     group = side_group(60)
     own, replica = os.path.join(folder, "own"), local_storage(os.path.join(folder, "replica-00000"))
     seen = []
-    for step in (3, 4, 5):
+    for step in (3, 4, 5, 6):
         if rank == 0:
             package = read_package(local_storage(own), _committed(own, step))
             exchange(_damaged(package) if step == 3 else package, [1], {}, group)
@@ -76,7 +76,9 @@ def _copy_worker(rank: int, port: int, folder: str) -> None:
             outcome = "committed"
         except CorruptCheckpointError:
             outcome = "refused"
-        seen.append([step, outcome, [i.name for i in read_catalog(replica).committed]])
+        names = [i.name for i in read_catalog(replica).committed]
+        inode = os.stat(replica.path(f"step-{step}/w.pt")).st_ino if outcome == "committed" else None
+        seen.append([step, outcome, names, inode])
     if rank == 1:
         with open(os.path.join(folder, "seen.json"), "w") as f:
             json.dump(seen, f)
@@ -86,16 +88,19 @@ def _copy_worker(rank: int, port: int, folder: str) -> None:
 def test_a_copy_between_two_processes_is_committed_only_when_every_crc_matches(tmp_path):
     mp.spawn(_copy_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     seen = json.loads((tmp_path / "seen.json").read_text())
-    assert seen == [
+    assert [s[:3] for s in seen] == [
         [3, "refused", []],
         [4, "committed", [tier_name(4, 1)]],
         [5, "committed", [tier_name(5, 1)]],
+        [6, "committed", [tier_name(6, 1)]],
     ], "a damaged copy commits nothing; a newer copy drops the older one"
-    copy = torch.load(tmp_path / "replica-00000/step-5/w.pt", weights_only=True)
-    assert torch.equal(copy["w"], torch.arange(3_000_000.0) + 5)
+    inodes = {step: inode for step, _, _, inode in seen}
+    assert inodes[6] == inodes[4] != inodes[5], "copy 6 was written over the files of copy 4, dropped by 5"
+    copy = torch.load(tmp_path / "replica-00000/step-6/w.pt", weights_only=True)
+    assert torch.equal(copy["w"], torch.arange(3_000_000.0) + 6)
     assert not [p for p in (tmp_path / "replica-00000").rglob("*") if ".air-tmp" in p.name], "no temp left"
     found = holdings(str(tmp_path), "n")
-    assert {(h.saved_rank, h.step, h.kind) for h in found} == {(0, 5, "replica")}
+    assert {(h.saved_rank, h.step, h.kind) for h in found} == {(0, 6, "replica")}
 
 
 def _recover_worker(rank: int, port: int, folder: str, nodes: str) -> None:
