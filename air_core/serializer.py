@@ -104,19 +104,23 @@ def raw_bytes(tensor: torch.Tensor) -> Any:
     return flat.view(torch.uint8).numpy() if flat.numel() else b""
 
 
+class Targets(NamedTuple):
+    """Where a snapshot's files go."""
+
+    paths: dict[str, str]
+    """The local path each file is written to."""
+    fsync: bool
+    reuse: frozenset[str] = frozenset()
+    """The paths that hold a recycled file to write over (``spares.py``)."""
+
+
 def serialize_files(
-    state: dict[str, Any],
-    paths: dict[str, str],
-    *,
-    fsync: bool,
-    tick: Callable[[], None] | None = None,
-    reuse: frozenset[str] = frozenset(),
+    state: dict[str, Any], targets: Targets, *, tick: Callable[[], None] | None = None
 ) -> dict[str, Written]:
-    """Write each ``state[rel]`` to ``paths[rel]`` (over the recycled file there for the paths in
-    ``reuse``)."""
+    """Write each ``state[rel]`` to ``targets.paths[rel]``."""
     return {
-        rel: serialize_file(state[rel], path, fsync=fsync, tick=tick, overwrite=path in reuse)
-        for rel, path in paths.items()
+        rel: serialize_file(state[rel], path, fsync=targets.fsync, tick=tick, overwrite=path in targets.reuse)
+        for rel, path in targets.paths.items()
     }
 
 
@@ -128,17 +132,7 @@ class Serializer(Protocol):
         """The OS thread that serializes (its priority is the one that matters): call on the writer thread."""
         ...
 
-    def write(
-        self,
-        snap: Snapshot,
-        paths: dict[str, str],
-        *,
-        fsync: bool,
-        tick: Callable[[], None],
-        reuse: frozenset[str] = frozenset(),
-    ) -> dict[str, Written]:
-        """Write each file of ``snap`` to its path (``reuse``: paths holding a recycled file)."""
-        ...
+    def write(self, snap: Snapshot, targets: Targets, *, tick: Callable[[], None]) -> dict[str, Written]: ...
 
     def close(self) -> None: ...
 
@@ -150,16 +144,8 @@ class ThreadSerializer:
     def native_id(self) -> int:
         return threading.get_native_id()
 
-    def write(
-        self,
-        snap: Snapshot,
-        paths: dict[str, str],
-        *,
-        fsync: bool,
-        tick: Callable[[], None],
-        reuse: frozenset[str] = frozenset(),
-    ) -> dict[str, Written]:
-        return serialize_files(materialize(snap), paths, fsync=fsync, tick=tick, reuse=reuse)
+    def write(self, snap: Snapshot, targets: Targets, *, tick: Callable[[], None]) -> dict[str, Written]:
+        return serialize_files(materialize(snap), targets, tick=tick)
 
     def close(self) -> None:
         pass
@@ -171,8 +157,7 @@ def _child_main(jobs: Any, results: Any) -> None:
     while (job := jobs.get()) is not None:
         try:
             state = materialize_parts(job["skeleton"], job["refs"], job["slots"], job["buffer"], job["spill"])
-            written = serialize_files(state, job["paths"], fsync=job["fsync"], reuse=job["reuse"])
-            results.put(("ok", written))
+            results.put(("ok", serialize_files(state, job["targets"])))
         except BaseException as exc:  # handed to the parent, which raises SaveError
             results.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         del job
@@ -192,15 +177,7 @@ class ProcessSerializer:
     def native_id(self) -> int:
         return self._proc.pid or 0  # the process serializes on its main thread, whose id is its pid
 
-    def write(
-        self,
-        snap: Snapshot,
-        paths: dict[str, str],
-        *,
-        fsync: bool,
-        tick: Callable[[], None],
-        reuse: frozenset[str] = frozenset(),
-    ) -> dict[str, Written]:
+    def write(self, snap: Snapshot, targets: Targets, *, tick: Callable[[], None]) -> dict[str, Written]:
         self._jobs.put(
             {
                 "skeleton": snap.skeleton,
@@ -208,9 +185,7 @@ class ProcessSerializer:
                 "slots": snap.slots,
                 "buffer": snap.buffer.tensor,
                 "spill": snap.spill_path,
-                "paths": paths,
-                "fsync": fsync,
-                "reuse": reuse,
+                "targets": targets,
             }
         )
         while True:

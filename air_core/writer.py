@@ -27,7 +27,7 @@ from .errors import SaveError
 from .events import DeleteRecord, Emitter, Phase, PhaseEvent, SaveRecord
 from .manifest import CheckpointInfo, FailureRecord, FileEntry, Manifest, PartRecord, library_versions
 from .priority import WriterPriority, own_nice
-from .serializer import Serializer, Written
+from .serializer import Serializer, Targets, Written
 from .snapshot import BufferPool, Snapshot
 from .staging import Destination, Following
 from .storage import Put, Storage
@@ -252,13 +252,8 @@ class Writer:
             self._serializer.native_id, training_nice=self._training_nice, nbytes=job.snapshot.nbytes
         )
         try:
-            written = self._serializer.write(
-                job.snapshot,
-                temps,
-                fsync=self._dest.fsync,
-                tick=priority.check,
-                reuse=self._dest.reuse(temps),
-            )
+            targets = Targets(temps, self._dest.fsync, self._dest.reuse(temps))
+            written = self._serializer.write(job.snapshot, targets, tick=priority.check)
         finally:
             priority.finish()
         if run.following is not None:
