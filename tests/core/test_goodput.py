@@ -92,7 +92,9 @@ from air_core.storage import Storage
 root, journal, stay = sys.argv[1], sys.argv[2], sys.argv[3] == "stay"
 storage = Storage(root, storage_options={}, retries=0, retry_backoff_seconds=0.0)
 log = GoodputLog(storage, sys.argv[4] * 32, flush_every_seconds=600, journal_dir=journal)
-while not any(f"-{sys.argv[4] * 8}/" in p for p in storage.sizes(".air-events")):  # written at once
+def started():  # the start segment is written at once; its temp file (".<name>.air-tmp-<id>") is not it
+    return any(f"-{sys.argv[4] * 8}/" in p and p.endswith(".jsonl") for p in storage.sizes(".air-events"))
+while not started():
     time.sleep(0.01)
 for s in range(1, 6):
     log.step(s, 0.5, 0.1)
