@@ -102,7 +102,7 @@ class LocalTier:
             keep_last=_NEVER_BY_COUNT,
             max_in_flight=1,
             on_busy="wait",
-            recycle_files=True,  # each save overwrites the files of the one it replaced (``staging.Direct``)
+            recycle_files=True,  # each save is written over the files of the one it dropped (``spares.py``)
         )
         self.checkpointer = AsyncCheckpointer.from_config(config)
         self._group = group
