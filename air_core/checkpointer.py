@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from . import layout, open_roots
+from . import layout, open_roots, spares
 from .catalog import Catalog, read_catalog
 from .config import BusyPolicy, CheckpointerConfig, WriterKind, check_filename, check_name, check_step
 from .errors import AirError, ConfigError
@@ -483,7 +483,8 @@ class AsyncCheckpointer:
             self.flush(self.config.close_timeout_seconds)
         finally:
             if self._writer.stop(max(deadline - time.monotonic(), 0.0)):
-                self._dest.close()
+                if self.config.recycle_files:  # the spares go with the writer that kept them
+                    spares.clear(self._storage)
             else:
                 logger.error(
                     "rank %d: the writer did not stop within %ss",

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from . import layout
+from . import layout, spares
 from .catalog import Catalog
 from .errors import CorruptCheckpointError, StorageError
 from .manifest import CheckpointInfo, FailureRecord, Manifest, PartRecord
@@ -171,17 +171,17 @@ def delete_checkpoint(
     info: CheckpointInfo,
     catalog: Catalog,
     *,
-    discard: Callable[[list[str]], None] | None = None,
+    recycle: bool = False,
 ) -> Catalog:
-    """Delete one checkpoint: the manifest first, then its files (``discard``: the destination's way,
-    default removed), then its records; return the rest.
+    """Delete one checkpoint: the manifest first, then its files (``recycle``: set aside for the next
+    save to write over, ``spares.py``), then its records; return the rest.
 
     A file that another checkpoint in ``catalog`` also names is left alone (``Catalog.owned_files``).
     """
     storage.remove(layout.manifest_path(info.name))
     files = list(catalog.owned_files(info))
-    if discard is not None:
-        discard(files)
+    if recycle:
+        spares.set_aside(storage, files)
     else:
         for path in files:
             storage.remove(path)

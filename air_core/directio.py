@@ -55,7 +55,7 @@ class DirectFile(io.RawIOBase):
 
     ``write`` accepts any buffer and returns its length; ``tick`` is called after each chunk reaches
     the file. ``finish(fsync=...)`` writes the tail (and fsyncs); ``close`` releases the file. Writer
-    thread only. ``overwrite``: ``path`` holds a recycled file (``staging.Direct``), written over in
+    thread only. ``overwrite``: ``path`` holds a recycled file (``spares.py``), written over in
     place, its pages reused rather than freed and allocated again, and cut to the new size at ``finish``.
     """
 

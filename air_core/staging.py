@@ -23,7 +23,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, Protocol
 
-from . import layout, spares
+from . import layout
 from .catalog import read_catalog
 from .commit import keep_newest
 from .config import CheckpointerConfig
@@ -41,13 +41,10 @@ class Destination(Protocol):
     """How one save's files get to the root. Called on the writer thread, in this order, per save:
 
     1. ``temp_paths``: where the serializer writes each file (``fsync`` says whether it must sync);
-       ``reuse``: which of them hold a recycled file to overwrite; ``follow``: start uploading them as
-       they are written (None: upload after ``place``);
+       ``follow``: start uploading them as they are written (None: upload after ``place``);
     2. ``place``: move the finished temp files to where ``to_upload`` reads them (or to the root);
     3. ``to_upload``: local file per root path still to upload (empty: nothing to upload);
     4. after the commit, ``remember`` the manifest; after retention, ``trim`` the local cache.
-
-    ``discard`` removes a deleted checkpoint's files from the root (writer thread, between saves).
 
     ``fetch`` (training thread, any time) returns verified local copies of committed files.
     """
@@ -69,14 +66,6 @@ class Destination(Protocol):
 
     def temp_paths(self, files: tuple[str, ...]) -> dict[str, str]: ...
 
-    def reuse(self, temps: dict[str, str]) -> frozenset[str]:
-        """The temp paths that now hold a file to overwrite in place (``recycle_files``)."""
-        ...
-
-    def discard(self, files: list[str]) -> None:
-        """Remove a deleted checkpoint's ``files`` (root paths) from the root."""
-        ...
-
     def follow(self, temps: dict[str, str]) -> Following | None: ...
 
     def place(self, temps: dict[str, str]) -> None: ...
@@ -95,43 +84,24 @@ class Destination(Protocol):
 
     def disk_full_fix(self, exc: OSError) -> str: ...
 
-    def close(self) -> None:
-        """The writer stopped: give back what was kept for later saves (a recycling root's spares)."""
-        ...
-
     def fetch(
         self, manifest: Manifest, entries: list[FileEntry], *, max_transfers: int
     ) -> tuple[dict[str, str], Source]: ...
 
 
 class Direct:
-    """A local root written in place: temp file beside the final one, fsync, rename, folder fsync.
-
-    With ``recycle`` (``recycle_files``: the local tier's own root) a deleted checkpoint's files are set
-    aside and the next save is written over them (``spares.py``).
-    """
+    """A local root written in place: temp file beside the final one, fsync, rename, folder fsync."""
 
     fsync = True
 
-    def __init__(self, storage: Storage, spill_dir: str = "", *, recycle: bool = False) -> None:
+    def __init__(self, storage: Storage, spill_dir: str = "") -> None:
         assert storage.is_local, "a direct destination is a local root"
         self._storage = storage
-        self._recycle = recycle
         self.cache_dir: str | None = None
         self.spill_dir = spill_dir
 
     def temp_paths(self, files: tuple[str, ...]) -> dict[str, str]:
         return {rel: self._storage.local_temp(rel) for rel in files}
-
-    def reuse(self, temps: dict[str, str]) -> frozenset[str]:
-        return spares.take(self._storage, temps) if self._recycle else frozenset()
-
-    def discard(self, files: list[str]) -> None:
-        if self._recycle:
-            spares.set_aside(self._storage, files)
-            return
-        for rel in files:
-            self._storage.remove(rel)
 
     def follow(self, temps: dict[str, str]) -> Following | None:
         return None
@@ -157,10 +127,6 @@ class Direct:
 
     def disk_full_fix(self, exc: OSError) -> str:
         return fix_for(exc)
-
-    def close(self) -> None:
-        if self._recycle:
-            spares.clear(self._storage)
 
     def fetch(
         self, manifest: Manifest, entries: list[FileEntry], *, max_transfers: int
@@ -191,13 +157,6 @@ class Staged:
         for path in local.values():
             self._make_room(path)
         return {rel: f"{path}{layout.TEMP_MARK}" for rel, path in local.items()}
-
-    def reuse(self, temps: dict[str, str]) -> frozenset[str]:
-        return frozenset()  # an upload that follows a file reads as far as it has grown: never overwrite
-
-    def discard(self, files: list[str]) -> None:
-        for rel in files:
-            self._storage.remove(rel)
 
     def follow(self, temps: dict[str, str]) -> Following | None:
         """Upload the files as the serializer writes them, where the root allows (S3)."""
@@ -251,9 +210,6 @@ class Staged:
             " point staging_dir at a larger disk, or lower keep_last (the local cache keeps that many"
             " checkpoints)."
         )
-
-    def close(self) -> None:
-        pass
 
     def fetch(
         self, manifest: Manifest, entries: list[FileEntry], *, max_transfers: int
@@ -336,9 +292,7 @@ def choose_destination(config: CheckpointerConfig, storage: Storage) -> Destinat
     key = hashlib.sha1(storage.url.encode()).hexdigest()[:16]
     dest: Direct | Staged
     if config.staging_dir is None and storage.is_local:
-        dest = Direct(
-            storage, os.path.join(tempfile.gettempdir(), "air-spill", key), recycle=config.recycle_files
-        )
+        dest = Direct(storage, os.path.join(tempfile.gettempdir(), "air-spill", key))
     else:
         staging = _local_dir(config.staging_dir) if config.staging_dir else None
         if staging is None:

@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from . import commit
+from . import commit, spares
 from .catalog import Catalog, read_catalog
 from .config import CheckpointerConfig
 from .errors import SaveError
@@ -252,7 +252,8 @@ class Writer:
             self._serializer.native_id, training_nice=self._training_nice, nbytes=job.snapshot.nbytes
         )
         try:
-            targets = Targets(temps, self._dest.fsync, self._dest.reuse(temps))
+            reuse = spares.take(self._storage, temps) if self._config.recycle_files else frozenset()
+            targets = Targets(temps, self._dest.fsync, reuse)
             written = self._serializer.write(job.snapshot, targets, tick=priority.check)
         finally:
             priority.finish()
@@ -446,7 +447,7 @@ class Writer:
         self._fence(f"deleting checkpoint {info.name!r}")
         self._emit(PhaseEvent("retention_start", info.name, info.step, self._config.rank))
         nbytes = catalog.bytes_of(info)
-        catalog = commit.delete_checkpoint(self._storage, info, catalog, discard=self._dest.discard)
+        catalog = commit.delete_checkpoint(self._storage, info, catalog, recycle=self._config.recycle_files)
         self._emit(PhaseEvent("retention_deleted", info.name, info.step, self._config.rank))
         self._emit(DeleteRecord(info.name, info.step, nbytes))
         return catalog
