@@ -190,15 +190,16 @@ def drop_commits(storage: Storage, *, keep: set[str] | frozenset[str], recycle: 
     names = {n for rel in sizes if (n := layout.checkpoint_of(rel)) is not None} - keep
     newest = max(names, default="")
     for name in sorted(names):
-        manifest = storage.read_if_present(layout.manifest_path(name))
+        commit_record = layout.manifest_path(name)
+        manifest = storage.read_if_present(commit_record)
         files: list[str] = []
         if manifest is not None:
             try:
                 files = [f.path for f in Manifest.from_json(manifest, where=name).files if f.path in sizes]
             except CorruptCheckpointError:
                 files = []
-        records = [rel for rel in sizes if layout.checkpoint_of(rel) == name]
-        storage.remove(layout.manifest_path(name))  # the manifest first: never a commit missing files
+        storage.remove(commit_record)  # the manifest first: never a commit missing files
+        records = [rel for rel in sizes if layout.checkpoint_of(rel) == name and rel != commit_record]
         if recycle and name == newest:
             spares.set_aside(storage, files)
         else:
@@ -206,7 +207,7 @@ def drop_commits(storage: Storage, *, keep: set[str] | frozenset[str], recycle: 
                 storage.remove(rel)
         for rel in records:
             storage.remove(rel)
-        for rel in (*files, *records):
+        for rel in (commit_record, *files, *records):
             sizes.pop(rel, None)
 
 
