@@ -333,15 +333,28 @@ def matches(path: str, entry: FileEntry, *, remember: bool = False) -> bool:
         return False
     if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
         return False
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    crc = _REMEMBERED.pop(key, None)
+    crc = _REMEMBERED.pop(_identity(st), None)
     if crc is None:
         crc = file_crc32(path)
     if remember:
-        if len(_REMEMBERED) > _REMEMBER_AT_MOST:  # checks never followed by a load
-            _REMEMBERED.clear()
-        _REMEMBERED[key] = crc
+        _remember(st, crc)
     return crc == entry.crc32
+
+
+def remember(path: str, crc32: int) -> None:
+    """Serve the next ``matches`` of the file at ``path``, if unchanged, with ``crc32``: the CRC-32 of its
+    bytes as they were computed while it was written (a copy received and checked on arrival)."""
+    _remember(os.stat(path), crc32)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _remember(st: os.stat_result, crc: int) -> None:
+    if len(_REMEMBERED) > _REMEMBER_AT_MOST:  # checks never followed by a load
+        _REMEMBERED.clear()
+    _REMEMBERED[_identity(st)] = crc
 
 
 _REMEMBERED: dict[tuple[int, int, int, int], int] = {}

@@ -30,7 +30,7 @@ from ..dcp.files import METADATA, is_part_metadata
 from ..dcp.writer import merge_parts
 from ..errors import CorruptCheckpointError
 from ..manifest import FileEntry, Manifest
-from ..staging import matches
+from ..staging import matches, remember
 from .local import parse_name, tier_name
 from .transfer import EMPTY, Received, UnsyncedFiles, exchange, local_storage, read_package
 
@@ -231,8 +231,10 @@ def _assemble(
     launch, versions = "", {}
     for saved in range(world):
         try:
-            if saved in parts:
+            if saved in parts:  # checked as it arrived; the load right after need not read it again
                 manifest = parts[saved].check(where=f"rank {saved}'s part of {name}")
+                for f in manifest.files:
+                    remember(layout.local_path(dest, f.path), f.crc32)
             else:
                 manifest = _link(local[saved].root, dest, name, check=saved in checks)
         except CorruptCheckpointError:
