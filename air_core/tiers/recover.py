@@ -5,9 +5,9 @@ each committed by its manifest), the reports are gathered in one collective, and
 same step (``choose``): the newest one newer than the root's newest commit for which each rank of the
 world that saved it has a committed part somewhere, of one step and one world size, never mixed. The
 pieces a rank's node lacks come from the rank that holds them, over the tier's group, checked against
-their CRC-32s on arrival; the ones on its node are linked, not copied, and checked once per node (by
-the node's lowest rank). The parts are put together
-(``assemble``) as one committed checkpoint of the saved world size in ``restore-<rank>/``, which the
+their CRC-32s on arrival; the ones on its node are linked, not copied, and each is checked once per node
+(by the rank that loads it if that rank is on the node, else by the node's lowest rank). The parts are put
+together (``assemble``) as one committed checkpoint of the saved world size in ``restore-<rank>/``, which the
 adapter loads as it loads a root's: the same verification, the same exact (or ``elastic``) resume.
 """
 
@@ -149,8 +149,8 @@ def _assemble_here(
     group: Any,
 ) -> list[tuple[int, int]]:
     """Gather the ``chosen`` step's parts in ``restore_root(base, rank)`` (received ones checked as they
-    arrive, linked ones checked here by the lowest rank of the node that holds them: one read per node,
-    not one per rank) and commit it there; the (saved rank, holding rank) of each part that failed its
+    arrive, linked ones checked here by one rank of the node that holds them, ``_checker``: one read per
+    node, not one per rank) and commit it there; the (saved rank, holding rank) of each part that failed its
     check (then nothing is committed)."""
     step, world = chosen
     name = tier_name(step, world)
@@ -171,7 +171,7 @@ def _assemble_here(
                 finally:
                     sink.close()
     local = {s: here for s in range(world) if s not in parts and (here := _here(holders[s], rank))}
-    checks = {s for s, here in local.items() if rank == min(r for r, h in holders[s] if h.node == here.node)}
+    checks = {s for s, here in local.items() if rank == _checker(s, here, holders[s])}
     damaged = _assemble(dest, name, step, world, local, parts, checks)
     return [(s, rank if s in local else holders[s][0][0]) for s in damaged]
 
@@ -205,6 +205,14 @@ def _holders(reports: list[list[Held]], chosen: tuple[int, int]) -> dict[int, li
             if (h.step, h.world) == chosen:
                 found.setdefault(h.saved_rank, []).append((r, h))
     return {s: sorted(hs, key=lambda e: (e[1].kind != "local", e[0])) for s, hs in found.items()}
+
+
+def _checker(saved: int, here: Held, holders: list[tuple[int, Held]]) -> int:
+    """The one rank of ``here``'s node that checks rank ``saved``'s part: rank ``saved`` itself when it is on
+    that node (at the same world size it loads that part, and its load then need not read it again; the
+    node's parts are checked in parallel, one per rank), else the node's lowest rank."""
+    on_node = [r for r, h in holders if h.node == here.node]
+    return saved if saved in on_node else min(on_node)
 
 
 def _here(holders: list[tuple[int, Held]], rank: int) -> Held | None:
