@@ -2,7 +2,7 @@
 every K, side by side in one run.
 
     python benchmarks/goodput_failures.py [--quick] [--json] [--seed S] [--steps T] [--width W]
-        [--adapter accelerate|transformers]
+        [--adapter accelerate|transformers] [--device-ms D | --cuda]
 
 An Accelerate job (an MLP of ``--width``, AdamW, trained flat out, loader with 2 workers) runs a fixed
 number of steps to a local root through NVMe staging (the root's saves are ``save_state()`` every N
@@ -28,12 +28,13 @@ the job at world 1, and the log says which tier its resume came from and at whic
 
 The last line with ``--json`` is::
 
-    {"local_every": K, "remote_every": N, "device_ms": D, "adapter": "accelerate" or "transformers",
+    {"local_every": K, "remote_every": N, "device_ms": D, "cuda": false or true,
+     "adapter": "accelerate" or "transformers",
      "remote_only": {"lost_steps_per_failure": x, "goodput": g, ...},
      "two_tier": {"lost_steps_per_failure": x, "goodput": g, "step_slowdown": s,
                   "slowdown_by_local_every": {K: s, 4K: s, 8K: s}, "snapshot_times_apart": {K: a, ...},
                   "cpu_seconds_per_local_save": c},
-     "node_loss": {"recovered_from": "replica" or "remote", "lost_steps": n} (null for transformers),
+     "node_loss": {"recovered_from": "replica" or "remote", "lost_steps": n} (null: transformers, --cuda),
      "restore": {"own_local_vs_torch_load": r, "partner_vs_loopback": r}}
 
 ``--quick`` (a few minutes on 2 cores): 60 steps, N = 20, K = 4, 3 failures, width 512.
@@ -41,7 +42,9 @@ The last line with ``--json`` is::
 Here the training step is CPU work on every core, so whatever CPU the tier spends comes out of the
 training. On a GPU node the host's cores mostly wait for the device. ``--device-ms D`` makes each step
 wait D ms after its backward (a sleep: the cores are free meanwhile), which shows the tier's cost where
-its background work has cores to run on.
+its background work has cores to run on. ``--cuda`` trains on the GPU instead (each step synchronized, so
+its time is the device's; the snapshot copies from device memory into pinned host buffers), without the
+node loss; ``benchmarks/gpu_check.sh`` runs it (section ``tier``).
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
         local_every_n_steps=args.local_every or None,
         local_dir=os.path.join(args.local_dir or str(work), f"local-{work.name}-{node}"),
     )
-    accelerator = AirAccelerator(air_plugin=plugin, cpu=True)
+    accelerator = AirAccelerator(air_plugin=plugin, cpu=not args.cuda)
     torch.manual_seed(0)
     w = args.width
     model = _layers(w)
@@ -116,6 +119,8 @@ def worker(args: argparse.Namespace) -> None:
                 time.sleep(args.device_ms / 1000)  # the device's share of the step: the host's cores idle
             optimizer.step()
             optimizer.zero_grad()
+            if args.cuda:
+                torch.cuda.synchronize()  # the step's time is the device's, not its launches'
             step += 1
             if step % args.remote_every == 0:
                 accelerator.save_state()
@@ -203,6 +208,8 @@ def trainer_worker(args: argparse.Namespace) -> None:
                 time.sleep(args.device_ms / 1000)  # the device's share of the step: the host's cores idle
 
         def on_step_end(self, targs, state, control, **kwargs) -> None:
+            if args.cuda:
+                torch.cuda.synchronize()
             row = {"step": state.global_step, "t": time.time(), "d": time.perf_counter() - self.t0}
             self.log.write(json.dumps(row | {"pid": os.getpid(), "world": targs.world_size}) + "\n")
             self.log.flush()
@@ -217,7 +224,7 @@ def trainer_worker(args: argparse.Namespace) -> None:
         learning_rate=1e-4,
         logging_steps=1000,
         report_to=[],
-        use_cpu=True,
+        use_cpu=not args.cuda,
         seed=0,
         dataloader_num_workers=2,
         disable_tqdm=True,
@@ -291,6 +298,7 @@ def _job_args(args: argparse.Namespace, local_every: int, kill_at: list[int]) ->
         args.local_dir,
         "--device-ms",
         str(args.device_ms),
+        *(["--cuda"] if args.cuda else []),
         *every,
         *kills,
     ]
@@ -506,6 +514,12 @@ def main() -> None:
         help="the job's framework: AirAccelerator (default) or transformers' AirTrainer (no node loss: "
         "Trainer has no elastic resume)",
     )
+    p.add_argument(
+        "--cuda",
+        action="store_true",
+        help="train on the GPU (cuda:0) instead of the CPU; the node loss is not run (its two 'nodes' are "
+        "CPU processes of one host)",
+    )
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--kill-at", default="", help=argparse.SUPPRESS)
     p.add_argument("--node-loss", default="", help=argparse.SUPPRESS)
@@ -521,6 +535,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=args.local_dir or None) as folder:
             mp.spawn(_transfer_worker, args=(args.transfer, free_port(), folder, None), nprocs=2)
         return None
+    if args.cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--cuda: torch sees no CUDA device here; run without --cuda to train on the CPU")
     quick = args.quick
     args.steps = args.steps or (60 if quick else 300)
     args.width = args.width or (512 if quick else 1536)
@@ -531,13 +550,15 @@ def main() -> None:
     rng = random.Random(args.seed)
     kill_at = sorted(rng.sample(range(args.remote_every // 2, args.steps - 2), failures))
     node_at = rng.randrange(args.remote_every + k + 1, args.steps - 2)
+    runs_node_loss = args.adapter == "accelerate" and not args.cuda
     root = Path(tempfile.mkdtemp(prefix="air-goodput-"))
     if args.local_dir:  # the run's own folder there, removed with the root
         args.local_dir = tempfile.mkdtemp(prefix="air-goodput-local-", dir=args.local_dir)
     try:
         print(f"{args.steps} steps, width {args.width}, root every {args.remote_every}, local every {k}; "
               f"failures before steps {kill_at}"
-              + (f"; node B lost before step {node_at}" if args.adapter == "accelerate" else "")
+              + (f"; node B lost before step {node_at}" if runs_node_loss else "")
+              + ("; on the GPU" if args.cuda else "")
               + (f"; each step waits {args.device_ms:g} ms for a 'device'" if args.device_ms else ""),
               flush=True)  # fmt: skip
         sweep = (k, 4 * k, 8 * k)  # the slowdown falls as the local saves grow apart (8K: 10+ snapshots)
@@ -558,7 +579,7 @@ def main() -> None:
         two["step_slowdown"] = slowdown[k]
         local_saves = args.clean_steps // k
         cpu_per_save = (clean[k]["cpu_seconds"] - clean[0]["cpu_seconds"]) / local_saves
-        lost_node = node_loss(args, root, k, node_at) if args.adapter == "accelerate" else None
+        lost_node = node_loss(args, root, k, node_at) if runs_node_loss else None
         own = local_restore_speed(64 if quick else 512, Path(args.local_dir or root))
         partner = transfer_speed(64 if quick else 512, args.local_dir or str(root))
         for name, r in results.items():
@@ -581,6 +602,8 @@ def main() -> None:
         if lost_node is not None:
             tier, lost = lost_node["recovered_from"], lost_node["lost_steps"]
             print(f"node loss: recovered from {tier}, {lost} steps lost")
+        elif args.cuda:  # tests/*/test_node_loss.py and the CPU run of this benchmark lose a node
+            print("node loss: not run (--cuda: the two 'nodes' would be CPU processes of this host)")
         else:  # it would resume on one process; a replaced node is tests/transformers/test_crash_resume.py's
             print("node loss: not run (AirTrainer has no elastic resume)")
         print(
@@ -598,6 +621,7 @@ def main() -> None:
                 "local_every": k,
                 "remote_every": args.remote_every,
                 "device_ms": args.device_ms,
+                "cuda": args.cuda,
                 "adapter": args.adapter,
                 "remote_only": {k_: remote[k_] for k_ in ("lost_steps_per_failure", "goodput")},
                 "two_tier": {k_: two[k_] for k_ in ("lost_steps_per_failure", "goodput", "step_slowdown")}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check, run on a CUDA machine from the repository root: bash benchmarks/gpu_check.sh [SIZE_MIB]
-# Section "order" (GPU_CHECK_SECTIONS, default "order health stall sharded fsdp2"):
+# Section "order" (GPU_CHECK_SECTIONS, default "order health stall sharded fsdp2 tier"):
 # 0. benchmarks/gpu_snapshot_order.py: a save's BatchNorm statistics are those at save time although the
 #    next forward runs while the save's copies are in flight (a tracked model's buffers go first).
 # Section "stall":
@@ -20,15 +20,23 @@
 #    and, with 2+ GPUs, under torchrun on every GPU (links and all-reduce over NCCL, clocks);
 # 7. the straggler section timer with CUDA events around a GPU matmul (against a synchronized wall
 #    clock of the same work).
+# Section "tier" (the local tier, issue 28):
+# 8. benchmarks/tier_write.py --device cuda: a local save of TIER_MIB (default 4096) of CUDA state into
+#    /dev/shm: how long the call held the loop (the snapshot: device memory into pinned host buffers)
+#    and to commit, recycled files against new ones, torch.save for reference;
+# 9. benchmarks/goodput_failures.py --cuda: the Accelerate job on the GPU (width TIER_WIDTH, default
+#    4096: a 604 MB state), the tier's step slowdown at local_every 50 / 200 / 400, lost steps and
+#    goodput under SIGKILLs with and without the tier, restore from the own tier and a partner's copy
+#    (over gloo from host memory: the lent machine has one GPU, and NCCL takes one rank per GPU).
 # Output also lands in $OUT (if set) as order.txt, gpu_check.json, gpu_check.txt, sharded_save.txt,
-# fsdp2.txt and health.txt.
+# fsdp2.txt, health.txt and tier.txt.
 #   GPU_CHECK_SECTIONS=sharded bash benchmarks/gpu_check.sh     # the sharded benchmark only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE_MIB="${1:-8192}"
 PY="${PYTHON:-python3}"
 OUT_DIR="${OUT:-/tmp}"
-SECTIONS=" ${GPU_CHECK_SECTIONS:-order health stall sharded fsdp2} "
+SECTIONS=" ${GPU_CHECK_SECTIONS:-order health stall sharded fsdp2 tier} "
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [[ "$SECTIONS" == *" order "* ]]; then
   timeout 120 "$PY" benchmarks/gpu_snapshot_order.py --dir "${BENCH_DIR:-/tmp}/air-snapshot-order" \
@@ -116,4 +124,12 @@ timeout 240 "$PY" benchmarks/gpu_fsdp2.py lightning-fsdp1 "${BENCH_DIR:-/tmp}/ai
     | tee -a "$OUT_DIR/fsdp2.txt"
 timeout 240 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" benchmarks/gpu_fsdp2.py \
     accelerate "${BENCH_DIR:-/tmp}/air-fsdp2-accelerate" | tee -a "$OUT_DIR/fsdp2.txt"
+fi
+if [[ "$SECTIONS" == *" tier "* ]]; then
+{
+  "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
+  timeout 240 "$PY" benchmarks/tier_write.py --device cuda --size-mib "${TIER_MIB:-4096}" --saves 3
+  timeout 480 "$PY" benchmarks/goodput_failures.py --cuda --json --width "${TIER_WIDTH:-4096}" --steps 600 \
+      --remote-every 200 --local-every 50 --failures 2
+} 2>&1 | tee "$OUT_DIR/tier.txt"
 fi
