@@ -4,8 +4,9 @@ Every rank reports what its node holds (``holdings``: its own local checkpoints 
 each committed by its manifest), the reports are gathered in one collective, and every rank picks the
 same step (``choose``): the newest one newer than the root's newest commit for which each rank of the
 world that saved it has a committed part somewhere, of one step and one world size, never mixed. The
-pieces a rank's node lacks come from the rank that holds them, over the tier's group, checked against
-their CRC-32s on arrival; the ones on its node are linked, not copied, and each is checked once per node
+pieces a node lacks come from a rank that holds them, over the tier's group, once per node (its lowest
+rank receives them, checked against their CRC-32s on arrival; its other ranks link them from there); the
+ones on its node are linked, not copied, and each is checked once per node
 (by the rank that loads it if that rank is on the node, else by the node's lowest rank). The parts are put
 together (``assemble``) as one committed checkpoint of the saved world size in ``restore-<rank>/``, which the
 adapter loads as it loads a root's: the same verification, the same exact (or ``elastic``) resume.
@@ -13,6 +14,7 @@ adapter loads as it loads a root's: the same verification, the same exact (or ``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -111,12 +113,12 @@ def recover(
     """
     started = time.monotonic()
     while True:
-        reports = _gather(holdings(base, node), group, world_size)
-        chosen = choose(reports, newer_than)
+        nodes, reports = zip(*_gather((node, holdings(base, node)), group, world_size), strict=True)
+        chosen = choose(list(reports), newer_than)
         if chosen is None:
             return None
-        holders = _holders(reports, chosen)
-        blamed = _gather(_assemble_here(base, rank, world_size, chosen, holders, group), group, world_size)
+        holders = _holders(list(reports), chosen)
+        blamed = _gather(_assemble_here(base, rank, list(nodes), chosen, holders, group), group, world_size)
         if not any(blamed):
             break
         _drop(rank, chosen, holders, blamed)
@@ -132,7 +134,7 @@ def recover(
     return Resume(dest, tier_name(step, world), step, world, tier, time.monotonic() - started)
 
 
-def _gather(mine: list[Any], group: Any, world_size: int) -> list[Any]:
+def _gather(mine: Any, group: Any, world_size: int) -> list[Any]:
     if group is None or world_size == 1:
         return [mine]
     everyone: list[Any] = [None] * world_size
@@ -143,25 +145,27 @@ def _gather(mine: list[Any], group: Any, world_size: int) -> list[Any]:
 def _assemble_here(
     base: str,
     rank: int,
-    world_size: int,
+    nodes: list[str],
     chosen: tuple[int, int],
     holders: dict[int, list[tuple[int, Held]]],
     group: Any,
 ) -> list[tuple[int, int]]:
-    """Gather the ``chosen`` step's parts in ``restore_root(base, rank)`` (received ones checked as they
-    arrive, linked ones checked here by one rank of the node that holds them, ``_checker``: one read per
-    node, not one per rank) and commit it there; the (saved rank, holding rank) of each part that failed its
-    check (then nothing is committed)."""
+    """Gather the ``chosen`` step's parts in ``restore_root(base, rank)`` and commit it there; the (saved
+    rank, holding rank) of each part that failed its check (then nothing is committed).
+
+    A part on this node is linked, and checked by one rank of the node (``_checker``): one read per node,
+    not one per rank. A part the node lacks is sent to it once, to its lowest rank (``_receivers``), and
+    checked as it arrives; the node's other ranks link it from there once that rank has committed (a
+    replaced node of eight ranks receives the job's state once, not eight times)."""
     step, world = chosen
     name = tier_name(step, world)
     dest = restore_root(base, rank)
     shutil.rmtree(dest, ignore_errors=True)
+    via = _receivers(nodes, {s: {r for r, _ in hs} for s, hs in holders.items()})
     parts: dict[int, Received] = {}
-    for receiver in range(world_size):  # the same order on every rank: each transfer pairs up
-        for saved in range(world):
-            if any(r == receiver for r, _ in holders[saved]):
-                continue  # on the receiver's node: linked, not sent
-            holder, held = holders[saved][0]
+    for saved in range(world):  # the same order on every rank: each transfer pairs up
+        holder, held = holders[saved][0]
+        for receiver in sorted(set(via[saved].values())):
             if rank == holder:
                 exchange(read_package(local_storage(held.root), name), [receiver], {}, group)
             elif rank == receiver:
@@ -172,8 +176,28 @@ def _assemble_here(
                     sink.close()
     local = {s: here for s in range(world) if s not in parts and (here := _here(holders[s], rank))}
     checks = {s for s, here in local.items() if rank == _checker(s, here, holders[s])}
-    damaged = _assemble(dest, name, step, world, local, parts, checks)
-    return [(s, rank if s in local else holders[s][0][0]) for s in damaged]
+    linking = {r for by in via.values() for r, receiver in by.items() if r != receiver}
+    fetched = {s: restore_root(base, by[rank]) for s, by in via.items() if by.get(rank, rank) != rank}
+    if rank in linking:  # it links what another rank of its node received, once that rank has committed
+        _gather(None, group, len(nodes))
+    damaged = _assemble(dest, name, step, world, local, parts, checks, fetched)
+    if linking and rank not in linking:
+        _gather(None, group, len(nodes))  # the same barrier: the linking ranks wait for this rank's commit
+    # a fetched part the receiving rank found damaged is blamed by that rank, once
+    return [(s, rank if s in local else holders[s][0][0]) for s in damaged if s not in fetched]
+
+
+def _receivers(nodes: list[str], holding: dict[int, set[int]]) -> dict[int, dict[int, int]]:
+    """For each saved rank, and each rank not in ``holding[saved]`` (the ranks that hold its part): the
+    rank that receives the part for it. On a node whose ranks all see the same parts (they share the
+    node's folder) that is the node's lowest rank, for all of them; else each rank receives for itself,
+    so a rank never both receives for others and waits to link from another."""
+    ranks = {n: [r for r, m in enumerate(nodes) if m == n] for n in nodes}
+    shared = {n for n, rs in ranks.items() if all(len({r in h for r in rs}) == 1 for h in holding.values())}
+    return {
+        saved: {r: ranks[n][0] if n in shared else r for r, n in enumerate(nodes) if r not in has}
+        for saved, has in holding.items()
+    }
 
 
 def _drop(
@@ -228,11 +252,13 @@ def _assemble(
     local: dict[int, Held],
     parts: dict[int, Received],
     checks: set[int],
+    fetched: dict[int, str],
 ) -> list[int]:
     """One committed checkpoint of ``world`` ranks in ``dest``: each part's files (linked from this node's
     copy, and for the saved ranks in ``checks`` checked against their CRC-32s; or received: written as
-    they arrived, checked here), then a manifest naming every file with its rank. Returns the saved ranks
-    whose part failed its check; then no manifest is written."""
+    they arrived, checked here; or ``fetched``: linked from the restore folder of the rank of this node
+    that received them), then a manifest naming every file with its rank. Returns the saved ranks whose
+    part failed its check or is missing; then no manifest is written."""
     storage = local_storage(dest)
     entries: list[FileEntry] = []
     damaged: list[int] = []
@@ -243,6 +269,8 @@ def _assemble(
                 manifest = parts[saved].check(where=f"rank {saved}'s part of {name}")
                 for f in manifest.files:
                     remember(layout.local_path(dest, f.path), f.crc32)
+            elif saved in fetched:
+                manifest = _link_received(fetched[saved], dest, name, saved)
             else:
                 manifest = _link(local[saved].root, dest, name, check=saved in checks)
         except CorruptCheckpointError:
@@ -272,6 +300,27 @@ def _merged_metadata(dest: str, entries: list[FileEntry]) -> list[FileEntry]:
         local_storage(dest).write_bytes(path, data)
         made.append(FileEntry(path, len(data), zlib.crc32(data), 0))
     return made
+
+
+def _link_received(source: str, dest: str, name: str, saved: int) -> Manifest:
+    """Hard-link rank ``saved``'s part from ``source``, the restore folder of the rank of this node that
+    received it: committed there only if every file matched its CRC-32 as it arrived, so the load here
+    trusts that check (``staging.remember``) for the same files.
+
+    Raises:
+        CorruptCheckpointError: ``source`` committed nothing (that rank found a part damaged).
+    """
+    data = local_storage(source).read_if_present(layout.manifest_path(name))
+    if data is None:
+        raise CorruptCheckpointError(f"{source}: {name} was not assembled", path=name, reason="missing")
+    whole = Manifest.from_json(data, where=source)
+    files = tuple(f for f in whole.files if f.rank == saved and os.path.basename(f.path) != METADATA)
+    for f in files:
+        target = layout.local_path(dest, f.path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.link(layout.local_path(source, f.path), target)
+        remember(target, f.crc32)
+    return dataclasses.replace(whole, files=files)
 
 
 def _link(source: str, dest: str, name: str, *, check: bool) -> Manifest:

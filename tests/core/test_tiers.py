@@ -21,6 +21,7 @@ from air_core.session import SessionConfig
 from air_core.staging import matches
 from air_core.tiers import Held, choose, holdings, recover, tier_name
 from air_core.tiers.partners import partners, side_group, sources
+from air_core.tiers.recover import _receivers
 from air_core.tiers.transfer import EMPTY, Package, StagedFiles, exchange, local_storage, read_package
 from tests.torchrun_nodes import free_port
 
@@ -113,15 +114,16 @@ PART = 1 << 20
 
 
 def _recover_worker(rank: int, port: int, folder: str, nodes: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    """Rank ``rank`` on node ``nodes[rank]`` (a folder of ``folder``): recover, then load its part."""
+    world = len(nodes)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     node = nodes[rank]
     blames: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = blames.append  # type: ignore[method-assign]
     logging.getLogger("air_core.tiers.recover").addHandler(handler)
-    resumed = recover(
-        os.path.join(folder, node), rank=rank, world_size=2, newer_than=None, group=side_group(60), node=node
-    )
+    base = os.path.join(folder, node)
+    resumed = recover(base, rank=rank, world_size=world, newer_than=None, group=side_group(60), node=node)
     assert resumed is not None
     before = _read_bytes_so_far()
     with AsyncCheckpointer(resumed.root, read_only=True) as reader:
@@ -135,8 +137,10 @@ def _recover_worker(rank: int, port: int, folder: str, nodes: str) -> None:
 
 @pytest.mark.parametrize(
     ("nodes", "found_by"),
-    [("AB", [0, 1]), ("NN", [1])],
-    ids=["two-nodes", "one-node"],  # one node: the part is read once, by the rank that loads it
+    [("AB", [0, 1]), ("NN", [1]), ("ABB", [0, 1])],
+    # one node: the part is read once, by the rank that loads it; ABB: rank 2 links the parts rank 1
+    # received (and finds nothing itself)
+    ids=["two-nodes", "one-node", "two-nodes-three-ranks"],
 )
 def test_a_damaged_part_is_dropped_and_every_rank_agrees_on_the_older_complete_step(
     tmp_path, nodes, found_by
@@ -145,13 +149,14 @@ def test_a_damaged_part_is_dropped_and_every_rank_agrees_on_the_older_complete_s
         with AsyncCheckpointer(str(tmp_path / node / f"rank-{rank:05d}")) as ckpt:
             for step in (2, 4):
                 state = {"w": torch.full((PART,), float(10 * rank + step))}
-                ckpt.save_files({f"step-{step}/rank-{rank}.pt": state}, step=step, name=tier_name(step, 2))
+                name = tier_name(step, len(nodes))
+                ckpt.save_files({f"step-{step}/rank-{rank}.pt": state}, step=step, name=name)
     damaged = tmp_path / nodes[1] / "rank-00001/step-4/rank-1.pt"  # its own save of step 4: one byte off
     data = bytearray(damaged.read_bytes())
     data[-100] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    mp.spawn(_recover_worker, args=(free_port(), str(tmp_path), nodes), nprocs=2)
-    for rank in (0, 1):
+    mp.spawn(_recover_worker, args=(free_port(), str(tmp_path), nodes), nprocs=len(nodes))
+    for rank in range(len(nodes)):
         resumed = json.loads((tmp_path / f"resumed-{rank}.json").read_text())
         assert resumed["step"] == 2 and resumed["w"] == [10.0 * rank + 2] * 2, "step 2 on both, loaded whole"
         # Two nodes: the holder checks its own copy and the receiver what arrived; one node: only its owner.
@@ -162,18 +167,30 @@ def test_a_damaged_part_is_dropped_and_every_rank_agrees_on_the_older_complete_s
     }, "the damaged part is no longer offered"
 
 
-def test_a_part_received_from_a_partner_is_loaded_without_being_read_again(tmp_path):
-    """Node B replaced its lost disk: rank 1's part comes from the copy node A holds, checked as it
-    arrives; the load right after trusts that check instead of reading the whole part once more."""
-    for saved, root in ((0, "A/rank-00000"), (1, "A/replica-00001")):
+def test_a_replaced_node_receives_each_part_once_and_no_load_reads_its_part_again(tmp_path):
+    """Node B (ranks 1 and 2) replaced its lost disk: node A holds every part of step 2 (its own, and the
+    copies of B's). B's first rank receives each part once, checked as it arrives; rank 2 links them from
+    there; and neither load reads its part again for its CRC-32."""
+    for saved, root in ((0, "A/rank-00000"), (1, "A/replica-00001"), (2, "A/replica-00002")):
         with AsyncCheckpointer(str(tmp_path / root)) as ckpt:
             state = {"w": torch.full((PART,), float(saved))}
-            ckpt.save_files({f"step-2/rank-{saved}.pt": state}, step=2, name=tier_name(2, 2))
+            ckpt.save_files({f"step-2/rank-{saved}.pt": state}, step=2, name=tier_name(2, 3))
     (tmp_path / "B").mkdir()
-    mp.spawn(_recover_worker, args=(free_port(), str(tmp_path), "AB"), nprocs=2)
-    loaded = json.loads((tmp_path / "resumed-1.json").read_text())
-    assert loaded["step"] == 2 and loaded["w"] == [1.0, 1.0] and loaded["found_by"] == []
-    assert loaded["read"] < PART, "the load read the received part again (its CRC-32 was checked on arrival)"
+    mp.spawn(_recover_worker, args=(free_port(), str(tmp_path), "ABB"), nprocs=3)
+    for rank in (0, 1, 2):
+        loaded = json.loads((tmp_path / f"resumed-{rank}.json").read_text())
+        assert loaded["step"] == 2 and loaded["w"] == [float(rank)] * 2 and loaded["found_by"] == []
+        assert loaded["read"] < PART, f"rank {rank}'s load read its part again (checked at recovery)"
+    for saved in (0, 1, 2):
+        received, linked = (tmp_path / f"B/restore-0000{r}/step-2/rank-{saved}.pt" for r in (1, 2))
+        assert received.stat().st_ino == linked.stat().st_ino, "node B received each part once"
+
+
+def test_a_node_lacking_a_part_receives_it_once_unless_its_ranks_see_different_parts():
+    nodes = ["A", "B", "B", "C", "C"]  # rank 3 holds part 1 and rank 4 does not: they use two folders
+    via = _receivers(nodes, {0: {0}, 1: {1, 2, 3}})
+    assert via[0] == {1: 1, 2: 1, 3: 3, 4: 4}, "B's ranks share a folder: rank 1 receives for rank 2"
+    assert via[1] == {0: 0, 4: 4}, "on C each rank receives for itself: none waits on one that waits"
 
 
 def test_a_remembered_check_serves_the_next_check_of_the_unchanged_file_once(tmp_path):
