@@ -14,7 +14,6 @@ adapter loads as it loads a root's: the same verification, the same exact (or ``
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -154,50 +153,114 @@ def _assemble_here(
     rank, holding rank) of each part that failed its check (then nothing is committed).
 
     A part on this node is linked, and checked by one rank of the node (``_checker``): one read per node,
-    not one per rank. A part the node lacks is sent to it once, to its lowest rank (``_receivers``), and
-    checked as it arrives; the node's other ranks link it from there once that rank has committed (a
-    replaced node of eight ranks receives the job's state once, not eight times)."""
+    not one per rank. A part the node lacks is sent to it once (``_plan``), checked as it arrives, and
+    linked by the node's other ranks; the transfers run in rounds, every pair's at once."""
     step, world = chosen
     name = tier_name(step, world)
     dest = restore_root(base, rank)
     shutil.rmtree(dest, ignore_errors=True)
-    via = _receivers(nodes, {s: {r for r, _ in hs} for s, hs in holders.items()})
+    plan = _plan(nodes, holders)
     parts: dict[int, Received] = {}
-    for saved in range(world):  # the same order on every rank: each transfer pairs up
-        holder, held = holders[saved][0]
-        for receiver in sorted(set(via[saved].values())):
-            if rank == holder:
-                exchange(read_package(local_storage(held.root), name), [receiver], {}, group)
-            elif rank == receiver:
-                sink = UnsyncedFiles(dest)  # written as it arrives, checked when complete (``_assemble``)
-                try:
-                    parts[saved] = exchange(EMPTY, [], {holder: sink}, group)[holder]
-                finally:
-                    sink.close()
+    for transfers in plan.rounds:  # the same rounds on every rank: each transfer pairs up
+        package, send_to = EMPTY, list[int]()
+        for (sender, saved), to in transfers.items():
+            if sender == rank:  # one part a round at most
+                held = _here(holders[saved], rank)
+                assert held is not None
+                package, send_to = read_package(local_storage(held.root), name), to
+        sources = {sender: saved for (sender, saved), to in transfers.items() if rank in to}
+        if not send_to and not sources:
+            continue
+        sinks = {sender: UnsyncedFiles(dest) for sender in sources}  # written as it arrives
+        try:
+            for sender, got in exchange(package, send_to, dict(sinks), group).items():
+                parts[sources[sender]] = got
+        finally:
+            for sink in sinks.values():
+                sink.close()
     local = {s: here for s in range(world) if s not in parts and (here := _here(holders[s], rank))}
     checks = {s for s, here in local.items() if rank == _checker(s, here, holders[s])}
-    linking = {r for by in via.values() for r, receiver in by.items() if r != receiver}
-    fetched = {s: restore_root(base, by[rank]) for s, by in via.items() if by.get(rank, rank) != rank}
-    if rank in linking:  # it links what another rank of its node received, once that rank has committed
-        _gather(None, group, len(nodes))
+    fetched: dict[int, tuple[str, bytes | None]] = {}
+    if plan.links:  # each received part's manifest, if it arrived whole, for the ranks that link it
+        checked = _gather({s: _whole(got, name, s) for s, got in parts.items()}, group, len(nodes))
+        for s, by in plan.via.items():
+            if by.get(rank, rank) != rank:
+                fetched[s] = (restore_root(base, by[rank]), checked[by[rank]][s])
     damaged = _assemble(dest, name, step, world, local, parts, checks, fetched)
-    if linking and rank not in linking:
-        _gather(None, group, len(nodes))  # the same barrier: the linking ranks wait for this rank's commit
     # a fetched part the receiving rank found damaged is blamed by that rank, once
-    return [(s, rank if s in local else holders[s][0][0]) for s in damaged if s not in fetched]
+    return [(s, rank if s in local else plan.senders[s]) for s in damaged if s not in fetched]
+
+
+def _whole(received: Received, name: str, saved: int) -> bytes | None:
+    """``received``'s manifest if every file arrived whole, else None."""
+    try:
+        received.check(where=f"rank {saved}'s part of {name}")
+    except CorruptCheckpointError:
+        return None
+    return received.manifest
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Who sends each part a node lacks, to whom, in which round."""
+
+    via: dict[int, dict[int, int]]
+    """For each saved rank, each rank without its part: the rank of its node that receives it for it."""
+    senders: dict[int, int]
+    """For each saved rank: the rank that sends its part."""
+    rounds: list[dict[tuple[int, int], list[int]]]
+    """(sender, saved rank) -> receivers; in a round each rank sends one part and receives one at most."""
+
+    @property
+    def links(self) -> bool:
+        """Whether some rank links a part that another rank of its node receives."""
+        return any(r != v for by in self.via.values() for r, v in by.items())
+
+
+def _plan(nodes: list[str], holders: dict[int, list[tuple[int, Held]]]) -> _Plan:
+    """The transfers of a recovery, the same on every rank. Each part a node lacks goes to one rank of it
+    (``_receivers``), from a rank of the node that holds the best copy (its own local part before a
+    replica), spread over that node's ranks; then the transfers are packed into rounds, so distinct
+    pairs run at once."""
+    via = _receivers(nodes, {s: {r for r, _ in hs} for s, hs in holders.items()})
+    senders = {}
+    for s, hs in holders.items():
+        best = [r for r, h in hs if h.root == hs[0][1].root and h.kind == hs[0][1].kind]
+        senders[s] = best[s % len(best)]
+    pending = [(senders[s], s, v) for s in sorted(via) for v in sorted(set(via[s].values()))]
+    rounds: list[dict[tuple[int, int], list[int]]] = []
+    while pending:
+        sends: dict[int, int] = {}
+        receives: set[int] = set()
+        transfers: dict[tuple[int, int], list[int]] = {}
+        later = []
+        for sender, s, v in pending:
+            if sends.setdefault(sender, s) != s or v in receives:
+                later.append((sender, s, v))
+                continue
+            receives.add(v)
+            transfers.setdefault((sender, s), []).append(v)
+        rounds.append(transfers)
+        pending = later
+    return _Plan(via, senders, rounds)
 
 
 def _receivers(nodes: list[str], holding: dict[int, set[int]]) -> dict[int, dict[int, int]]:
     """For each saved rank, and each rank not in ``holding[saved]`` (the ranks that hold its part): the
     rank that receives the part for it. On a node whose ranks all see the same parts (they share the
-    node's folder) that is the node's lowest rank, for all of them; else each rank receives for itself,
-    so a rank never both receives for others and waits to link from another."""
+    node's folder), one rank of the node receives it for all: rank ``saved`` itself if it is there (at
+    the same world size it loads that part), else one spread by ``saved`` over the node's ranks, so the
+    node's receives and their CRC-32s run in parallel. Else each rank receives for itself."""
     ranks = {n: [r for r, m in enumerate(nodes) if m == n] for n in nodes}
     shared = {n for n, rs in ranks.items() if all(len({r in h for r in rs}) == 1 for h in holding.values())}
-    return {
-        saved: {r: ranks[n][0] if n in shared else r for r, n in enumerate(nodes) if r not in has}
-        for saved, has in holding.items()
-    }
+
+    def receiver(saved: int, r: int) -> int:
+        on_node = ranks[nodes[r]]
+        if nodes[r] not in shared:
+            return r
+        return saved if saved in on_node else on_node[saved % len(on_node)]
+
+    return {s: {r: receiver(s, r) for r in range(len(nodes)) if r not in has} for s, has in holding.items()}
 
 
 def _drop(
@@ -252,7 +315,7 @@ def _assemble(
     local: dict[int, Held],
     parts: dict[int, Received],
     checks: set[int],
-    fetched: dict[int, str],
+    fetched: dict[int, tuple[str, bytes | None]],
 ) -> list[int]:
     """One committed checkpoint of ``world`` ranks in ``dest``: each part's files (linked from this node's
     copy, and for the saved ranks in ``checks`` checked against their CRC-32s; or received: written as
@@ -270,7 +333,7 @@ def _assemble(
                 for f in manifest.files:
                     remember(layout.local_path(dest, f.path), f.crc32)
             elif saved in fetched:
-                manifest = _link_received(fetched[saved], dest, name, saved)
+                manifest = _link_received(*fetched[saved], dest, name)
             else:
                 manifest = _link(local[saved].root, dest, name, check=saved in checks)
         except CorruptCheckpointError:
@@ -302,25 +365,24 @@ def _merged_metadata(dest: str, entries: list[FileEntry]) -> list[FileEntry]:
     return made
 
 
-def _link_received(source: str, dest: str, name: str, saved: int) -> Manifest:
-    """Hard-link rank ``saved``'s part from ``source``, the restore folder of the rank of this node that
-    received it: committed there only if every file matched its CRC-32 as it arrived, so the load here
-    trusts that check (``staging.remember``) for the same files.
+def _link_received(source: str, part: bytes | None, dest: str, name: str) -> Manifest:
+    """Hard-link the files of ``part`` (a part's manifest, None if it arrived damaged) from ``source``, the
+    restore folder of the rank of this node that received them and checked them on arrival, so the load
+    here trusts that check (``staging.remember``) for the same files.
 
     Raises:
-        CorruptCheckpointError: ``source`` committed nothing (that rank found a part damaged).
+        CorruptCheckpointError: the part arrived damaged (the receiving rank blames it).
     """
-    data = local_storage(source).read_if_present(layout.manifest_path(name))
-    if data is None:
-        raise CorruptCheckpointError(f"{source}: {name} was not assembled", path=name, reason="missing")
-    whole = Manifest.from_json(data, where=source)
-    files = tuple(f for f in whole.files if f.rank == saved and os.path.basename(f.path) != METADATA)
-    for f in files:
+    if part is None:
+        where = f"{source}: a part of {name}"
+        raise CorruptCheckpointError(f"{where} arrived damaged", path=name, reason="damaged in transfer")
+    manifest = Manifest.from_json(part, where=source)
+    for f in manifest.files:
         target = layout.local_path(dest, f.path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.link(layout.local_path(source, f.path), target)
         remember(target, f.crc32)
-    return dataclasses.replace(whole, files=files)
+    return manifest
 
 
 def _link(source: str, dest: str, name: str, *, check: bool) -> Manifest:

@@ -21,7 +21,7 @@ from air_core.session import SessionConfig
 from air_core.staging import matches
 from air_core.tiers import Held, choose, holdings, recover, tier_name
 from air_core.tiers.partners import partners, side_group, sources
-from air_core.tiers.recover import _receivers
+from air_core.tiers.recover import _plan, _receivers
 from air_core.tiers.transfer import EMPTY, Package, StagedFiles, exchange, local_storage, read_package
 from tests.torchrun_nodes import free_port
 
@@ -191,6 +191,24 @@ def test_a_node_lacking_a_part_receives_it_once_unless_its_ranks_see_different_p
     via = _receivers(nodes, {0: {0}, 1: {1, 2, 3}})
     assert via[0] == {1: 1, 2: 1, 3: 3, 4: 4}, "B's ranks share a folder: rank 1 receives for rank 2"
     assert via[1] == {0: 0, 4: 4}, "on C each rank receives for itself: none waits on one that waits"
+
+
+def test_a_replaced_node_s_parts_come_from_every_rank_of_the_holder_to_every_rank_of_it_in_rounds():
+    """Nodes A (ranks 0, 1: their own parts and the copies of B's) and B (ranks 2, 3, replaced)."""
+    kinds = {0: "local", 1: "local", 2: "replica", 3: "replica"}
+    holders = {s: [(r, held(s, 2, 4, kind)) for r in (0, 1)] for s, kind in kinds.items()}
+    plan = _plan(["A", "A", "B", "B"], holders)
+    assert plan.via == {
+        0: {2: 2, 3: 2},
+        1: {2: 3, 3: 3},
+        2: {2: 2, 3: 2},
+        3: {2: 3, 3: 3},
+    }, "each part once for node B: its own parts to their ranks, A's spread over B's ranks"
+    assert plan.senders == {0: 0, 1: 1, 2: 0, 3: 1}, "A's ranks share the sending"
+    assert [sorted(r.items()) for r in plan.rounds] == [
+        [((0, 0), [2]), ((1, 1), [3])],
+        [((0, 2), [2]), ((1, 3), [3])],
+    ], "two pairs at a time, in two rounds, instead of four transfers one after another"
 
 
 def test_a_remembered_check_serves_the_next_check_of_the_unchanged_file_once(tmp_path):
