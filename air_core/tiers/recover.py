@@ -4,9 +4,9 @@ Every rank reports what its node holds (``holdings``: its own local checkpoints 
 each committed by its manifest), the reports are gathered in one collective, and every rank picks the
 same step (``choose``): the newest one newer than the root's newest commit for which each rank of the
 world that saved it has a committed part somewhere, of one step and one world size, never mixed. The
-pieces a node lacks come from a rank that holds them, over the tier's group, once per node (its lowest
-rank receives them, checked against their CRC-32s on arrival; its other ranks link them from there); the
-ones on its node are linked, not copied, and each is checked once per node
+pieces a node lacks come from a rank that holds them, over the tier's group, once per node, in rounds of
+parallel transfers (one rank of the node receives each, checked against its CRC-32s on arrival; its other
+ranks link it from there); the ones on its node are linked, not copied, and each is checked once per node
 (by the rank that loads it if that rank is on the node, else by the node's lowest rank). The parts are put
 together (``assemble``) as one committed checkpoint of the saved world size in ``restore-<rank>/``, which the
 adapter loads as it loads a root's: the same verification, the same exact (or ``elastic``) resume.
