@@ -7,7 +7,7 @@ world that saved it has a committed part somewhere, of one step and one world si
 pieces a node lacks come from a rank that holds them, over the tier's group, once per node, in rounds of
 parallel transfers (one rank of the node receives each, checked against its CRC-32s on arrival; its other
 ranks link it from there); the ones on its node are linked, not copied, and each is checked once per node
-(by the rank that loads it if that rank is on the node, else by the node's lowest rank). The parts are put
+(by the rank that loads it if that rank is on the node, else by one chosen by the part). The parts are put
 together (``assemble``) as one committed checkpoint of the saved world size in ``restore-<rank>/``, which the
 adapter loads as it loads a root's: the same verification, the same exact (or ``elastic``) resume.
 """
@@ -152,7 +152,7 @@ def _assemble_here(
     """Gather the ``chosen`` step's parts in ``restore_root(base, rank)`` and commit it there; the (saved
     rank, holding rank) of each part that failed its check (then nothing is committed).
 
-    A part on this node is linked, and checked by one rank of the node (``_checker``): one read per node,
+    A part on this node is linked, and checked by one rank of the node (``_one_of``): one read per node,
     not one per rank. A part the node lacks is sent to it once (``_plan``), checked as it arrives, and
     linked by the node's other ranks; the transfers run in rounds, every pair's at once."""
     step, world = chosen
@@ -179,7 +179,9 @@ def _assemble_here(
             for sink in sinks.values():
                 sink.close()
     local = {s: here for s in range(world) if s not in parts and (here := _here(holders[s], rank))}
-    checks = {s for s, here in local.items() if rank == _checker(s, here, holders[s])}
+    # each part on this node is checked by one rank of it: one read per node, in parallel over its ranks
+    on_node = {s: [r for r, h in holders[s] if h.node == here.node] for s, here in local.items()}
+    checks = {s for s, ranks in on_node.items() if rank == _one_of(s, ranks)}
     fetched: dict[int, tuple[str, bytes | None]] = {}
     if plan.links:  # each received part's manifest, if it arrived whole, for the ranks that link it
         checked = _gather({s: _whole(got, name, s) for s, got in parts.items()}, group, len(nodes))
@@ -220,13 +222,14 @@ class _Plan:
 def _plan(nodes: list[str], holders: dict[int, list[tuple[int, Held]]]) -> _Plan:
     """The transfers of a recovery, the same on every rank. Each part a node lacks goes to one rank of it
     (``_receivers``), from a rank of the node that holds the best copy (its own local part before a
-    replica), spread over that node's ranks; then the transfers are packed into rounds, so distinct
-    pairs run at once."""
+    replica), spread over that node's ranks (``_one_of``); then the transfers are packed into rounds, so
+    distinct pairs run at once."""
     via = _receivers(nodes, {s: {r for r, _ in hs} for s, hs in holders.items()})
-    senders = {}
-    for s, hs in holders.items():
-        best = [r for r, h in hs if h.root == hs[0][1].root and h.kind == hs[0][1].kind]
-        senders[s] = best[s % len(best)]
+    best = {  # the ranks that read the best copy: its node's, the own local part before a replica
+        s: [r for r, h in hs if (h.root, h.kind) == (hs[0][1].root, hs[0][1].kind)]
+        for s, hs in holders.items()
+    }
+    senders = {s: _one_of(s, ranks) for s, ranks in best.items()}
     pending = [(senders[s], s, v) for s in sorted(via) for v in sorted(set(via[s].values()))]
     rounds: list[dict[tuple[int, int], list[int]]] = []
     while pending:
@@ -248,19 +251,21 @@ def _plan(nodes: list[str], holders: dict[int, list[tuple[int, Held]]]) -> _Plan
 def _receivers(nodes: list[str], holding: dict[int, set[int]]) -> dict[int, dict[int, int]]:
     """For each saved rank, and each rank not in ``holding[saved]`` (the ranks that hold its part): the
     rank that receives the part for it. On a node whose ranks all see the same parts (they share the
-    node's folder), one rank of the node receives it for all: rank ``saved`` itself if it is there (at
-    the same world size it loads that part), else one spread by ``saved`` over the node's ranks, so the
-    node's receives and their CRC-32s run in parallel. Else each rank receives for itself."""
+    node's folder), one rank of the node receives it for all (``_one_of``), so the node's receives and
+    their CRC-32s run in parallel. Else each rank receives for itself."""
     ranks = {n: [r for r, m in enumerate(nodes) if m == n] for n in nodes}
     shared = {n for n, rs in ranks.items() if all(len({r in h for r in rs}) == 1 for h in holding.values())}
+    return {
+        s: {r: _one_of(s, ranks[n]) if n in shared else r for r, n in enumerate(nodes) if r not in has}
+        for s, has in holding.items()
+    }
 
-    def receiver(saved: int, r: int) -> int:
-        on_node = ranks[nodes[r]]
-        if nodes[r] not in shared:
-            return r
-        return saved if saved in on_node else on_node[saved % len(on_node)]
 
-    return {s: {r: receiver(s, r) for r in range(len(nodes)) if r not in has} for s, has in holding.items()}
+def _one_of(saved: int, ranks: list[int]) -> int:
+    """The rank among ``ranks`` (of one node) that handles rank ``saved``'s part there: ``saved`` itself if
+    it is one (at the same world size it loads that part, so its load trusts its own check), else one
+    chosen by ``saved``, so a node's parts are spread over its ranks and handled in parallel."""
+    return saved if saved in ranks else sorted(ranks)[saved % len(ranks)]
 
 
 def _drop(
@@ -292,14 +297,6 @@ def _holders(reports: list[list[Held]], chosen: tuple[int, int]) -> dict[int, li
             if (h.step, h.world) == chosen:
                 found.setdefault(h.saved_rank, []).append((r, h))
     return {s: sorted(hs, key=lambda e: (e[1].kind != "local", e[0])) for s, hs in found.items()}
-
-
-def _checker(saved: int, here: Held, holders: list[tuple[int, Held]]) -> int:
-    """The one rank of ``here``'s node that checks rank ``saved``'s part: rank ``saved`` itself when it is on
-    that node (at the same world size it loads that part, and its load then need not read it again; the
-    node's parts are checked in parallel, one per rank), else the node's lowest rank."""
-    on_node = [r for r, h in holders if h.node == here.node]
-    return saved if saved in on_node else min(on_node)
 
 
 def _here(holders: list[tuple[int, Held]], rank: int) -> Held | None:
@@ -335,7 +332,7 @@ def _assemble(
             elif saved in fetched:
                 manifest = _link_received(*fetched[saved], dest, name)
             else:
-                manifest = _link(local[saved].root, dest, name, check=saved in checks)
+                manifest = _link_held(local[saved].root, dest, name, check=saved in checks)
         except CorruptCheckpointError:
             damaged.append(saved)
             continue
@@ -377,23 +374,29 @@ def _link_received(source: str, part: bytes | None, dest: str, name: str) -> Man
         where = f"{source}: a part of {name}"
         raise CorruptCheckpointError(f"{where} arrived damaged", path=name, reason="damaged in transfer")
     manifest = Manifest.from_json(part, where=source)
-    for f in manifest.files:
-        target = layout.local_path(dest, f.path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.link(layout.local_path(source, f.path), target)
-        remember(target, f.crc32)
+    _link(source, dest, manifest, where=source, check="trusted")
     return manifest
 
 
-def _link(source: str, dest: str, name: str, *, check: bool) -> Manifest:
-    """Hard-link a part held on this node into ``dest``, each file's size checked, and with ``check`` its
-    CRC-32 (remembered for the load that follows: ``staging.matches``).
+def _link_held(source: str, dest: str, name: str, *, check: bool) -> Manifest:
+    """Hard-link a part held on this node into ``dest`` (``_link``: sizes checked, and with ``check`` the
+    CRC-32s too)."""
+    where = f"{source}/{name}"
+    manifest = Manifest.from_json(local_storage(source).read_bytes(layout.manifest_path(name)), where=where)
+    _link(source, dest, manifest, where=where, check="crc" if check else "size")
+    return manifest
+
+
+def _link(
+    source: str, dest: str, manifest: Manifest, *, where: str, check: Literal["size", "crc", "trusted"]
+) -> None:
+    """Hard-link the files of ``manifest`` from ``source`` into ``dest``, each file's size checked
+    (``size``), and its CRC-32 too (``crc``: remembered for the load that follows, ``staging.matches``);
+    or, ``trusted``, with the CRC-32 another rank of this node checked on arrival remembered unread.
 
     Raises:
         CorruptCheckpointError: a file is missing, or its size (or CRC-32) differs from the manifest.
     """
-    where = f"{source}/{name}"
-    manifest = Manifest.from_json(local_storage(source).read_bytes(layout.manifest_path(name)), where=where)
     for f in manifest.files:
         target = layout.local_path(dest, f.path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -402,8 +405,9 @@ def _link(source: str, dest: str, name: str, *, check: bool) -> Manifest:
         except FileNotFoundError:
             missing = f"{where}: {f.path} is missing"
             raise CorruptCheckpointError(missing, path=f.path, reason="missing") from None
-        if os.path.getsize(target) != f.size or (check and not matches(target, f, remember=True)):
+        if check == "trusted":
+            remember(target, f.crc32)
+        elif os.path.getsize(target) != f.size or (check == "crc" and not matches(target, f, remember=True)):
             raise CorruptCheckpointError(
                 f"{where}: {f.path} does not match its manifest", path=f.path, reason="checksum mismatch"
             )
-    return manifest
