@@ -6,7 +6,7 @@ MODE: ``save`` (two training steps, a checkpoint after each, the second with the
 (``SavePlans``); rank 0 also writes the full reference state
 of each to ROOT/../reference-<step>.pt), ``die`` (as ``save``, but rank ARG is SIGKILLed while it writes
 the second checkpoint), ``load`` (load the newest loadable checkpoint at this world size and write the
-full state it produced to ROOT/../loaded-<world>.pt).
+full state it produced to ROOT/../loaded-<world>.pt; each rank prints the bytes its restore fetched).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from air_core import AsyncCheckpointer, PhaseEvent
+from air_core import AsyncCheckpointer, PhaseEvent, RestoreRecord
 from air_core import dcp as air_dcp
 from tests.gloo_exit import exit_without_teardown
 
@@ -46,6 +46,15 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) ->
     opt.zero_grad()
 
 
+class Fetched:
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def on_event(self, event: object) -> None:
+        if isinstance(event, RestoreRecord):
+            self.bytes += event.bytes
+
+
 class DieWhileWriting:
     def __init__(self, rank: int, victim: int) -> None:
         self.rank, self.victim = rank, victim
@@ -63,7 +72,8 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     launch = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(launch, src=0)
-    listeners = [DieWhileWriting(rank, arg)] if mode == "die" else []
+    fetched = Fetched()
+    listeners = [DieWhileWriting(rank, arg) if mode == "die" else fetched]
     ckpt = AsyncCheckpointer(
         root,
         rank=rank,
@@ -103,7 +113,7 @@ def main() -> None:
                 {"model": full_model, "optim": full_optim, "step": state["step"], "name": info.name},
                 os.path.join(out, f"loaded-{world}.pt"),
             )
-        print(f"rank {rank} loaded {info.name}", flush=True)
+        print(f"rank {rank} loaded {info.name}, fetched {fetched.bytes} bytes", flush=True)
     ckpt.close()
     dist.destroy_process_group()
 

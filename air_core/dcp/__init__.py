@@ -6,7 +6,8 @@ collectives on the training thread, inside ``dcp.save``/``dcp.load``. This packa
 split by role as DCP splits its own:
 
 - ``writer.py``: ``DcpWriter`` only collects what DCP planned for this rank (references, bundled into
-  few files in DCP's own file layout); ``save`` hands every folder's files to
+  few files in DCP's own file layout: its shards apart from its whole tensors and objects, so a load
+  fetches no other rank's shards for a replicated item); ``save`` hands every folder's files to
   ``AsyncCheckpointer.save_files`` in one commit and returns once they are copied into host buffers.
   Rank 0's commit writes each folder's DCP ``.metadata`` before the manifest, so a committed folder is
   a DCP checkpoint that a stock ``FileSystemReader`` reads (on a local copy).

@@ -64,8 +64,9 @@ class DcpWriter(StorageWriter):
     Args:
         checkpointer: this rank's checkpointer (its rank and world size are the process group's).
         folder: where under the root this DCP checkpoint's files go.
-        files_per_rank: how many data files each rank's items are bundled into (uploads of one rank's
-            files run in parallel, ``max_transfers`` at a time).
+        files_per_rank: how many data files each rank's slices of tensors are bundled into (uploads of
+            one rank's files run in parallel, ``max_transfers`` at a time); its whole tensors and objects
+            go to one more (``_bundle``).
         rank: this process's rank in DCP's group when ``checkpointer`` holds only this rank's part (a
             one-rank checkpointer of the local tier); default: the checkpointer's rank.
     """
@@ -127,7 +128,7 @@ class DcpWriter(StorageWriter):
         rank = self.rank
         storage_info = STORAGE_INFO.imported()
         results: list[WriteResult] = []
-        for index, items in enumerate(_split(plan.items, self.files_per_rank)):
+        for index, items in enumerate(_bundle(plan.items, self.files_per_rank)):
             relative = data_file(rank, index)
             values: list[torch.Tensor | bytes] = []
             for ordinal, item in enumerate(items):
@@ -215,6 +216,32 @@ def _complete(metadata: Metadata, storage_data: dict[Any, Any], folder: str) -> 
         storage_meta=StorageMeta(checkpoint_id=folder, save_id=uuid.uuid4().hex),
     )
     return pickle.dumps(metadata)
+
+
+def _bundle(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """This rank's items into its data files: the slices of tensors (its shards) in at most ``bins`` files
+    (``_split``), and the whole tensors and objects in one file after them.
+
+    Why: a rank's load reads whole files, and DCP gives each replicated item (an optimizer's ``step``, its
+    ``param_groups``, a replicated buffer) to the rank with the least planned so far, so these land in
+    every rank's file. Bundled with the shards, every rank's load at the same world size fetched every
+    rank's shards for them: the whole model on each rank, N times the bytes it needs. Kept apart, a rank
+    fetches its own shards and every rank's small file of whole items.
+    """
+    slices = [item for item in items if not _whole(item)]
+    whole = [item for item in items if _whole(item)]
+    if not slices or not whole:
+        return _split(items, bins)
+    return [*_split(slices, bins), whole]
+
+
+def _whole(item: WriteItem) -> bool:
+    """Whether ``item`` is an object or a whole tensor (not a slice of one: a shard)."""
+    if item.tensor_data is None:
+        return True
+    return all(o == 0 for o in item.tensor_data.chunk.offsets) and list(item.tensor_data.chunk.sizes) == list(
+        item.tensor_data.size
+    )
 
 
 def _split(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:

@@ -8,6 +8,8 @@ into a fresh FSDP2 model and optimizer at world size 1 and 2."""
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -17,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from air_core import AsyncCheckpointer
 from air_core import dcp as air_dcp
@@ -93,13 +96,39 @@ def test_a_committed_sharded_checkpoint_is_a_stock_dcp_checkpoint(saved):
     info = reader.latest()
     assert info is not None and air_dcp.dcp_folders(info) == [info.name]
     names = sorted(os.path.basename(f.path) for f in info.manifest.files)
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # few files: one per rank
+    # few files: one per rank, and the whole tensors and objects DCP gave rank 1 in one of their own
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "__1_1.distcp"]
     reference = torch.load(os.path.join(os.path.dirname(saved), "reference-2.pt"), weights_only=False)
     # The full (unsharded) model, read by DCP's own FileSystemReader in one process from the folder.
     state = {"model": {k: torch.zeros_like(v) for k, v in reference["model"].items()}, "step": -1}
     dcp.load(state, storage_reader=FileSystemReader(os.path.join(saved, info.name)), no_dist=True)
     assert state["step"] == 2
     assert_same_state(reference["model"], state["model"])
+
+
+@pytest.mark.slow
+def test_at_the_same_world_size_a_rank_fetches_its_own_shards_and_the_whole_items_not_other_shards(
+    saved, tmp_path
+):
+    root = str(tmp_path / "root")
+    shutil.copytree(saved, root)
+    outs = _run(2, root, "load")
+    _ok(outs)
+    info = AsyncCheckpointer(root, read_only=True).latest()
+    assert info is not None and info.manifest is not None
+    sizes = {os.path.basename(f.path): f.size for f in info.manifest.files}
+    with open(os.path.join(root, info.name, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)
+    files: dict[bool, set[str]] = {True: set(), False: set()}  # holding whole items; holding shards
+    for index, stored in metadata.storage_data.items():
+        kept = metadata.state_dict_metadata[index.fqn]
+        files[not isinstance(kept, TensorStorageMetadata) or len(kept.chunks) == 1].add(stored.relative_path)
+    whole = files[True]
+    assert whole and whole.isdisjoint(files[False])  # replicated items are never in a file of shards
+    for rank, out in enumerate(outs):
+        needed = {".metadata", *whole, *(name for name in sizes if name.startswith(f"__{rank}_"))}
+        fetched = int(re.search(r"fetched (\d+) bytes", out.stdout).group(1))
+        assert fetched == sum(sizes[name] for name in needed), (rank, needed, sizes)
 
 
 @pytest.mark.slow

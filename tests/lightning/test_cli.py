@@ -43,7 +43,7 @@ def test_sharded_yaml_overlay_saves_sharded_folders_from_two_processes(tmp_path)
     folders = sorted(p.name for p in (tmp_path / "remote/ckpts").iterdir() if not p.name.startswith("."))
     assert folders == ["epoch=0-step=16.ckpt", "epoch=0-step=8.ckpt"], "16 steps on two ranks, every 8"
     files = sorted(os.listdir(tmp_path / "remote/ckpts/epoch=0-step=8.ckpt"))
-    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "__1_1.distcp", "meta.pt"]
     assert len(list((tmp_path / "remote/ckpts/.air").glob("*/manifest.json"))) == 2
 
 

@@ -28,6 +28,9 @@ from tests.zygote import python
 
 JOB = os.path.join(REPO, "tests/lightning/sharded_job.py")
 
+TWO_RANKS = [".metadata", "__0_0.distcp", "__1_0.distcp", "__1_1.distcp", "meta.pt"]
+"""A two-rank sharded folder: each rank's shards, the whole tensors and objects DCP gave rank 1, meta.pt."""
+
 
 def run_sharded(workdir: Path, *args: str, expect_kill: bool = False) -> None:
     run_job(workdir, *args, expect_kill=expect_kill, job=JOB)
@@ -100,7 +103,7 @@ def test_fsdp1_sharded_saves_killed_mid_upload_resume_exactly_in_lightnings_fsdp
         ((name, source),) = json.loads((tmp_path / f"restores-rank{rank}.json").read_text())
         assert name.startswith("ckpt-000000005-") and source == "cache", (name, source)
     folder = tmp_path / "ckpts" / "epoch=1-step=15.ckpt"
-    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert sorted(os.listdir(folder)) == TWO_RANKS
     assert {k.split(".")[0] for k in FileSystemReader(str(folder)).read_metadata().state_dict_metadata} == {
         "model",
         "optimizer_0",
@@ -155,7 +158,7 @@ def test_last_ckpt_switching_between_sharded_and_full_saves_replaces_the_old_one
                 torch.load(tmp_path / f"saved-{saved[-1]}.pt"),
             )
             assert all(torch.equal(loaded[k], v) for k, v in expected.items()), f"step {saved[-1]}"
-    assert sorted(os.listdir(root / "last.ckpt")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert sorted(os.listdir(root / "last.ckpt")) == TWO_RANKS
     assert latest_checkpoint(str(root)) == str(root / "last.ckpt")
 
 
@@ -164,7 +167,7 @@ def test_a_committed_sharded_checkpoint_is_lightnings_stock_layout(reference):
     """Stock Lightning loads a sharded folder with ``dcp.load(checkpoint_id=folder)`` + ``meta.pt``."""
     folder = Path(latest_checkpoint(str(reference / "ckpts")))
     assert folder.name == "epoch=1-step=15.ckpt" and folder.is_dir()
-    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert sorted(os.listdir(folder)) == TWO_RANKS
     saved = torch.load(reference / "saved-15.pt")
     state = {"state_dict": {k: torch.zeros_like(v) for k, v in saved.items()}}
     dcp.load(state, storage_reader=FileSystemReader(str(folder)), no_dist=True)
@@ -191,7 +194,7 @@ def test_a_sharded_save_after_fit_is_committed_when_it_returns(tmp_path, callbac
     )
     assert latest_checkpoint(str(tmp_path / "ckpts")).endswith("epoch=0-step=5.ckpt")
     assert latest_checkpoint(str(after.parent)) == str(after)
-    assert sorted(os.listdir(after)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert sorted(os.listdir(after)) == TWO_RANKS
     final = torch.load(tmp_path / "final.pt")
     state = {"state_dict": {k: torch.zeros_like(v) for k, v in final.items()}}
     dcp.load(state, storage_reader=FileSystemReader(str(after)), no_dist=True)
