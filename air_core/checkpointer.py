@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Literal
 
@@ -138,6 +138,11 @@ class AsyncCheckpointer:
         self._handles: list[SaveHandle] = []
         self._restores: list[RestoreRecord] | None = None  # inside ``restoring``
         self._warned_spill = False
+        self.bring: Callable[[set[str]], dict[str, str]] | None = None
+        """None, or how DCP data files that a checkpoint's ``.metadata`` names but the root does not hold
+        are brought: a resume from the local tier leaves those of the parts its node lacked with the
+        ranks that hold them (``tiers.Resume.bring``). ``DcpReader`` calls it on every rank, together,
+        with the files its load plan reads; it returns the local, checked copies of the ones it brought."""
         self._closed = False
         if not cfg.read_only:
             open_roots.register(self._root_key, self)

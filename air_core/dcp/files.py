@@ -27,6 +27,11 @@ def data_file(rank: int, index: int) -> str:
     return f"__{rank}_{index}.distcp"
 
 
+def is_data_file(file: str) -> bool:
+    """Whether ``file`` (a name in a folder) is a rank's DCP data file (``data_file``)."""
+    return file.startswith("__") and file.endswith(".distcp")
+
+
 def dcp_folders(info: CheckpointInfo) -> list[str]:
     """The folders of ``info``'s DCP checkpoints (each holds a ``.metadata``); empty for a plain one."""
     if info.manifest is None:

@@ -82,12 +82,16 @@ class DcpReader(StorageReader):
         needed = {
             f"{self.folder}/{self._storage_data[item.storage_index].relative_path}" for item in plan.items
         }
+        paths: dict[str, str] = {}
+        if self._ckpt.bring is not None:  # every rank, even one that reads nothing: it may send
+            paths = self._ckpt.bring(needed)
         if not needed:
             future: Future[None] = Future()
             future.set_result(None)
             return future
-        local = self._ckpt.fetch(self.info, paths=needed)
-        folders = {os.path.dirname(path) for path in local.paths.values()}
+        if rest := needed - paths.keys():
+            paths |= self._ckpt.fetch(self.info, paths=rest).paths
+        folders = {os.path.dirname(path) for path in paths.values()}
         assert len(folders) == 1, folders  # one checkpoint folder, in place or in the cache
         stock = FileSystemReader(folders.pop())
         stock.set_up_storage_reader(Metadata({}, storage_data=self._storage_data), False)

@@ -140,6 +140,7 @@ class TrainingSession:
         self._tier_due: int | None = None
         self._tier_unsettled: int | None = None
         self._tier_group: Any = None
+        self._resumed: Resume | None = None  # the last ``recover``'s
         if config.local_every_n_steps and world_size > 1 and measure:
             # a collective, on every rank at construction: the tier's copies never use training's group
             self._tier_group = tier_partners.side_group(config.flush_timeout_seconds)
@@ -241,7 +242,10 @@ class TrainingSession:
             and self._ckpt is not None
             and location(str(root)) == location(restore_root(self._tier_base(), self.rank))
         )
-        return self._checkpointer(root, read_only=True, in_place=in_place)
+        reader = self._checkpointer(root, read_only=True, in_place=in_place)
+        if in_place and self._resumed is not None:  # the parts' data files left with their holders
+            reader.bring = self._resumed.bring
+        return reader
 
     def _checkpointer(
         self, root: str, *, read_only: bool = False, in_place: bool = False
@@ -467,7 +471,7 @@ class TrainingSession:
         if not self.config.local_every_n_steps or self._ckpt is None:
             return None
         with self.watchdog_paused():
-            return recover(
+            self._resumed = recover(
                 self._tier_base(),
                 rank=self.rank,
                 world_size=self.world_size,
@@ -475,6 +479,7 @@ class TrainingSession:
                 group=self._tier_group,
                 node=tier_partners.node_name(),
             )
+        return self._resumed
 
     # -- per-rank state -------------------------------------------------------------------------------
     def rank_state(self) -> dict[str, Any]:

@@ -19,7 +19,8 @@ import os
 import shutil
 import time
 import zlib
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,13 +28,13 @@ import torch.distributed as dist
 
 from .. import layout
 from ..catalog import read_catalog
-from ..dcp.files import METADATA, is_part_metadata
+from ..dcp.files import METADATA, is_data_file, is_part_metadata
 from ..dcp.writer import merge_parts
 from ..errors import CorruptCheckpointError
 from ..manifest import FileEntry, Manifest
 from ..staging import matches, remember
 from .local import parse_name, tier_name
-from .transfer import EMPTY, Received, UnsyncedFiles, exchange, local_storage, read_package
+from .transfer import EMPTY, Package, Received, UnsyncedFiles, exchange, local_storage, read_package
 
 logger = logging.getLogger(__name__)
 Tier = Literal["local", "replica"]
@@ -64,6 +65,9 @@ class Resume:
     """``replica`` when any part came from a copy (here or from a partner), else ``local``."""
     seconds: float
     """Listing, agreeing, receiving and assembling: the restore's time before the adapter loads."""
+    bring: Bring | None = None
+    """Brings the DCP data files the assembly left with their holders when a load needs them (None:
+    every file is in ``root``); the adapter's reader of ``root`` calls it (``AsyncCheckpointer.bring``)."""
 
 
 def restore_root(base: str, rank: int) -> str:
@@ -117,20 +121,25 @@ def recover(
         if chosen is None:
             return None
         holders = _holders(list(reports), chosen)
-        blamed = _gather(_assemble_here(base, rank, list(nodes), chosen, holders, group), group, world_size)
+        plan = _plan(list(nodes), holders)
+        found, elsewhere = _assemble_here(base, rank, world_size, chosen, holders, plan, group)
+        blamed = _gather(found, group, world_size)
         if not any(blamed):
             break
         _drop(rank, chosen, holders, blamed)
         _gather([], group, world_size)  # every drop done before any rank lists again
     step, world = chosen
     dest = restore_root(base, rank)
+    sent = _sent_by(rank, plan, holders)
+    bring = Bring(tier_name(step, world), dest, rank, world_size, group, plan.senders, sent, elsewhere)
     used = {s: _here(holders[s], rank) or holders[s][0][1] for s in range(world)}
     tier: Tier = "replica" if any(h.kind == "replica" for h in used.values()) else "local"
     where = ", ".join(
         f"rank {s}: {'here' if _here(holders[s], rank) else f'from node {h.node}'}" for s, h in used.items()
     )
     logger.info("rank %d: resuming from local tier step %d (%s) [%s]", rank, step, tier, where)
-    return Resume(dest, tier_name(step, world), step, world, tier, time.monotonic() - started)
+    seconds = time.monotonic() - started
+    return Resume(dest, tier_name(step, world), step, world, tier, seconds, bring if plan.rounds else None)
 
 
 def _gather(mine: Any, group: Any, world_size: int) -> list[Any]:
@@ -144,22 +153,24 @@ def _gather(mine: Any, group: Any, world_size: int) -> list[Any]:
 def _assemble_here(
     base: str,
     rank: int,
-    nodes: list[str],
+    world_size: int,
     chosen: tuple[int, int],
     holders: dict[int, list[tuple[int, Held]]],
+    plan: _Plan,
     group: Any,
-) -> list[tuple[int, int]]:
+) -> tuple[list[tuple[int, int]], dict[str, FileEntry]]:
     """Gather the ``chosen`` step's parts in ``restore_root(base, rank)`` and commit it there; the (saved
-    rank, holding rank) of each part that failed its check (then nothing is committed).
+    rank, holding rank) of each part that failed its check (then nothing is committed), and the files
+    left with their holders (``_assemble``).
 
     A part on this node is linked, and checked by one rank of the node (``_one_of``): one read per node,
-    not one per rank. A part the node lacks is sent to it once (``_plan``), checked as it arrives, and
-    linked by the node's other ranks; the transfers run in rounds, every pair's at once."""
+    not one per rank. A part the node lacks is sent to it once (``_plan``), without its DCP data files
+    (``_left``: its sender checks them, and ``Bring`` sends each when a load needs it), checked as it
+    arrives, and linked by the node's other ranks; the transfers run in rounds, every pair's at once."""
     step, world = chosen
     name = tier_name(step, world)
     dest = restore_root(base, rank)
     shutil.rmtree(dest, ignore_errors=True)
-    plan = _plan(nodes, holders)
     parts: dict[int, Received] = {}
     for transfers in plan.rounds:  # the same rounds on every rank: each transfer pairs up
         package, send_to = EMPTY, list[int]()
@@ -167,7 +178,7 @@ def _assemble_here(
             if sender == rank:  # one part a round at most
                 held = _here(holders[saved], rank)
                 assert held is not None
-                package, send_to = read_package(local_storage(held.root), name), to
+                package, send_to = _without_left(read_package(local_storage(held.root), name)), to
         sources = {sender: saved for (sender, saved), to in transfers.items() if rank in to}
         if not send_to and not sources:
             continue
@@ -178,28 +189,138 @@ def _assemble_here(
         finally:
             for sink in sinks.values():
                 sink.close()
+    # the parts this rank sends keep their DCP data files here: checked now, so a damaged one is found
+    # before the ranks agree, not by the load that asks for it
+    unsent = [s for s, root in _sent_by(rank, plan, holders).items() if not _left_whole(root, name)]
     local = {s: here for s in range(world) if s not in parts and (here := _here(holders[s], rank))}
     # each part on this node is checked by one rank of it: one read per node, in parallel over its ranks
     on_node = {s: [r for r, h in holders[s] if h.node == here.node] for s, here in local.items()}
     checks = {s for s, ranks in on_node.items() if rank == _one_of(s, ranks)}
     fetched: dict[int, tuple[str, bytes | None]] = {}
     if plan.links:  # each received part's manifest, if it arrived whole, for the ranks that link it
-        checked = _gather({s: _whole(got, name, s) for s, got in parts.items()}, group, len(nodes))
+        checked = _gather({s: _whole(got, name, s) for s, got in parts.items()}, group, world_size)
         for s, by in plan.via.items():
             if by.get(rank, rank) != rank:
                 fetched[s] = (restore_root(base, by[rank]), checked[by[rank]][s])
-    damaged = _assemble(dest, name, step, world, local, parts, checks, fetched)
+    damaged, elsewhere = _assemble(dest, name, step, world, local, parts, checks, fetched)
     # a fetched part the receiving rank found damaged is blamed by that rank, once
-    return [(s, rank if s in local else plan.senders[s]) for s in damaged if s not in fetched]
+    blamed = [(s, rank if s in local else plan.senders[s]) for s in damaged if s not in fetched]
+    return blamed + [(s, rank) for s in unsent if (s, rank) not in blamed], elsewhere
 
 
 def _whole(received: Received, name: str, saved: int) -> bytes | None:
-    """``received``'s manifest if every file arrived whole, else None."""
+    """``received``'s manifest if every file sent arrived whole, else None."""
     try:
-        received.check(where=f"rank {saved}'s part of {name}")
+        _check_received(received, where=f"rank {saved}'s part of {name}")
     except CorruptCheckpointError:
         return None
     return received.manifest
+
+
+def _left(manifest: Manifest) -> frozenset[str]:
+    """A part's DCP data files (of its folders with a rank's share of ``.metadata``: the local tier's
+    sharded saves). A load reads only the ones its plan needs: at the same sharding a rank's own shards
+    and every rank's file of whole items, never another rank's shards. So a part a node lacks is sent
+    without them, and ``Bring`` sends each one a load asks for."""
+    folders = {
+        f.path.rpartition("/")[0] for f in manifest.files if is_part_metadata(f.path.rpartition("/")[2])
+    }
+    return frozenset(
+        f.path
+        for f in manifest.files
+        if f.path.rpartition("/")[0] in folders and is_data_file(f.path.rpartition("/")[2])
+    )
+
+
+def _without_left(package: Package) -> Package:
+    """``package`` without its DCP data files (``_left``)."""
+    manifest = Manifest.from_json(package.manifest, where=f"{package.root}/{package.name}")
+    return replace(package, only=frozenset(f.path for f in manifest.files) - _left(manifest))
+
+
+def _check_received(received: Received, *, where: str) -> Manifest:
+    """``received``'s manifest once every file sent (all but ``_left``) arrived whole."""
+    manifest = Manifest.from_json(received.manifest, where=where)
+    return received.check(where=where, only=frozenset(f.path for f in manifest.files) - _left(manifest))
+
+
+def _left_whole(root: str, name: str) -> bool:
+    """Whether the DCP data files of the part ``name`` held in ``root`` match their CRC-32s (remembered
+    for the ``Bring`` that sends them)."""
+    where = f"{root}/{name}"
+    manifest = Manifest.from_json(local_storage(root).read_bytes(layout.manifest_path(name)), where=where)
+    left = _left(manifest)
+    entries = [f for f in manifest.files if f.path in left]
+    return all(matches(layout.local_path(root, f.path), f, remember=True) for f in entries)
+
+
+def _sent_by(rank: int, plan: _Plan, holders: dict[int, list[tuple[int, Held]]]) -> dict[int, str]:
+    """The parts ``rank`` sends to a node that lacks them: saved rank -> the root it holds it in."""
+    sent = {}
+    for saved, sender in plan.senders.items():
+        if sender == rank and plan.via[saved] and (held := _here(holders[saved], rank)) is not None:
+            sent[saved] = held.root
+    return sent
+
+
+@dataclass(frozen=True)
+class Bring:
+    """The DCP data files a resume left with the ranks that hold them (``_left``), sent when a load needs
+    them. ``DcpReader`` calls it on every rank, together, with the files its load plan reads."""
+
+    name: str
+    dest: str
+    """This rank's restore folder."""
+    rank: int
+    world_size: int
+    group: Any = field(repr=False)
+    senders: dict[int, int]
+    """For each saved rank: the rank that sends its part's files."""
+    sent: dict[int, str]
+    """The parts this rank sends: saved rank -> the root it holds it in."""
+    elsewhere: dict[str, FileEntry]
+    """The files this rank's restore was assembled without (their ``rank``: the part's saved rank)."""
+
+    def __call__(self, paths: set[str]) -> dict[str, str]:
+        """Every rank, together: the files of ``paths`` this rank's restore was assembled without, brought
+        into it (path -> local path), each checked against its CRC-32 as it arrived; meanwhile send the
+        ones other ranks ask of this one.
+
+        Raises:
+            CorruptCheckpointError: a file arrived damaged (after every rank's transfers are done).
+        """
+        wanted = sorted(paths & self.elsewhere.keys())
+        lacking = [p for p in wanted if not os.path.exists(layout.local_path(self.dest, p))]
+        asks = [(self.elsewhere[p].rank, p) for p in lacking]
+        pending = []
+        for receiver, asked in enumerate(_gather(asks, self.group, self.world_size)):
+            for saved in sorted({s for s, _ in asked}):
+                files = tuple(p for s, p in asked if s == saved)
+                pending.append((self.senders[saved], (saved, files), receiver))
+        damaged: list[str] = []
+        for transfers in _rounds(pending):
+            package, send_to = EMPTY, list[int]()
+            for (sender, (saved, files)), to in transfers.items():
+                if sender == self.rank:
+                    held = read_package(local_storage(self.sent[saved]), self.name)
+                    package, send_to = replace(held, only=frozenset(files)), to
+            asked_of = {s: frozenset(files) for (s, (_, files)), to in transfers.items() if self.rank in to}
+            if not send_to and not asked_of:
+                continue
+            sinks = {sender: UnsyncedFiles(self.dest) for sender in asked_of}
+            try:
+                received = exchange(package, send_to, dict(sinks), self.group)
+            finally:
+                for sink in sinks.values():
+                    sink.close()
+            for sender, got in received.items():
+                try:
+                    got.check(where=f"{self.name} from rank {sender}", only=asked_of[sender])
+                except CorruptCheckpointError as error:
+                    damaged.append(str(error))
+        if damaged:
+            raise CorruptCheckpointError(damaged[0], path=self.dest, reason="damaged in transfer")
+        return {p: layout.local_path(self.dest, p) for p in wanted}
 
 
 @dataclass(frozen=True)
@@ -210,7 +331,7 @@ class _Plan:
     """For each saved rank, each rank without its part: the rank of its node that receives it for it."""
     senders: dict[int, int]
     """For each saved rank: the rank that sends its part."""
-    rounds: list[dict[tuple[int, int], list[int]]]
+    rounds: list[dict[tuple[int, Any], list[int]]]
     """(sender, saved rank) -> receivers; in a round each rank sends one part and receives one at most."""
 
     @property
@@ -231,21 +352,28 @@ def _plan(nodes: list[str], holders: dict[int, list[tuple[int, Held]]]) -> _Plan
     }
     senders = {s: _one_of(s, ranks) for s, ranks in best.items()}
     pending = [(senders[s], s, v) for s in sorted(via) for v in sorted(set(via[s].values()))]
-    rounds: list[dict[tuple[int, int], list[int]]] = []
-    while pending:
-        sends: dict[int, int] = {}
+    return _Plan(via, senders, _rounds(pending))
+
+
+def _rounds(pending: Sequence[tuple[int, Hashable, int]]) -> list[dict[tuple[int, Any], list[int]]]:
+    """(sender, package, receiver) transfers packed into rounds, in order: in a round each rank sends one
+    package (to one receiver or more) and receives one at most, so distinct pairs run at once."""
+    rounds: list[dict[tuple[int, Any], list[int]]] = []
+    left = list(pending)
+    while left:
+        sends: dict[int, Hashable] = {}
         receives: set[int] = set()
-        transfers: dict[tuple[int, int], list[int]] = {}
+        transfers: dict[tuple[int, Any], list[int]] = {}
         later = []
-        for sender, s, v in pending:
-            if sends.setdefault(sender, s) != s or v in receives:
-                later.append((sender, s, v))
+        for sender, package, receiver in left:
+            if sends.setdefault(sender, package) != package or receiver in receives:
+                later.append((sender, package, receiver))
                 continue
-            receives.add(v)
-            transfers.setdefault((sender, s), []).append(v)
+            receives.add(receiver)
+            transfers.setdefault((sender, package), []).append(receiver)
         rounds.append(transfers)
-        pending = later
-    return _Plan(via, senders, rounds)
+        left = later
+    return rounds
 
 
 def _receivers(nodes: list[str], holding: dict[int, set[int]]) -> dict[int, dict[int, int]]:
@@ -313,22 +441,25 @@ def _assemble(
     parts: dict[int, Received],
     checks: set[int],
     fetched: dict[int, tuple[str, bytes | None]],
-) -> list[int]:
+) -> tuple[list[int], dict[str, FileEntry]]:
     """One committed checkpoint of ``world`` ranks in ``dest``: each part's files (linked from this node's
     copy, and for the saved ranks in ``checks`` checked against their CRC-32s; or received: written as
     they arrived, checked here; or ``fetched``: linked from the restore folder of the rank of this node
     that received them), then a manifest naming every file with its rank. Returns the saved ranks whose
-    part failed its check or is missing; then no manifest is written."""
+    part failed its check or is missing (then no manifest is written), and the files left with their
+    holders (``_left``: the manifest does not name them; ``.metadata`` does, and ``Bring`` brings them)."""
     storage = local_storage(dest)
     entries: list[FileEntry] = []
     damaged: list[int] = []
+    elsewhere: dict[str, FileEntry] = {}
     launch, versions = "", {}
     for saved in range(world):
         try:
             if saved in parts:  # checked as it arrived; the load right after need not read it again
-                manifest = parts[saved].check(where=f"rank {saved}'s part of {name}")
+                manifest = _check_received(parts[saved], where=f"rank {saved}'s part of {name}")
                 for f in manifest.files:
-                    remember(layout.local_path(dest, f.path), f.crc32)
+                    if f.path in parts[saved].sizes:  # sent (all but ``_left``)
+                        remember(layout.local_path(dest, f.path), f.crc32)
             elif saved in fetched:
                 manifest = _link_received(*fetched[saved], dest, name)
             else:
@@ -337,12 +468,18 @@ def _assemble(
             damaged.append(saved)
             continue
         launch, versions = launch or manifest.launch_id, manifest.versions
-        entries += [FileEntry(f.path, f.size, f.crc32, saved) for f in manifest.files]
+        left = _left(manifest) if saved in parts or saved in fetched else frozenset()
+        for f in manifest.files:
+            entry = FileEntry(f.path, f.size, f.crc32, saved)
+            if f.path in left:
+                elsewhere[f.path] = entry
+            else:
+                entries.append(entry)
     if not damaged:
         entries += _merged_metadata(dest, entries)
         whole = Manifest(name, step, time.time(), world, launch, tuple(entries), versions)
         storage.write_bytes(layout.manifest_path(name), whole.to_json())
-    return damaged
+    return damaged, elsewhere
 
 
 def _merged_metadata(dest: str, entries: list[FileEntry]) -> list[FileEntry]:
@@ -374,7 +511,7 @@ def _link_received(source: str, part: bytes | None, dest: str, name: str) -> Man
         where = f"{source}: a part of {name}"
         raise CorruptCheckpointError(f"{where} arrived damaged", path=name, reason="damaged in transfer")
     manifest = Manifest.from_json(part, where=source)
-    _link(source, dest, manifest, where=source, check="trusted")
+    _link(source, dest, manifest, where=source, check="trusted", leave=_left(manifest))
     return manifest
 
 
@@ -388,16 +525,25 @@ def _link_held(source: str, dest: str, name: str, *, check: bool) -> Manifest:
 
 
 def _link(
-    source: str, dest: str, manifest: Manifest, *, where: str, check: Literal["size", "crc", "trusted"]
+    source: str,
+    dest: str,
+    manifest: Manifest,
+    *,
+    where: str,
+    check: Literal["size", "crc", "trusted"],
+    leave: frozenset[str] = frozenset(),
 ) -> None:
-    """Hard-link the files of ``manifest`` from ``source`` into ``dest``, each file's size checked
-    (``size``), and its CRC-32 too (``crc``: remembered for the load that follows, ``staging.matches``);
-    or, ``trusted``, with the CRC-32 another rank of this node checked on arrival remembered unread.
+    """Hard-link the files of ``manifest`` but ``leave`` from ``source`` into ``dest``, each file's size
+    checked (``size``), and its CRC-32 too (``crc``: remembered for the load that follows,
+    ``staging.matches``); or, ``trusted``, with the CRC-32 another rank of this node checked on arrival
+    remembered unread.
 
     Raises:
         CorruptCheckpointError: a file is missing, or its size (or CRC-32) differs from the manifest.
     """
     for f in manifest.files:
+        if f.path in leave:
+            continue
         target = layout.local_path(dest, f.path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         try:

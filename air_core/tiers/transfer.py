@@ -49,9 +49,14 @@ class Package:
     """The checkpoint's name; "" for an empty package (the sender had nothing to send)."""
     root: str = ""
     manifest: bytes = b""
+    only: frozenset[str] | None = None
+    """The files to send (paths in the manifest); None: every one."""
 
     def entries(self) -> tuple[FileEntry, ...]:
-        return Manifest.from_json(self.manifest, where=f"{self.root}/{self.name}").files if self.name else ()
+        if not self.name:
+            return ()
+        files = Manifest.from_json(self.manifest, where=f"{self.root}/{self.name}").files
+        return files if self.only is None else tuple(f for f in files if f.path in self.only)
 
 
 EMPTY = Package("")
@@ -76,14 +81,17 @@ class Received:
     def nbytes(self) -> int:
         return len(self.manifest) + sum(self.sizes.values())
 
-    def check(self, *, where: str) -> Manifest:
-        """The manifest, once every file it names arrived whole with its CRC-32.
+    def check(self, *, where: str, only: frozenset[str] | None = None) -> Manifest:
+        """The manifest, once every file it names (of ``only``, the files asked for, when given) arrived
+        whole with its CRC-32.
 
         Raises:
             CorruptCheckpointError: a file is missing or does not match.
         """
         manifest = Manifest.from_json(self.manifest, where=where)
         for entry in manifest.files:
+            if only is not None and entry.path not in only:
+                continue
             if self.sizes.get(entry.path) != entry.size or self.crc32.get(entry.path) != entry.crc32:
                 raise CorruptCheckpointError(
                     f"{where}: the copy of {entry.path} received does not match its manifest",

@@ -49,9 +49,12 @@ def _launches(workdir: Path) -> list[list[dict]]:
     return sorted(by_launch.values(), key=lambda recs: min(r["t"] for r in recs))
 
 
-def test_a_lost_node_resumes_from_the_replica_and_a_new_node_grows_the_job_back(tmp_path):
+@pytest.mark.parametrize("sharded", [(), ("--fsdp2",)], ids=["ddp", "fsdp2"])
+def test_a_lost_node_resumes_from_the_replica_and_a_new_node_grows_the_job_back(tmp_path, sharded):
+    """With FSDP2, C's rank gets A's part without its shards, and DCP's load brings the shard file it
+    reads from A (``tiers.recover.Bring``)."""
     args = ("--every", str(ROOT_EVERY), "--local-every", str(LOCAL_EVERY), "--epochs", "4", "--elastic",
-            "--die", f"{DIE_BEFORE}:B:agent", "--step-sleep", "0.15")  # fmt: skip
+            "--die", f"{DIE_BEFORE}:B:agent", "--step-sleep", "0.15", *sharded)  # fmt: skip
 
     def alone(_: object) -> bool:  # node C joins once the survivor trains alone into epoch 1
         return any(r["world"] == 1 and r["epoch"] == 1 and r["step"] >= 12 for r in _every_record(tmp_path))

@@ -13,8 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from air_core import AsyncCheckpointer, ConfigError, CorruptCheckpointError
+from air_core import dcp as air_dcp
 from air_core.catalog import read_catalog
 from air_core.manifest import FileEntry
 from air_core.session import SessionConfig
@@ -23,6 +29,9 @@ from air_core.tiers import Held, choose, holdings, recover, tier_name
 from air_core.tiers.partners import partners, side_group, sources
 from air_core.tiers.recover import _plan, _receivers
 from air_core.tiers.transfer import EMPTY, Package, StagedFiles, exchange, local_storage, read_package
+from tests.gloo_exit import exit_without_teardown
+from tests.sameness import assert_same_state
+from tests.sharded_worker import build, train_step
 from tests.torchrun_nodes import free_port
 
 
@@ -111,6 +120,10 @@ def _read_bytes_so_far() -> int:
 
 PART = 1 << 20
 """Floats in a part of the recovery tests (4 MiB): a load that read it again would show."""
+SHARDED = ["__0_0.distcp", "__1_0.distcp", "__1_1.distcp"]
+"""The data files of the two-rank FSDP2 job: each rank's shards, and the whole items DCP gave rank 1
+(of a one-rank job: the first alone)."""
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def _recover_worker(rank: int, port: int, folder: str, nodes: str) -> None:
@@ -184,6 +197,85 @@ def test_a_replaced_node_receives_each_part_once_and_no_load_reads_its_part_agai
     for saved in (0, 1, 2):
         received, linked = (tmp_path / f"B/restore-0000{r}/step-2/rank-{saved}.pt" for r in (1, 2))
         assert received.stat().st_ino == linked.stat().st_ino, "node B received each part once"
+
+
+def _sharded_worker(rank: int, port: int, folder: str, world: int, steps: tuple[int, ...]) -> None:
+    """Rank ``rank`` of an FSDP2 job of ``world`` ranks, rank r on node "AB"[r]. Saving (``steps``): a
+    training step before each save into node A (rank 0's part as its own, rank 1's as A's copy of it),
+    the full state to ``reference-<step>.pt``. Loading (no ``steps``): recover, load into a fresh model,
+    the full state to ``loaded.pt``, and which files of the folder this rank's restore ended up with."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    node = "AB"[rank]
+    model, opt = build()
+
+    def write(out: str) -> None:
+        full_model, full_optim = get_state_dict(model, opt, options=FULL)
+        if rank == 0:
+            torch.save({"model": full_model, "optim": full_optim}, os.path.join(folder, out))
+
+    for step in steps:
+        train_step(model, opt, step)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        root = os.path.join(folder, "A", "rank-00000" if rank == 0 else "replica-00001")
+        with AsyncCheckpointer(root) as ckpt:
+            state = {f"step-{step}/s": {"model": model_sd, "optim": optim_sd}}
+            air_dcp.save(ckpt, state, step=step, name=tier_name(step, world), rank=rank).result(timeout=60)
+        write(f"reference-{step}.pt")
+    if not steps:
+        base = os.path.join(folder, node)
+        resumed = recover(base, rank=rank, world_size=world, newer_than=None, group=side_group(60), node=node)
+        assert resumed is not None
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        sharded = f"step-{resumed.step}/s"
+        with AsyncCheckpointer(resumed.root, read_only=True) as reader:
+            reader.bring = resumed.bring
+            air_dcp.load(reader, state, reader.latest(), folder=sharded)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        files = sorted(os.listdir(os.path.join(resumed.root, sharded)))
+        with open(os.path.join(folder, f"files-{rank}.json"), "w") as f:
+            json.dump(files, f)
+        write("loaded.pt")
+    dist.destroy_process_group()
+    exit_without_teardown()  # an FSDP2 job's teardown can abort after its work succeeded (gloo_exit.py)
+
+
+SAME_WORLD_B = [".metadata", ".metadata-part-0", ".metadata-part-1", "__1_0.distcp", "__1_1.distcp"]
+"""What node B's rank ends up with at the same world size: its own shards and rank 1's whole items."""
+
+
+@pytest.mark.parametrize(
+    ("saved_world", "steps", "files"),
+    [
+        (2, (2,), SAME_WORLD_B),
+        (1, (2,), [".metadata", ".metadata-part-0", "__0_0.distcp"]),
+        (2, (2, 4), SAME_WORLD_B),  # A's copy of rank 1's step 4 shards is damaged: step 2
+    ],
+    ids=["same-world", "grown-from-one", "a-shard-left-on-A-damaged"],
+)
+def test_a_replaced_node_gets_the_shards_its_load_reads_and_no_others(tmp_path, saved_world, steps, files):
+    """Node B (rank 1) replaced its lost disk; node A holds the steps saved (its own part, and its copy of
+    B's). B is sent each part without its DCP data files, and its load brings the ones its plan reads: at
+    the same world size its own shards and rank 1's file of whole items, never rank 0's shards; grown from
+    a job of one rank, rank 0's one file, which holds a slice of every tensor B loads. A shard left on A
+    is checked there at the recovery, so a damaged one moves every rank to the older step."""
+    mp.spawn(_sharded_worker, args=(free_port(), str(tmp_path), saved_world, steps), nprocs=saved_world)
+    if len(steps) > 1:
+        shard = tmp_path / f"A/replica-00001/step-{steps[-1]}/s/__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    (tmp_path / "B").mkdir()
+    mp.spawn(_sharded_worker, args=(free_port(), str(tmp_path), 2, ()), nprocs=2)
+    reference = torch.load(tmp_path / f"reference-{steps[0]}.pt", weights_only=False)
+    assert_same_state(reference, torch.load(tmp_path / "loaded.pt", weights_only=False))
+    on_a = [
+        ".metadata",
+        *(f".metadata-part-{r}" for r in range(saved_world)),
+        *SHARDED[: 3 * saved_world - 2],
+    ]
+    assert json.loads((tmp_path / "files-0.json").read_text()) == on_a, "linked on A, all of it"
+    assert json.loads((tmp_path / "files-1.json").read_text()) == files, "brought to B: what it reads"
 
 
 def test_a_node_lacking_a_part_receives_it_once_unless_its_ranks_see_different_parts():
