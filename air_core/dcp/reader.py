@@ -26,8 +26,9 @@ from .files import METADATA, dcp_folders
 class DcpReader(StorageReader):
     """A ``StorageReader`` over one committed checkpoint: each rank fetches only the files it needs.
 
-    Files come verified (CRC-32) from the local cache or the root, then DCP's ``FileSystemReader``
-    reads them, so a load behaves as stock DCP's does (resharding included).
+    Files come verified (CRC-32) from the local cache or the root, or from the ranks that keep them
+    (``AsyncCheckpointer.bring``: a resume from the local tier), then DCP's ``FileSystemReader`` reads
+    them, so a load behaves as stock DCP's does (resharding included).
     """
 
     def __init__(

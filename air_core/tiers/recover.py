@@ -9,7 +9,9 @@ parallel transfers (one rank of the node receives each, checked against its CRC-
 ranks link it from there); the ones on its node are linked, not copied, and each is checked once per node
 (by the rank that loads it if that rank is on the node, else by one chosen by the part). The parts are put
 together (``assemble``) as one committed checkpoint of the saved world size in ``restore-<rank>/``, which the
-adapter loads as it loads a root's: the same verification, the same exact (or ``elastic``) resume.
+adapter loads as it loads a root's: the same verification, the same exact (or ``elastic``) resume. A
+sharded part is sent without its DCP data files (``_left``): the load brings the ones its plan reads
+(``Bring``), so a replaced node gets the shards its ranks read, not every rank's.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from tests.accelerate.runs import JOB, run_job, stats
 from tests.concurrent_jobs import finish, start
 from tests.conftest import REPO
 from tests.sameness import assert_same_run, assert_same_state, assert_tier_read_in_place, records
+from tests.torchrun_nodes import lose_node_b
 from tests.zygote import python
 
 pytestmark = pytest.mark.slow
@@ -64,6 +65,24 @@ def test_fsdp2_killed_between_root_saves_resumes_from_its_local_tier_exactly(sav
     assert_same_run(tmp_path, saved, ranks=2)
     assert stats(tmp_path)[0]["restores"][0] == ["local-s000000006-w2", "local"], "the local tier's step 6"
     assert_tier_read_in_place(tmp_path)
+
+
+def test_a_replaced_node_gets_its_shards_from_the_partner_and_resumes_exactly(saved, tmp_path):
+    """Nodes A and B (torchrun agents, a job of fixed size, one process each), local saves every 2
+    steps: B (agent and process) is lost before step 8, and node C joins with an empty local folder. Step
+    6 is A's own part and A's copy of B's: C is sent both without their shards, and its load brings the
+    shard files its plan reads from A (its own, never rank 0's). The run is the uninterrupted one."""
+    args = (*ARGS, "--every", "5", "--local-every", "2", "--die", "8:B:agent")
+    logs = lose_node_b(JOB, tmp_path, *args, min_nodes=2, replace_when=lambda agent: agent.poll() is not None)
+    log = logs["A"] + logs["C"]
+    assert "resuming from local tier step 6 (replica)" in log, log[-4000:]
+    assert "from node A, rank 1: from node A" in log, "the new node's parts came from A"
+    assert_same_run(tmp_path, saved, ranks=2)
+    folders = sorted(tmp_path.glob("local-C/*/restore-00001/step-6/*_0"))  # the model's, the optimizer's
+    assert len(folders) == 2, folders
+    for folder in folders:  # __<rank>_0: a rank's shards; __<rank>_1: the whole items DCP gave it
+        on_c = sorted(p.name for p in folder.glob("__*.distcp"))
+        assert "__1_0.distcp" in on_c and "__0_0.distcp" not in on_c, f"C's own shards, not rank 0's: {on_c}"
 
 
 def test_a_two_process_fsdp2_checkpoint_continues_on_one_and_three_processes(saved, tmp_path_factory):
