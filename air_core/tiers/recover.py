@@ -132,8 +132,9 @@ def recover(
         _gather([], group, world_size)  # every drop done before any rank lists again
     step, world = chosen
     dest = restore_root(base, rank)
-    sent = _sent_by(rank, plan, holders)
-    bring = Bring(tier_name(step, world), dest, rank, world_size, group, plan.senders, sent, elsewhere)
+    name, sent = tier_name(step, world), _sent_by(rank, plan, holders)
+    # every rank has a Bring when any node lacked a part, so the transfers of its loads pair up
+    bring = Bring(name, dest, rank, world_size, group, plan.senders, sent, elsewhere) if plan.rounds else None
     used = {s: _here(holders[s], rank) or holders[s][0][1] for s in range(world)}
     tier: Tier = "replica" if any(h.kind == "replica" for h in used.values()) else "local"
     where = ", ".join(
@@ -141,7 +142,7 @@ def recover(
     )
     logger.info("rank %d: resuming from local tier step %d (%s) [%s]", rank, step, tier, where)
     seconds = time.monotonic() - started
-    return Resume(dest, tier_name(step, world), step, world, tier, seconds, bring if plan.rounds else None)
+    return Resume(dest, name, step, world, tier, seconds, bring)
 
 
 def _gather(mine: Any, group: Any, world_size: int) -> list[Any]:
@@ -247,8 +248,8 @@ def _check_received(received: Received, *, where: str) -> Manifest:
 
 
 def _left_whole(root: str, name: str) -> bool:
-    """Whether the DCP data files of the part ``name`` held in ``root`` match their CRC-32s (remembered
-    for the ``Bring`` that sends them)."""
+    """Whether the DCP data files of the part ``name`` held in ``root`` match their CRC-32s (remembered:
+    a check of them by this rank's own assembly or load right after does not read them again)."""
     where = f"{root}/{name}"
     manifest = Manifest.from_json(local_storage(root).read_bytes(layout.manifest_path(name)), where=where)
     left = _left(manifest)
