@@ -292,6 +292,7 @@ class Bring:
         Raises:
             CorruptCheckpointError: a file arrived damaged (after every rank's transfers are done).
         """
+        started = time.monotonic()
         wanted = sorted(paths & self.elsewhere.keys())
         lacking = [p for p in wanted if not os.path.exists(layout.local_path(self.dest, p))]
         asks = [(self.elsewhere[p].rank, p) for p in lacking]
@@ -323,6 +324,12 @@ class Bring:
                     damaged.append(str(error))
         if damaged:
             raise CorruptCheckpointError(damaged[0], path=self.dest, reason="damaged in transfer")
+        if lacking:
+            size = sum(self.elsewhere[p].size for p in lacking)
+            logger.info(
+                "rank %d: brought %d shard file(s) of %s, %.1f MiB, from the ranks that keep them in %.2f s",
+                self.rank, len(lacking), self.name, size / 2**20, time.monotonic() - started,
+            )  # fmt: skip
         return {p: layout.local_path(self.dest, p) for p in wanted}
 
 
