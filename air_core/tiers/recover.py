@@ -134,7 +134,11 @@ def recover(
     dest = restore_root(base, rank)
     name, sent = tier_name(step, world), _sent_by(rank, plan, holders)
     # every rank has a Bring when any node lacked a part, so the transfers of its loads pair up
-    bring = Bring(name, dest, rank, world_size, group, plan.senders, sent, elsewhere) if plan.rounds else None
+    bring = (
+        Bring(name, dest, node, rank, world_size, group, plan.senders, sent, elsewhere)
+        if plan.rounds
+        else None
+    )
     used = {s: _here(holders[s], rank) or holders[s][0][1] for s in range(world)}
     tier: Tier = "replica" if any(h.kind == "replica" for h in used.values()) else "local"
     where = ", ".join(
@@ -274,6 +278,7 @@ class Bring:
     name: str
     dest: str
     """This rank's restore folder."""
+    node: str
     rank: int
     world_size: int
     group: Any = field(repr=False)
@@ -286,8 +291,10 @@ class Bring:
 
     def __call__(self, paths: set[str]) -> dict[str, str]:
         """Every rank, together: the files of ``paths`` this rank's restore was assembled without, brought
-        into it (path -> local path), each checked against its CRC-32 as it arrived; meanwhile send the
-        ones other ranks ask of this one.
+        into it (path -> local path), and meanwhile the ones other ranks ask of this one sent. A file
+        several ranks of a node ask for (ranks that share its folder: ``local_dir``) is received once, by
+        one of them (spread by file), and checked against its CRC-32 as it arrives; the others link it
+        from there (a job grown from fewer ranks reads slices of the same files on every rank).
 
         Raises:
             CorruptCheckpointError: a file arrived damaged (after every rank's transfers are done).
@@ -295,12 +302,20 @@ class Bring:
         started = time.monotonic()
         wanted = sorted(paths & self.elsewhere.keys())
         lacking = [p for p in wanted if not os.path.exists(layout.local_path(self.dest, p))]
-        asks = [(self.elsewhere[p].rank, p) for p in lacking]
+        folder = (self.node, os.path.dirname(self.dest))
+        asks = _gather((folder, [(self.elsewhere[p].rank, p) for p in lacking]), self.group, self.world_size)
+        askers: dict[tuple[tuple[str, str], str], list[int]] = {}
+        for r, (where, asked) in enumerate(asks):
+            for _, p in asked:
+                askers.setdefault((where, p), []).append(r)
+        # (folder, file) -> the rank of that folder receiving it: spread over the ranks asking, by file
+        receiver = {key: ranks[k % len(ranks)] for k, (key, ranks) in enumerate(sorted(askers.items()))}
         pending = []
-        for receiver, asked in enumerate(_gather(asks, self.group, self.world_size)):
-            for saved in sorted({s for s, _ in asked}):
-                files = tuple(p for s, p in asked if s == saved)
-                pending.append((self.senders[saved], (saved, files), receiver))
+        for r, (where, asked) in enumerate(asks):
+            mine = [(s, p) for s, p in asked if receiver[where, p] == r]
+            for saved in sorted({s for s, _ in mine}):
+                files = tuple(p for s, p in mine if s == saved)
+                pending.append((self.senders[saved], (saved, files), r))
         damaged: list[str] = []
         for transfers in _rounds(pending):
             package, send_to = EMPTY, list[int]()
@@ -320,15 +335,32 @@ class Bring:
             for sender, got in received.items():
                 try:
                     got.check(where=f"{self.name} from rank {sender}", only=asked_of[sender])
-                except CorruptCheckpointError as error:
-                    damaged.append(str(error))
+                except CorruptCheckpointError:
+                    damaged += sorted(asked_of[sender])  # none of them is linked
+        linked = [p for p in lacking if receiver[folder, p] != self.rank]
+        if any(receiver[where, p] != r for r, (where, asked) in enumerate(asks) for _, p in asked):
+            bad = _gather(damaged, self.group, self.world_size)  # what each receiver got damaged
+            for p in linked:
+                by = receiver[folder, p]
+                if p in bad[by]:
+                    damaged.append(p)
+                else:
+                    os.makedirs(os.path.dirname(layout.local_path(self.dest, p)), exist_ok=True)
+                    os.link(
+                        layout.local_path(restore_root(folder[1], by), p), layout.local_path(self.dest, p)
+                    )
         if damaged:
-            raise CorruptCheckpointError(damaged[0], path=self.dest, reason="damaged in transfer")
+            raise CorruptCheckpointError(
+                f"{self.dest}: {damaged[0]} of {self.name} arrived damaged from the rank that keeps it",
+                path=damaged[0],
+                reason="damaged in transfer",
+            )
         if lacking:
             size = sum(self.elsewhere[p].size for p in lacking)
             logger.info(
-                "rank %d: brought %d shard file(s) of %s, %.1f MiB, from the ranks that keep them in %.2f s",
-                self.rank, len(lacking), self.name, size / 2**20, time.monotonic() - started,
+                "rank %d: brought %d shard file(s) of %s (%d linked from a rank of this node), %.1f MiB, "
+                "in %.2f s",
+                self.rank, len(lacking), self.name, len(linked), size / 2**20, time.monotonic() - started,
             )  # fmt: skip
         return {p: layout.local_path(self.dest, p) for p in wanted}
 

@@ -199,13 +199,14 @@ def test_a_replaced_node_receives_each_part_once_and_no_load_reads_its_part_agai
         assert received.stat().st_ino == linked.stat().st_ino, "node B received each part once"
 
 
-def _sharded_worker(rank: int, port: int, folder: str, world: int, steps: tuple[int, ...]) -> None:
-    """Rank ``rank`` of an FSDP2 job of ``world`` ranks, rank r on node "AB"[r]. Saving (``steps``): a
+def _sharded_worker(rank: int, port: int, folder: str, nodes: str, steps: tuple[int, ...]) -> None:
+    """Rank ``rank`` of an FSDP2 job of ``len(nodes)`` ranks, rank r on node nodes[r]. Saving (``steps``): a
     training step before each save into node A (rank 0's part as its own, rank 1's as A's copy of it),
     the full state to ``reference-<step>.pt``. Loading (no ``steps``): recover, load into a fresh model,
     the full state to ``loaded.pt``, and which files of the folder this rank's restore ended up with."""
+    world = len(nodes)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    node = "AB"[rank]
+    node = nodes[rank]
     model, opt = build()
 
     def write(out: str) -> None:
@@ -232,7 +233,8 @@ def _sharded_worker(rank: int, port: int, folder: str, world: int, steps: tuple[
             reader.bring = resumed.bring
             air_dcp.load(reader, state, reader.latest(), folder=sharded)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        files = sorted(os.listdir(os.path.join(resumed.root, sharded)))
+        here = os.path.join(resumed.root, sharded)
+        files = {name: os.stat(os.path.join(here, name)).st_ino for name in os.listdir(here)}
         with open(os.path.join(folder, f"files-{rank}.json"), "w") as f:
             json.dump(files, f)
         write("loaded.pt")
@@ -245,37 +247,38 @@ SAME_WORLD_B = [".metadata", ".metadata-part-0", ".metadata-part-1", "__1_0.dist
 
 
 @pytest.mark.parametrize(
-    ("saved_world", "steps", "files"),
+    ("saved", "loading", "steps", "on_b"),
     [
-        (2, (2,), SAME_WORLD_B),
-        (1, (2,), [".metadata", ".metadata-part-0", "__0_0.distcp"]),
-        (2, (2, 4), SAME_WORLD_B),  # A's copy of rank 1's step 4 shards is damaged: step 2
+        ("AB", "AB", (2,), SAME_WORLD_B),
+        ("A", "ABB", (2,), [".metadata", ".metadata-part-0", "__0_0.distcp"]),
+        ("AB", "AB", (2, 4), SAME_WORLD_B),  # A's copy of rank 1's step 4 shards is damaged: step 2
     ],
-    ids=["same-world", "grown-from-one", "a-shard-left-on-A-damaged"],
+    ids=["same-world", "grown-from-one-to-three", "a-shard-left-on-A-damaged"],
 )
-def test_a_replaced_node_gets_the_shards_its_load_reads_and_no_others(tmp_path, saved_world, steps, files):
-    """Node B (rank 1) replaced its lost disk; node A holds the steps saved (its own part, and its copy of
-    B's). B is sent each part without its DCP data files, and its load brings the ones its plan reads: at
-    the same world size its own shards and rank 1's file of whole items, never rank 0's shards; grown from
-    a job of one rank, rank 0's one file, which holds a slice of every tensor B loads. A shard left on A
-    is checked there at the recovery, so a damaged one moves every rank to the older step."""
-    mp.spawn(_sharded_worker, args=(free_port(), str(tmp_path), saved_world, steps), nprocs=saved_world)
+def test_a_replaced_node_gets_the_shards_its_load_reads_and_no_others(tmp_path, saved, loading, steps, on_b):
+    """Node B replaced its lost disk; node A holds the steps saved (its own part, and its copy of B's). B
+    is sent each part without its DCP data files, and its loads bring the ones their plans read: at the
+    same world size rank 1's shards and whole items, never rank 0's shards; grown from a job of one rank,
+    rank 0's one file, which holds a slice of every tensor each of B's two ranks loads, received once
+    for both. A shard left on A is checked there at the recovery, so a damaged one moves every rank to
+    the older step."""
+    mp.spawn(_sharded_worker, args=(free_port(), str(tmp_path), saved, steps), nprocs=len(saved))
     if len(steps) > 1:
         shard = tmp_path / f"A/replica-00001/step-{steps[-1]}/s/__1_0.distcp"
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
     (tmp_path / "B").mkdir()
-    mp.spawn(_sharded_worker, args=(free_port(), str(tmp_path), 2, ()), nprocs=2)
+    mp.spawn(_sharded_worker, args=(free_port(), str(tmp_path), loading, ()), nprocs=len(loading))
     reference = torch.load(tmp_path / f"reference-{steps[0]}.pt", weights_only=False)
     assert_same_state(reference, torch.load(tmp_path / "loaded.pt", weights_only=False))
-    on_a = [
-        ".metadata",
-        *(f".metadata-part-{r}" for r in range(saved_world)),
-        *SHARDED[: 3 * saved_world - 2],
-    ]
-    assert json.loads((tmp_path / "files-0.json").read_text()) == on_a, "linked on A, all of it"
-    assert json.loads((tmp_path / "files-1.json").read_text()) == files, "brought to B: what it reads"
+    files = [json.loads((tmp_path / f"files-{rank}.json").read_text()) for rank in range(len(loading))]
+    shares = [f".metadata-part-{r}" for r in range(len(saved))]
+    assert sorted(files[0]) == [".metadata", *shares, *SHARDED[: 3 * len(saved) - 2]], "linked on A, all"
+    for rank in range(1, len(loading)):
+        assert sorted(files[rank]) == on_b, f"brought to B's rank {rank}: what it reads"
+    if len(loading) > 2:
+        assert files[1]["__0_0.distcp"] == files[2]["__0_0.distcp"], "received once for node B"
 
 
 def test_a_node_lacking_a_part_receives_it_once_unless_its_ranks_see_different_parts():
