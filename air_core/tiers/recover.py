@@ -21,7 +21,7 @@ import os
 import shutil
 import time
 import zlib
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -178,27 +178,17 @@ def _assemble_here(
     name = tier_name(step, world)
     dest = restore_root(base, rank)
     shutil.rmtree(dest, ignore_errors=True)
-    parts: dict[int, Received] = {}
-    for transfers in plan.rounds:  # the same rounds on every rank: each transfer pairs up
-        package, send_to = EMPTY, list[int]()
-        for (sender, saved), to in transfers.items():
-            if sender == rank:  # one part a round at most
-                held = _here(holders[saved], rank)
-                assert held is not None
-                package, send_to = _without_left(read_package(local_storage(held.root), name)), to
-        sources = {sender: saved for (sender, saved), to in transfers.items() if rank in to}
-        if not send_to and not sources:
-            continue
-        sinks = {sender: UnsyncedFiles(dest) for sender in sources}  # written as it arrives
-        try:
-            for sender, got in exchange(package, send_to, dict(sinks), group).items():
-                parts[sources[sender]] = got
-        finally:
-            for sink in sinks.values():
-                sink.close()
+    sent = _sent_by(rank, plan, holders)
+    parts: dict[int, Received] = _transfer(  # the same rounds on every rank: each transfer pairs up
+        plan.rounds,
+        rank,
+        dest,
+        group,
+        lambda saved: _without_left(read_package(local_storage(sent[saved]), name)),
+    )
     # the parts this rank sends keep their DCP data files here: checked now, so a damaged one is found
     # before the ranks agree, not by the load that asks for it
-    unsent = [s for s, root in _sent_by(rank, plan, holders).items() if not _left_whole(root, name)]
+    unsent = [s for s, root in sent.items() if not _left_whole(root, name)]
     local = {s: here for s in range(world) if s not in parts and (here := _here(holders[s], rank))}
     # each part on this node is checked by one rank of it: one read per node, in parallel over its ranks
     on_node = {s: [r for r, h in holders[s] if h.node == here.node] for s, here in local.items()}
@@ -304,39 +294,17 @@ class Bring:
         lacking = [p for p in wanted if not os.path.exists(layout.local_path(self.dest, p))]
         folder = (self.node, os.path.dirname(self.dest))
         asks = _gather((folder, [(self.elsewhere[p].rank, p) for p in lacking]), self.group, self.world_size)
-        askers: dict[tuple[tuple[str, str], str], list[int]] = {}
-        for r, (where, asked) in enumerate(asks):
-            for _, p in asked:
-                askers.setdefault((where, p), []).append(r)
-        # (folder, file) -> the rank of that folder receiving it: spread over the ranks asking, by file
-        receiver = {key: ranks[k % len(ranks)] for k, (key, ranks) in enumerate(sorted(askers.items()))}
-        pending = []
-        for r, (where, asked) in enumerate(asks):
-            mine = [(s, p) for s, p in asked if receiver[where, p] == r]
-            for saved in sorted({s for s, _ in mine}):
-                files = tuple(p for s, p in mine if s == saved)
-                pending.append((self.senders[saved], (saved, files), r))
-        damaged: list[str] = []
-        for transfers in _rounds(pending):
-            package, send_to = EMPTY, list[int]()
-            for (sender, (saved, files)), to in transfers.items():
-                if sender == self.rank:
-                    held = read_package(local_storage(self.sent[saved]), self.name)
-                    package, send_to = replace(held, only=frozenset(files)), to
-            asked_of = {s: frozenset(files) for (s, (_, files)), to in transfers.items() if self.rank in to}
-            if not send_to and not asked_of:
-                continue
-            sinks = {sender: UnsyncedFiles(self.dest) for sender in asked_of}
-            try:
-                received = exchange(package, send_to, dict(sinks), self.group)
-            finally:
-                for sink in sinks.values():
-                    sink.close()
-            for sender, got in received.items():
-                try:
-                    got.check(where=f"{self.name} from rank {sender}", only=asked_of[sender])
-                except CorruptCheckpointError:
-                    damaged += sorted(asked_of[sender])  # none of them is linked
+        receiver, pending = _bring_plan(asks, self.senders)
+        got = _transfer(
+            _rounds(pending),
+            self.rank,
+            self.dest,
+            self.group,
+            lambda key: replace(
+                read_package(local_storage(self.sent[key[0]]), self.name), only=frozenset(key[1])
+            ),
+        )
+        damaged = [p for (_, files), received in got.items() if not _arrived(received, files) for p in files]
         linked = [p for p in lacking if receiver[folder, p] != self.rank]
         if any(receiver[where, p] != r for r, (where, asked) in enumerate(asks) for _, p in asked):
             bad = _gather(damaged, self.group, self.world_size)  # what each receiver got damaged
@@ -363,6 +331,67 @@ class Bring:
                 self.rank, len(lacking), self.name, len(linked), size / 2**20, time.monotonic() - started,
             )  # fmt: skip
         return {p: layout.local_path(self.dest, p) for p in wanted}
+
+
+Folder = tuple[str, str]
+"""Where a rank's restore folder is: its node, and the folder of its ``local_dir`` there."""
+
+
+def _bring_plan(
+    asks: list[tuple[Folder, list[tuple[int, str]]]], senders: dict[int, int]
+) -> tuple[dict[tuple[Folder, str], int], list[tuple[int, tuple[int, tuple[str, ...]], int]]]:
+    """For the files each rank asks for (its folder; (saved rank, path) pairs): which rank of each folder
+    receives each file (one per folder, spread over the ranks asking by file), and the transfers for
+    ``_rounds``: (sender, (saved rank, files), receiver), one package per receiver and part."""
+    askers: dict[tuple[Folder, str], list[int]] = {}
+    for r, (where, asked) in enumerate(asks):
+        for _, p in asked:
+            askers.setdefault((where, p), []).append(r)
+    receiver = {key: ranks[k % len(ranks)] for k, (key, ranks) in enumerate(sorted(askers.items()))}
+    pending = []
+    for r, (where, asked) in enumerate(asks):
+        mine = [(s, p) for s, p in asked if receiver[where, p] == r]
+        for saved in sorted({s for s, _ in mine}):
+            pending.append((senders[saved], (saved, tuple(p for s, p in mine if s == saved)), r))
+    return receiver, pending
+
+
+def _transfer(
+    rounds: list[dict[tuple[int, Any], list[int]]],
+    rank: int,
+    dest: str,
+    group: Any,
+    package: Callable[[Any], Package],
+) -> dict[Any, Received]:
+    """Every rank, together: run ``rounds`` (``_rounds``: (sender, key) -> receivers), this rank sending
+    ``package(key)`` where it is the sender and writing what it receives into ``dest`` as it arrives.
+    Returns what this rank received, by key."""
+    got: dict[Any, Received] = {}
+    for transfers in rounds:
+        sending, send_to = EMPTY, list[int]()
+        for (sender, key), to in transfers.items():
+            if sender == rank:  # one package a round at most
+                sending, send_to = package(key), to
+        sources = {sender: key for (sender, key), to in transfers.items() if rank in to}
+        if not send_to and not sources:
+            continue
+        sinks = {sender: UnsyncedFiles(dest) for sender in sources}
+        try:
+            for sender, received in exchange(sending, send_to, dict(sinks), group).items():
+                got[sources[sender]] = received
+        finally:
+            for sink in sinks.values():
+                sink.close()
+    return got
+
+
+def _arrived(received: Received, files: tuple[str, ...]) -> bool:
+    """Whether the ``files`` asked of a sender arrived whole."""
+    try:
+        received.check(where="a part's files", only=frozenset(files))
+    except CorruptCheckpointError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

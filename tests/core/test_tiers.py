@@ -27,7 +27,7 @@ from air_core.session import SessionConfig
 from air_core.staging import matches
 from air_core.tiers import Held, choose, holdings, recover, tier_name
 from air_core.tiers.partners import partners, side_group, sources
-from air_core.tiers.recover import _plan, _receivers
+from air_core.tiers.recover import _bring_plan, _plan, _receivers, _rounds
 from air_core.tiers.transfer import EMPTY, Package, StagedFiles, exchange, local_storage, read_package
 from tests.gloo_exit import exit_without_teardown
 from tests.sameness import assert_same_state
@@ -279,6 +279,19 @@ def test_a_replaced_node_gets_the_shards_its_load_reads_and_no_others(tmp_path, 
         assert sorted(files[rank]) == on_b, f"brought to B's rank {rank}: what it reads"
     if len(loading) > 2:
         assert files[1]["__0_0.distcp"] == files[2]["__0_0.distcp"], "received once for node B"
+
+
+def test_a_shard_file_the_ranks_of_one_folder_read_is_received_once_for_them_spread_by_file():
+    """Ranks 1 and 2 share node B's folder, rank 3 is on node C; rank 0 (node A) keeps part 0."""
+    b, c = ("B", "/local"), ("C", "/local")
+    both = [(0, "s/__0_0.distcp"), (0, "s/__0_1.distcp")]
+    asks = [(("A", "/local"), []), (b, both), (b, both), (c, [(0, "s/__0_0.distcp")])]
+    receiver, pending = _bring_plan(asks, {0: 0})
+    assert receiver == {(b, "s/__0_0.distcp"): 1, (b, "s/__0_1.distcp"): 2, (c, "s/__0_0.distcp"): 3}
+    assert [sorted(r.items()) for r in _rounds(pending)] == [
+        [((0, (0, ("s/__0_0.distcp",))), [1, 3])],
+        [((0, (0, ("s/__0_1.distcp",))), [2])],
+    ], "one send of a file to each folder reading it; B's two files to its two ranks"
 
 
 def test_a_node_lacking_a_part_receives_it_once_unless_its_ranks_see_different_parts():
