@@ -24,6 +24,7 @@ from tests.conftest import REPO
 from tests.lightning.model import N_SAMPLES
 from tests.lightning.test_crash_resume import run_job
 from tests.sameness import assert_same_run, assert_tier_read_in_place, records
+from tests.torchrun_nodes import lose_node_b
 from tests.zygote import python
 
 JOB = os.path.join(REPO, "tests/lightning/sharded_job.py")
@@ -63,6 +64,22 @@ def test_sharded_fit_killed_between_root_saves_resumes_from_the_local_tier_exact
     restores = json.loads((tmp_path / "restores-rank0.json").read_text())
     assert restores[0][0] == "local-s000000006-w2", restores
     assert_tier_read_in_place(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_replaced_node_gets_its_shards_from_the_partner_and_the_fit_resumes_exactly(reference, tmp_path):
+    """Nodes A and B (torchrun agents, a job of fixed size, one process each; ``Trainer(num_nodes=2)``),
+    local saves every 2 steps: B is lost before step 8 and node C joins with an empty local folder. Step 6
+    is A's own part and A's copy of B's; C is sent both without their shards, and its load brings the
+    shard files its plan reads from A (its own, never rank 0's). The fit is the uninterrupted one."""
+    args = ("--local-every", "2", "--devices", "1", "--die", "8:B")
+    logs = lose_node_b(JOB, tmp_path, *args, min_nodes=2, replace_when=lambda agent: agent.poll() is not None)
+    log = logs["A"] + logs["C"]
+    assert "resuming from local tier step 6 (replica)" in log, log[-4000:]
+    assert "from node A, rank 1: from node A" in log, "the new node's parts came from A"
+    assert_same_run(tmp_path, reference, ranks=2)
+    on_c = sorted(p.name for p in tmp_path.glob("local-C/*/restore-00001/*/__*.distcp"))
+    assert "__1_0.distcp" in on_c and "__0_0.distcp" not in on_c, f"C's own shards, not rank 0's: {on_c}"
 
 
 @pytest.mark.slow
