@@ -124,7 +124,8 @@ def recover(
             return None
         holders = _holders(list(reports), chosen)
         plan = _plan(list(nodes), holders)
-        found, elsewhere = _assemble_here(base, rank, world_size, chosen, holders, plan, group)
+        sent = _sent_by(rank, plan, holders)
+        found, elsewhere = _assemble_here(base, rank, world_size, chosen, holders, plan, sent, group)
         blamed = _gather(found, group, world_size)
         if not any(blamed):
             break
@@ -132,7 +133,7 @@ def recover(
         _gather([], group, world_size)  # every drop done before any rank lists again
     step, world = chosen
     dest = restore_root(base, rank)
-    name, sent = tier_name(step, world), _sent_by(rank, plan, holders)
+    name = tier_name(step, world)
     # every rank has a Bring when any node lacked a part, so the transfers of its loads pair up
     bring = (
         Bring(name, dest, node, rank, world_size, group, plan.senders, sent, elsewhere)
@@ -164,11 +165,12 @@ def _assemble_here(
     chosen: tuple[int, int],
     holders: dict[int, list[tuple[int, Held]]],
     plan: _Plan,
+    sent: dict[int, str],
     group: Any,
 ) -> tuple[list[tuple[int, int]], dict[str, FileEntry]]:
     """Gather the ``chosen`` step's parts in ``restore_root(base, rank)`` and commit it there; the (saved
     rank, holding rank) of each part that failed its check (then nothing is committed), and the files
-    left with their holders (``_assemble``).
+    left with their holders (``_assemble``). ``sent``: the parts this rank sends (``_sent_by``).
 
     A part on this node is linked, and checked by one rank of the node (``_one_of``): one read per node,
     not one per rank. A part the node lacks is sent to it once (``_plan``), without its DCP data files
@@ -178,7 +180,6 @@ def _assemble_here(
     name = tier_name(step, world)
     dest = restore_root(base, rank)
     shutil.rmtree(dest, ignore_errors=True)
-    sent = _sent_by(rank, plan, holders)
     parts: dict[int, Received] = _transfer(  # the same rounds on every rank: each transfer pairs up
         plan.rounds,
         rank,
@@ -229,16 +230,21 @@ def _left(manifest: Manifest) -> frozenset[str]:
     )
 
 
+def _kept(manifest: Manifest) -> frozenset[str]:
+    """The files of a part sent at recovery: all but its DCP data files (``_left``)."""
+    return frozenset(f.path for f in manifest.files) - _left(manifest)
+
+
 def _without_left(package: Package) -> Package:
     """``package`` without its DCP data files (``_left``)."""
     manifest = Manifest.from_json(package.manifest, where=f"{package.root}/{package.name}")
-    return replace(package, only=frozenset(f.path for f in manifest.files) - _left(manifest))
+    return replace(package, only=_kept(manifest))
 
 
 def _check_received(received: Received, *, where: str) -> Manifest:
-    """``received``'s manifest once every file sent (all but ``_left``) arrived whole."""
+    """``received``'s manifest once every file sent (``_kept``) arrived whole."""
     manifest = Manifest.from_json(received.manifest, where=where)
-    return received.check(where=where, only=frozenset(f.path for f in manifest.files) - _left(manifest))
+    return received.check(where=where, only=_kept(manifest))
 
 
 def _left_whole(root: str, name: str) -> bool:
