@@ -13,6 +13,7 @@ import builtins
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 import uuid
@@ -141,8 +142,7 @@ class AsyncCheckpointer:
         self.bring: Callable[[set[str]], dict[str, str]] | None = None
         """None, or how DCP data files that a checkpoint's ``.metadata`` names but the root does not hold
         are brought: a resume from the local tier leaves those of the parts its node lacked with the
-        ranks that hold them (``tiers.Resume.bring``). ``DcpReader`` calls it on every rank, together,
-        with the files its load plan reads; it returns the local, checked copies of the ones it brought."""
+        ranks that hold them (``tiers.Resume.bring``). Called through ``bring_files``."""
         self._closed = False
         if not cfg.read_only:
             open_roots.register(self._root_key, self)
@@ -348,6 +348,22 @@ class AsyncCheckpointer:
         local, record = self._restore(info, ranks=ranks, paths=paths)
         self._restored(record)
         return local
+
+    def bring_files(self, info: CheckpointInfo, paths: set[str]) -> dict[str, str]:
+        """Local, checked copies of those of ``paths`` (of ``info``, a DCP load's data files) that the root
+        does not hold but ``bring`` brings (path -> local file; empty without ``bring``), counted in the
+        restore like a fetch. Every rank calls it together, even with nothing to read: it may send."""
+        if self.bring is None:
+            return {}
+        started = time.monotonic()
+        brought = self.bring(paths)
+        if brought:
+            took = time.monotonic() - started
+            size = sum(os.path.getsize(local) for local in brought.values())
+            self._restored(
+                RestoreRecord(info.name, info.step, self.config.rank, took, "local", size, fetch_seconds=took)
+            )
+        return brought
 
     @contextlib.contextmanager
     def restoring(

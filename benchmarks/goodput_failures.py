@@ -402,6 +402,7 @@ def _transfer_worker(rank: int, size_mib: int, port: int, folder: str, result: o
     from air_core.tiers.partners import side_group
     from air_core.tiers.transfer import (
         EMPTY,
+        RESTORE_THREADS,
         StagedFiles,
         UnsyncedFiles,
         exchange,
@@ -439,7 +440,7 @@ def _transfer_worker(rank: int, size_mib: int, port: int, folder: str, result: o
             sink.commit(copy)
         else:  # a resume's missing part: written as it arrives for the load that follows, checked
             restore = UnsyncedFiles(os.path.join(folder, "restore"))
-            copy = exchange(EMPTY, [], {0: restore}, group)[0]
+            copy = exchange(EMPTY, [], {0: restore}, group, threads=RESTORE_THREADS)[0]
             restore.close()
             copy.check(where="copy")
         timed[placed].append(time.perf_counter() - t0)
@@ -452,8 +453,42 @@ def _transfer_worker(rank: int, size_mib: int, port: int, folder: str, result: o
             "copy_seconds": best[False],
         }
         row |= {"replica_seconds": best[True], "bytes_over_bandwidth_seconds": ideal}
+        row |= {
+            "receiver_mib_per_s": {t: _receiver_alone(raw, t, folder) for t in sorted({1, RESTORE_THREADS})}
+        }
         print(json.dumps(row | {"ratio": best[False] / ideal, "replica_ratio": best[True] / ideal}))
     dist.destroy_process_group()
+
+
+def _receiver_alone(data: object, threads: int, folder: str) -> float:
+    """MiB/s a receiver checks and writes on ``threads`` threads with no wire: ``data`` (a tensor) from
+    memory in the transfer's chunks, each chunk's CRC-32 and ``pwrite`` into a new file in ``folder``, the
+    CRCs joined (what ``transfer._receive`` does with each chunk that arrived); the median of 5."""
+    import zlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from air_core.checksum import crc32_combine
+    from air_core.tiers.transfer import CHUNK
+
+    view = data.numpy().data  # type: ignore[attr-defined]
+    offsets = range(0, len(view), CHUNK)
+    path, took = os.path.join(folder, "receiver-alone"), []
+
+    def land(fd: int, offset: int) -> int:
+        os.pwrite(fd, view[offset : offset + CHUNK], offset)
+        return zlib.crc32(view[offset : offset + CHUNK])
+
+    for _ in range(5):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            crc = 0
+            for offset, piece in zip(offsets, pool.map(land, [fd] * len(offsets), offsets), strict=True):
+                crc = crc32_combine(crc, piece, len(view[offset : offset + CHUNK]))
+        took.append(time.perf_counter() - t0)
+        os.close(fd)
+        os.remove(path)
+    return len(view) / statistics.median(took) / 2**20
 
 
 def local_restore_speed(size_mib: int, folder: Path) -> dict:
@@ -613,7 +648,9 @@ def main() -> None:
         print(
             f"a partner's copy: {partner['copy_seconds']:.3f} s for {partner['bytes'] >> 20} MiB; bytes "
             f"over loopback bandwidth ({partner['loopback_mib_per_s']:.0f} MiB/s) "
-            f"{partner['bytes_over_bandwidth_seconds']:.3f} s: {partner['ratio']:.2f}x"
+            f"{partner['bytes_over_bandwidth_seconds']:.3f} s: {partner['ratio']:.2f}x; the receiver alone "
+            "(check and write, no wire): "
+            + ", ".join(f"{v:.0f} MiB/s on {t} thread(s)" for t, v in partner["receiver_mib_per_s"].items())
         )
         if args.json:
             remote = results["remote_only"]

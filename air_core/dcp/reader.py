@@ -27,7 +27,7 @@ class DcpReader(StorageReader):
     """A ``StorageReader`` over one committed checkpoint: each rank fetches only the files it needs.
 
     Files come verified (CRC-32) from the local cache or the root, or from the ranks that keep them
-    (``AsyncCheckpointer.bring``: a resume from the local tier), then DCP's ``FileSystemReader`` reads
+    (``AsyncCheckpointer.bring_files``: a resume from the local tier), then DCP's ``FileSystemReader`` reads
     them, so a load behaves as stock DCP's does (resharding included).
     """
 
@@ -83,9 +83,7 @@ class DcpReader(StorageReader):
         needed = {
             f"{self.folder}/{self._storage_data[item.storage_index].relative_path}" for item in plan.items
         }
-        paths: dict[str, str] = {}
-        if self._ckpt.bring is not None:  # every rank, even one that reads nothing: it may send
-            paths = self._ckpt.bring(needed)
+        paths = self._ckpt.bring_files(self.info, needed)  # every rank, even one that reads nothing
         if not needed:
             future: Future[None] = Future()
             future.set_result(None)

@@ -36,7 +36,16 @@ from ..errors import CorruptCheckpointError
 from ..manifest import FileEntry, Manifest
 from ..staging import matches, remember
 from .local import parse_name, tier_name
-from .transfer import EMPTY, Package, Received, UnsyncedFiles, exchange, local_storage, read_package
+from .transfer import (
+    EMPTY,
+    RESTORE_THREADS,
+    Package,
+    Received,
+    UnsyncedFiles,
+    exchange,
+    local_storage,
+    read_package,
+)
 
 logger = logging.getLogger(__name__)
 Tier = Literal["local", "replica"]
@@ -383,7 +392,9 @@ def _transfer(
             continue
         sinks = {sender: UnsyncedFiles(dest) for sender in sources}
         try:
-            for sender, received in exchange(sending, send_to, dict(sinks), group).items():
+            for sender, received in exchange(
+                sending, send_to, dict(sinks), group, threads=RESTORE_THREADS
+            ).items():
                 got[sources[sender]] = received
         finally:
             for sink in sinks.values():

@@ -6,10 +6,12 @@ a background thread issues no collective on the group the training thread uses. 
 rounds of point-to-point messages: sizes, headers, then the bytes. In the last round every sender posts
 all its sends at once, from its files mapped into memory (copy-on-write, nothing copied before gloo reads
 it), and only then receives, so two ranks that send to each other cannot deadlock. A receiver takes each
-file in ``CHUNK``-sized messages into a few reused buffers: it computes the CRC-32 of one chunk and
-writes it out while the next arrives, and never holds a whole part in memory. A copy is committed by the
-same rule as its original: every file's size and CRC-32 match the manifest before the manifest is
-placed (``StagedFiles.commit``).
+file in ``CHUNK``-sized messages into a few reused buffers, ``WINDOW`` of them in flight: the chunks
+that arrived are checked (each its own CRC-32, joined in order: ``checksum.py``) and written by worker
+threads while the next ones arrive, and a whole part is never held in memory. A resume, which waits
+for its copy, checks on as many threads as the window (``RESTORE_THREADS``); a replica, made while
+training runs, on one. A copy is committed by the same rule as its original: every file's size and
+CRC-32 match the manifest before the manifest is placed (``StagedFiles.commit``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import mmap
 import os
 import zlib
 from collections import deque
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import layout, spares
+from ..checksum import crc32_combine
 from ..errors import CorruptCheckpointError
 from ..manifest import FileEntry, Manifest
 from ..storage import Storage
@@ -33,7 +37,11 @@ from ..storage import Storage
 CHUNK = 8 << 20
 """Bytes per message of a file."""
 WINDOW = 4
-"""A receiver's messages in flight (and its reused buffers of ``CHUNK`` bytes)."""
+"""A receiver's messages in flight (each into a reused buffer of ``CHUNK`` bytes)."""
+RESTORE_THREADS = max(
+    1, min(WINDOW, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+)
+"""The threads a resume's receiver checks and writes on (it waits for the copy; a replica uses one)."""
 
 
 def local_storage(root: str) -> Storage:
@@ -108,10 +116,12 @@ class Sink(Protocol):
     """Where a receiver writes each chunk of each file as it arrives."""
 
     def expect(self, sizes: dict[str, int]) -> None:
-        """The package's files and their sizes, before any of their bytes."""
+        """The package's files and their sizes, before any of their bytes: open (or make) each one."""
         ...
 
-    def write(self, path: str, offset: int, data: memoryview) -> None: ...
+    def write(self, path: str, offset: int, data: memoryview) -> None:
+        """Write a chunk of a file ``expect`` opened; called from several threads at once."""
+        ...
 
     def close(self) -> None: ...
 
@@ -128,15 +138,14 @@ class UnsyncedFiles:
         return layout.local_path(self.root, path)
 
     def expect(self, sizes: dict[str, int]) -> None:
-        pass
+        for path in sizes:
+            if path not in self._open:
+                target = self.target(path)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                self._open[path] = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def write(self, path: str, offset: int, data: memoryview) -> None:
-        fd = self._open.get(path)
-        if fd is None:
-            target = self.target(path)
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            fd = self._open[path] = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.pwrite(fd, data, offset)
+        os.pwrite(self._open[path], data, offset)
 
     def close(self, *, sync: bool = False) -> None:
         for fd in self._open.values():
@@ -160,13 +169,14 @@ class StagedFiles(UnsyncedFiles):
         return self._temps.setdefault(path, self.storage.local_temp(path))
 
     def expect(self, sizes: dict[str, int]) -> None:
-        """Open the files that take a spare now, cut to their sizes (the others are made as they arrive)."""
+        """Open each file: one that takes a spare cut to its size, the others made new."""
         temps = {rel: self.target(rel) for rel in sizes}
         taken = spares.take(self.storage, temps)
         for rel, temp in temps.items():
             if temp in taken:
                 fd = self._open[rel] = os.open(temp, os.O_WRONLY)
                 os.ftruncate(fd, sizes[rel])
+        super().expect(sizes)
 
     def commit(self, received: Received) -> Manifest:
         """Place ``received`` as a committed checkpoint (``CorruptCheckpointError``: nothing placed)."""
@@ -220,11 +230,12 @@ def drop_commits(storage: Storage, *, keep: set[str] | frozenset[str], recycle: 
 
 
 def exchange(
-    package: Package, send_to: list[int], receive_from: dict[int, Sink], group: Any
+    package: Package, send_to: list[int], receive_from: dict[int, Sink], group: Any, *, threads: int = 1
 ) -> dict[int, Received]:
     """Send ``package`` to each rank of ``send_to`` and receive one package from each rank of
-    ``receive_from`` into its sink, over ``group`` (global ranks). Every rank of an exchange calls it with
-    matching pairs; an empty package (``EMPTY``) still takes part."""
+    ``receive_from`` into its sink, over ``group`` (global ranks), checking and writing what arrives on
+    ``threads`` threads. Every rank of an exchange calls it with matching pairs; an empty package
+    (``EMPTY``) still takes part."""
     entries = package.entries()
     header = json.dumps(
         {
@@ -244,15 +255,25 @@ def exchange(
         + [dist.irecv(t, src, group=group) for src, t in got.items()]
     )
     heads = {src: json.loads(bytes(t.numpy())) for src, t in got.items()}
-    with _Mapped(package, entries) as bodies:
+    with _Mapped(package, entries) as bodies, ThreadPoolExecutor(threads, "air-receive") as pool:
         sends = [dist.isend(c, dst, group=group) for body in bodies for c in _chunks(body) for dst in send_to]
-        received = {src: _receive(src, heads[src], receive_from[src], group) for src in sorted(receive_from)}
+        received = {
+            src: _receive(src, heads[src], receive_from[src], group, pool, threads)
+            for src in sorted(receive_from)
+        }
         _run(sends)
     return received
 
 
-def _receive(src: int, head: dict[str, Any], sink: Sink, group: Any) -> Received:
-    """Rank ``src``'s package: the manifest into memory, each file chunk by chunk into ``sink``."""
+def _receive(
+    src: int, head: dict[str, Any], sink: Sink, group: Any, pool: Executor, threads: int
+) -> Received:
+    """Rank ``src``'s package: the manifest into memory, each file chunk by chunk into ``sink``.
+
+    ``WINDOW`` chunks are in flight at any time, each into a buffer of its own; a chunk that arrived is
+    checked (its own CRC-32) and written by ``pool`` while the next ones arrive, and its buffer is reused
+    once that is done. The chunks' CRCs are joined in order (``crc32_combine``).
+    """
     if not head["name"]:
         return NOTHING
     manifest = torch.empty(head["sizes"][0], dtype=torch.uint8)
@@ -264,37 +285,43 @@ def _receive(src: int, head: dict[str, Any], sink: Sink, group: Any) -> Received
         for k, size in enumerate(sizes)
         for offset in range(0, size, CHUNK)
     ]
-    crcs = [0] * len(paths)
     ring = [
         torch.empty(min(CHUNK, max(sizes, default=0)), dtype=torch.uint8)
-        for _ in range(min(WINDOW, len(plan)))
+        for _ in range(min(WINDOW + threads, len(plan)))
     ]
-    pending: deque[tuple[int, int, int, int, Any]] = deque()
 
-    def post(slot: int, step: int) -> None:
+    def check_and_write(step: int, slot: int) -> int:
         k, offset, n = plan[step]
-        pending.append((k, offset, n, slot, dist.irecv(ring[slot][:n], src, group=group)))
-
-    for slot in range(len(ring)):
-        post(slot, slot)
-    posted = len(ring)
-    while pending:
-        k, offset, n, slot, work = pending.popleft()
-        work.wait()
         data = ring[slot][:n].numpy().data
-        crcs[k] = zlib.crc32(data, crcs[k])
+        crc = zlib.crc32(data)
         sink.write(paths[k], offset, data)
-        if posted < len(plan):
-            post(slot, posted)
-            posted += 1
-    for path, size in zip(paths, sizes, strict=True):
-        if size == 0:  # no message carried it: the file is created empty
-            sink.write(path, 0, memoryview(b""))
+        return crc
+
+    free = deque(range(len(ring)))
+    arriving: deque[tuple[int, Any]] = deque()  # (slot, its receive), in the plan's order
+    handling: deque[tuple[int, Future[int]]] = deque()  # (slot, its check and write), in the plan's order
+    crcs: list[Future[int]] = []
+    for step in range(len(plan)):
+        while len(crcs) + len(arriving) < min(len(plan), step + WINDOW):
+            if not free:
+                slot, done = handling.popleft()
+                done.result()
+                free.append(slot)
+            slot = free.popleft()
+            n = plan[len(crcs) + len(arriving)][2]
+            arriving.append((slot, dist.irecv(ring[slot][:n], src, group=group)))
+        slot, work = arriving.popleft()
+        work.wait()
+        crcs.append(pool.submit(check_and_write, step, slot))
+        handling.append((slot, crcs[-1]))
+    files = [0] * len(paths)
+    for (k, _, n), crc in zip(plan, crcs, strict=True):
+        files[k] = crc32_combine(files[k], crc.result(), n)
     return Received(
         head["name"],
         bytes(manifest.numpy()),
         dict(zip(paths, sizes, strict=True)),
-        dict(zip(paths, crcs, strict=True)),
+        dict(zip(paths, files, strict=True)),
     )
 
 

@@ -31,7 +31,7 @@ from air_core.tiers.recover import _bring_plan, _plan, _receivers, _rounds
 from air_core.tiers.transfer import EMPTY, Package, StagedFiles, exchange, local_storage, read_package
 from tests.gloo_exit import exit_without_teardown
 from tests.sameness import assert_same_state
-from tests.sharded_worker import build, train_step
+from tests.sharded_worker import Fetched, build, train_step
 from tests.torchrun_nodes import free_port
 
 
@@ -69,7 +69,7 @@ def _damaged(package: Package) -> Package:
     return dataclasses.replace(package, manifest=json.dumps(body).encode())
 
 
-def _copy_worker(rank: int, port: int, folder: str) -> None:
+def _copy_worker(rank: int, port: int, folder: str, threads: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group = side_group(60)
     own, replica = os.path.join(folder, "own"), local_storage(os.path.join(folder, "replica-00000"))
@@ -80,7 +80,7 @@ def _copy_worker(rank: int, port: int, folder: str) -> None:
             exchange(_damaged(package) if step == 3 else package, [1], {}, group)
             continue
         sink = StagedFiles(replica)
-        got = exchange(EMPTY, [], {0: sink}, group)[0]
+        got = exchange(EMPTY, [], {0: sink}, group, threads=threads)[0]
         try:
             sink.commit(got)
             outcome = "committed"
@@ -95,8 +95,9 @@ def _copy_worker(rank: int, port: int, folder: str) -> None:
     dist.destroy_process_group()
 
 
-def test_a_copy_between_two_processes_is_committed_only_when_every_crc_matches(tmp_path):
-    mp.spawn(_copy_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+@pytest.mark.parametrize("threads", [1, 3], ids=["checked-on-one-thread", "checked-on-three-threads"])
+def test_a_copy_between_two_processes_is_committed_only_when_every_crc_matches(tmp_path, threads):
+    mp.spawn(_copy_worker, args=(free_port(), str(tmp_path), threads), nprocs=2)
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert [s[:3] for s in seen] == [
         [3, "refused", []],
@@ -229,14 +230,22 @@ def _sharded_worker(rank: int, port: int, folder: str, nodes: str, steps: tuple[
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd}
         sharded = f"step-{resumed.step}/s"
-        with AsyncCheckpointer(resumed.root, read_only=True) as reader:
+        fetched = Fetched()
+        with AsyncCheckpointer(resumed.root, read_only=True, listeners=[fetched]) as reader:
             reader.bring = resumed.bring
             air_dcp.load(reader, state, reader.latest(), folder=sharded)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         here = os.path.join(resumed.root, sharded)
-        files = {name: os.stat(os.path.join(here, name)).st_ino for name in os.listdir(here)}
+        files = {name: os.stat(os.path.join(here, name)) for name in os.listdir(here)}
         with open(os.path.join(folder, f"files-{rank}.json"), "w") as f:
-            json.dump(files, f)
+            json.dump(
+                {
+                    "inodes": {name: st.st_ino for name, st in files.items()},
+                    "sizes": {name: st.st_size for name, st in files.items()},
+                    "restored": fetched.bytes,
+                },
+                f,
+            )
         write("loaded.pt")
     dist.destroy_process_group()
     exit_without_teardown()  # an FSDP2 job's teardown can abort after its work succeeded (gloo_exit.py)
@@ -272,11 +281,14 @@ def test_a_replaced_node_gets_the_shards_its_load_reads_and_no_others(tmp_path, 
     mp.spawn(_sharded_worker, args=(free_port(), str(tmp_path), loading, ()), nprocs=len(loading))
     reference = torch.load(tmp_path / f"reference-{steps[0]}.pt", weights_only=False)
     assert_same_state(reference, torch.load(tmp_path / "loaded.pt", weights_only=False))
-    files = [json.loads((tmp_path / f"files-{rank}.json").read_text()) for rank in range(len(loading))]
+    ended = [json.loads((tmp_path / f"files-{rank}.json").read_text()) for rank in range(len(loading))]
+    files = [e["inodes"] for e in ended]
     shares = [f".metadata-part-{r}" for r in range(len(saved))]
     assert sorted(files[0]) == [".metadata", *shares, *SHARDED[: 3 * len(saved) - 2]], "linked on A, all"
     for rank in range(1, len(loading)):
         assert sorted(files[rank]) == on_b, f"brought to B's rank {rank}: what it reads"
+        read = sum(size for name, size in ended[rank]["sizes"].items() if not name.startswith(".metadata-"))
+        assert ended[rank]["restored"] == read, "the restore counts the bytes brought, like those fetched"
     if len(loading) > 2:
         assert files[1]["__0_0.distcp"] == files[2]["__0_0.distcp"], "received once for node B"
 

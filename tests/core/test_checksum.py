@@ -1,0 +1,23 @@
+import itertools
+import random
+import zlib
+
+import pytest
+
+from air_core.checksum import crc32_combine
+from air_core.tiers.transfer import CHUNK
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, CHUNK - 1, CHUNK, 2 * CHUNK + 17])
+def test_the_crcs_of_pieces_joined_in_order_are_the_crc_of_the_whole(size):
+    data = random.Random(size).randbytes(size)
+    cuts = sorted({0, size, *random.Random(size + 1).choices(range(size + 1), k=6)})
+    joined = 0
+    for start, end in itertools.pairwise(cuts):
+        joined = crc32_combine(joined, zlib.crc32(data[start:end]), end - start)
+    assert joined == zlib.crc32(data)
+    assert crc32_combine(zlib.crc32(data), 0, 0) == zlib.crc32(data), "an empty piece changes nothing"
+
+
+def test_pieces_joined_out_of_order_do_not_pass_for_the_whole():
+    assert crc32_combine(zlib.crc32(b"b"), zlib.crc32(b"a"), 1) == zlib.crc32(b"ba") != zlib.crc32(b"ab")
