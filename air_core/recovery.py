@@ -21,10 +21,11 @@ from typing import Any, Literal
 import torch
 
 from .catalog import scan, size_problem
+from .checksum import file_crc32
 from .errors import ConfigError, CorruptCheckpointError
 from .events import Emitter, PhaseEvent, RestoreRecord
 from .manifest import CheckpointInfo, FileEntry, Manifest
-from .staging import Destination, file_crc32, open_destination
+from .staging import Destination, open_destination
 from .storage import Storage
 
 __all__ = ["LocalCheckpoint", "fetch", "file_crc32", "load_file", "restore", "scan", "size_problem", "verify"]

@@ -19,12 +19,12 @@ import shutil
 import stat
 import tempfile
 import uuid
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, Protocol
 
 from . import layout
 from .catalog import read_catalog
+from .checksum import file_crc32
 from .commit import keep_newest
 from .config import CheckpointerConfig
 from .errors import ConfigError, CorruptCheckpointError
@@ -34,7 +34,6 @@ from .upload import Growing
 
 logger = logging.getLogger(__name__)
 Source = Literal["local", "cache", "remote"]
-_CHUNK = 8 << 20
 
 
 class Destination(Protocol):
@@ -309,14 +308,6 @@ def choose_destination(config: CheckpointerConfig, storage: Storage) -> Destinat
 def open_destination(storage: Storage, cache_dir: str | None) -> Destination:
     """The destination a tool reads through: a local root in place when ``cache_dir`` is None."""
     return Direct(storage) if cache_dir is None else Staged(storage, cache_dir)
-
-
-def file_crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def matches(path: str, entry: FileEntry, *, remember: bool = False) -> bool:

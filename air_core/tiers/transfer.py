@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import layout, spares
-from ..checksum import crc32_combine
+from ..checksum import THREADS, crc32_combine
 from ..errors import CorruptCheckpointError
 from ..manifest import FileEntry, Manifest
 from ..storage import Storage
@@ -38,9 +38,7 @@ CHUNK = 8 << 20
 """Bytes per message of a file."""
 WINDOW = 4
 """A receiver's messages in flight (each into a reused buffer of ``CHUNK`` bytes)."""
-RESTORE_THREADS = max(
-    1, min(WINDOW, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-)
+RESTORE_THREADS = min(WINDOW, THREADS)
 """The threads a resume's receiver checks and writes on (it waits for the copy; a replica uses one)."""
 
 
