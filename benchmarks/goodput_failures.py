@@ -457,6 +457,7 @@ def _transfer_worker(rank: int, size_mib: int, port: int, folder: str, result: o
             "receiver_mib_per_s": {t: _receiver_alone(raw, t, folder) for t in sorted({1, RESTORE_THREADS})}
         }
         print(json.dumps(row | {"ratio": best[False] / ideal, "replica_ratio": best[True] / ideal}))
+    dist.barrier(group=group)  # rank 0 waits here: in destroy_process_group it kept a core busy
     dist.destroy_process_group()
 
 
