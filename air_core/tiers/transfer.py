@@ -9,8 +9,8 @@ it), and only then receives, so two ranks that send to each other cannot deadloc
 file in ``CHUNK``-sized messages into a few reused buffers, ``WINDOW`` of them in flight: the chunks
 that arrived are checked (each its own CRC-32, joined in order: ``checksum.py``) and written by worker
 threads while the next ones arrive, and a whole part is never held in memory. A resume, which waits
-for its copy, checks on as many threads as the window (``RESTORE_THREADS``); a replica, made while
-training runs, on one. A copy is committed by the same rule as its original: every file's size and
+for its copy, checks on a thread per core, up to the window (``RESTORE_THREADS``); a replica, made
+while training runs, on one. A copy is committed by the same rule as its original: every file's size and
 CRC-32 match the manifest before the manifest is placed (``StagedFiles.commit``).
 """
 
