@@ -152,10 +152,21 @@ class Staged:
         self._staging_arg = staging_dir
 
     def temp_paths(self, files: tuple[str, ...]) -> dict[str, str]:
+        """Each file's temp path in the cache, with nothing there yet.
+
+        A save killed while serializing leaves its temp, and the save of the same name after the resume
+        (a step's default name, ``last.ckpt``) writes to the same path. An upload that follows the
+        serializer (``follow``) would take that file's size and bytes for this save's, before the
+        serializer truncates it: a corrupt object committed (a writer process opens the file late
+        enough for that, every time). So a leftover is removed first."""
         local = self._local(files)
-        for path in local.values():
+        temps = {}
+        for rel, path in local.items():
             self._make_room(path)
-        return {rel: f"{path}{layout.TEMP_MARK}" for rel, path in local.items()}
+            temps[rel] = f"{path}{layout.TEMP_MARK}"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temps[rel])
+        return temps
 
     def follow(self, temps: dict[str, str]) -> Following | None:
         """Upload the files as the serializer writes them, where the root allows (S3)."""

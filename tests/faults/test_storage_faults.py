@@ -113,18 +113,55 @@ def test_destination_denied_or_full_fails_the_save_with_the_fix(tmp_path, error,
     ckpt.close()
 
 
-def test_staging_disk_full_fails_the_save_cleans_up_and_recovers(tmp_path):
+def test_staging_disk_full_fails_the_save_cleans_up_and_recovers(tmp_path, monkeypatch):
     ckpt = AsyncCheckpointer(str(tmp_path / "remote"), staging_dir=str(tmp_path / "nvme"))
     ckpt.save(state(1), step=1).result(60)
     # The staged file of step 2 is written through a link into /dev/full: every write gets ENOSPC.
-    staged = os.path.join(ckpt._cache_dir, "step-000000002", "rank-00000.pt")
-    os.makedirs(os.path.dirname(staged))
-    os.symlink("/dev/full", staged + ".air-tmp")
+    dest = ckpt._writer._dest
+    temp_paths = dest.temp_paths
+
+    def into_dev_full(files: tuple[str, ...]) -> dict[str, str]:
+        temps = temp_paths(files)  # (which removes whatever is there)
+        for temp in temps.values():
+            os.symlink("/dev/full", temp)
+        return temps
+
+    monkeypatch.setattr(dest, "temp_paths", into_dev_full)
     with pytest.raises(SaveError, match="during serialize.*No space left on device.*staging_dir") as err:
         ckpt.save(state(2), step=2).result(60)
     assert isinstance(err.value.__cause__, OSError) and err.value.__cause__.errno == errno.ENOSPC
-    assert not os.path.exists(staged), "no half-written staged file is left behind"
+    staged = os.path.join(ckpt._cache_dir, "step-000000002", "rank-00000.pt")
+    assert not os.path.lexists(staged + ".air-tmp"), "no half-written staged file is left behind"
+    assert not os.path.exists(staged)
     assert_newest_loads(ckpt, 1)
-    ckpt.save(state(3), step=3).result(60)  # space is back (the link is gone): saving goes on
+    monkeypatch.undo()  # space is back: saving goes on
+    ckpt.save(state(3), step=3).result(60)
     assert_newest_loads(ckpt, 3)
     ckpt.close()
+
+
+def test_a_killed_saves_staged_leftover_is_not_uploaded_for_the_next_save_of_its_name(tmp_path, s3_root):
+    """A save killed while serializing leaves its staged temp; after the resume, the save of the same name
+    (a step's default name) writes to the same path while its upload follows the serializer. The writer
+    process opens the file late enough for the upload to have read the leftover's bytes as this save's:
+    a corrupt object, committed. Now the leftover is removed first, and the committed object is the
+    new bytes."""
+    stage = tmp_path / "nvme"
+    size = 3 * (16 << 20) // 4  # three upload parts of float32
+    options = {"staging_dir": str(stage), "storage_options": s3_root.storage_options, "writer": "process"}
+    with AsyncCheckpointer(s3_root.url, **options) as ckpt:
+        ckpt.save({"w": torch.zeros(size)}, step=1).result(120)
+    (staged,) = stage.glob("*/step-000000001/rank-00000.pt")
+    leftover = staged.parent.parent / "step-000000002" / (staged.name + ".air-tmp")
+    leftover.parent.mkdir()
+    leftover.write_bytes(os.urandom(staged.stat().st_size))  # the killed save of step 2's
+    new = {"w": torch.randn(size)}
+    with AsyncCheckpointer(s3_root.url, **options) as ckpt:  # the resumed launch: its first save
+        ckpt.save(new, step=2).result(120)
+    with AsyncCheckpointer(
+        s3_root.url, staging_dir=str(tmp_path / "new-node"), storage_options=s3_root.storage_options
+    ) as reader:
+        newest = reader.latest()
+        assert newest is not None and newest.step == 2
+        assert reader.verify(newest) == "", "the object at the root is the bytes the manifest names"
+        assert torch.equal(reader.load(newest)["w"], new["w"])
