@@ -264,6 +264,52 @@ class Durable:
         self.at = time.perf_counter()
 
 
+def _cpu_seconds(stat_path: str) -> float:
+    """utime + stime of a ``/proc/.../stat`` file (a process: its dead threads included)."""
+    with open(stat_path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class SaveCpu:
+    """The CPU seconds one save costs (Linux ``/proc``): the training thread's during the save call, every
+    other thread's from the call until durable (threads that end meanwhile included), but for the threads
+    that train (the main thread, and the native threads that existed before the first save: torch's
+    intra-op workers, and a process group's), and ``server_pid``'s (the S3 server) meanwhile."""
+
+    def __init__(self, server_pid: int | None) -> None:
+        self._server = f"/proc/{server_pid}/stat" if server_pid else None
+        python = {t.native_id for t in threading.enumerate()}
+        self._training = [t for t in self._tids() if t not in python] + [threading.get_native_id()]
+
+    @staticmethod
+    def _tids() -> list[int]:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+
+    def _training_cpu(self) -> float:
+        total = 0.0
+        for tid in self._training:
+            try:
+                total += _cpu_seconds(f"/proc/self/task/{tid}/stat")
+            except OSError:  # ended
+                pass
+        return total
+
+    def start(self) -> None:
+        self._at = (_cpu_seconds("/proc/self/stat"), self._training_cpu(), time.thread_time())
+        self._server_at = _cpu_seconds(self._server) if self._server else 0.0
+
+    def called(self) -> None:
+        """The save call returned: the training thread's CPU since ``start`` was the save's."""
+        self._call = time.thread_time() - self._at[2]
+
+    def stop(self) -> tuple[float, float]:
+        """(this process's CPU for the save, the server's) since ``start``."""
+        total, training = _cpu_seconds("/proc/self/stat"), self._training_cpu()
+        server = _cpu_seconds(self._server) - self._server_at if self._server else 0.0
+        return total - self._at[0] - (training - self._at[1]) + self._call, server
+
+
 Method = tuple[Callable[..., "Durable"], Callable[[], None]]
 """What a method factory returns: ``save(state, path, i) -> Durable`` and ``cleanup()``."""
 
@@ -277,9 +323,12 @@ def worker(
     load: str,
     methods: Callable[[str, str, int], Method] | None = None,
     path_of: Callable[[int], str] | None = None,
+    save_cpu: Callable[[], SaveCpu] | None = None,
 ) -> dict:
-    """Time one method's saves under one load; ``methods`` (default: this file's) makes the method and
-    ``path_of(i)`` names save ``i``'s destination (default: a folder of ``workdir``)."""
+    """Time one method's saves under one load; ``methods`` (default: this file's) makes the method,
+    ``path_of(i)`` names save ``i``'s destination (default: a folder of ``workdir``), and ``save_cpu()``,
+    called before the first save, counts each timed save's CPU (``save_cpu_seconds``,
+    ``server_cpu_seconds``)."""
     import torch
 
     if load == "idle":
@@ -311,15 +360,20 @@ def worker(
     save, cleanup = (methods or make_method)(method, workdir, state_bytes)
     timed_steps(step, 3 if load != "idle" else 10)  # the step's own allocations precede the baseline
     mem = PeakMemory()
-    results, idle = [], []
+    cpu_of = save_cpu() if save_cpu is not None else None
+    results, idle, cpu = [], [], []
     for i in range(1 + repeats):  # the first save warms up (allocations, process start) and is not timed
         path = path_of(i) if path_of is not None else os.path.join(workdir, f"ckpt-{i}")
         os.sync()  # every save starts with no dirty pages queued: earlier writes must not bill this one
         if i:
             idle += idle_steps(step, load)  # right before each timed save, same conditions
+        if cpu_of is not None:
+            cpu_of.start()
         t0 = time.perf_counter()
         durable = save(state(), path, i)
         blocking = time.perf_counter() - t0
+        if cpu_of is not None:
+            cpu_of.called()
         during = []
         while durable.at is None:  # train right after save returns, until the save is durable
             t = time.perf_counter()
@@ -328,6 +382,8 @@ def worker(
                 during.append(time.perf_counter() - t)
         if i:
             results.append((blocking, durable.at - t0, during))
+            if cpu_of is not None:  # to the end of the step that saw it durable: a step's worth late
+                cpu.append(cpu_of.stop())
     extra = mem.stop()
     cleanup()
     during = [t for r in results for t in r[2]]
@@ -350,6 +406,8 @@ def worker(
         "bytes_per_second": state_bytes / statistics.median(r[1] for r in results),
         "budget_mib": state_bytes / 4 / (1 << 20) if method == "air_budget" else None,
         "augment_rounds": rounds,
+        "save_cpu_seconds": statistics.median(c[0] for c in cpu) if cpu else None,
+        "server_cpu_seconds": statistics.median(c[1] for c in cpu) if cpu else None,
     }
 
 

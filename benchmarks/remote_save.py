@@ -16,11 +16,13 @@ returns, ``train+loader``: and CPU-heavy loader workers take every core), and th
 
 Columns: blocking s, durable s, step slowdown (median step while the save runs / idle median), lost s
 (what the save cost the training: blocking plus the overlapped steps' time beyond the idle median), MB/s
-(state bytes / durable seconds), and air's durable, slowdown and lost time against DCP's, the issue's
-targets being at most 0.8x and 1.0x under ``train`` and ``train+loader``. A save that is done sooner
-concentrates its CPU: its slowdown can be higher while it costs the training less in all. The endpoint
-reaches every method through ``AWS_ENDPOINT_URL_S3`` (botocore reads it), so none gets options the
-others lack.
+(state bytes / durable seconds), save CPU s (the CPU the save cost this process: the training thread's
+during the call, every other thread's but torch's intra-op workers' until durable), server CPU s (the S3
+server's meanwhile: here it shares the machine), and air's durable, slowdown and lost time against DCP's,
+the issue's targets being at most 0.8x and 1.0x under ``train`` and ``train+loader``. A save that is
+done sooner concentrates its CPU: its slowdown can be higher while it costs the training less in all.
+The endpoint reaches every method through ``AWS_ENDPOINT_URL_S3`` (botocore reads it), so none gets
+options the others lack.
 
     python benchmarks/remote_save.py                       # 512 MiB, every method and load
     python benchmarks/remote_save.py --load train --size-mib 256 --repeats 2 --json
@@ -128,6 +130,10 @@ class MotoServer:
                     raise RuntimeError("moto_server did not start (pip install 'moto[server]')") from None
                 time.sleep(0.2)
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def client(self):
         import boto3
 
@@ -154,14 +160,15 @@ def print_table(rows: dict[str, dict], load: str) -> None:
     print(f"state: {first['state_mib']:.0f} MiB to S3 (moto on 127.0.0.1), {os.cpu_count()} CPUs, "
           f"idle step {idle_ms:.1f} ms\n")  # fmt: skip
     head = f"{'method':32} {'blocking s':>10} {'durable s':>10} {'step slowdown':>14} {'lost s':>7}"
-    head += f" {'MB/s':>8}"
+    head += f" {'MB/s':>8} {'save CPU s':>10} {'server CPU s':>12}"
     print(head + (f" {'durable/DCP':>12} {'slowdown/DCP':>13} {'lost/DCP':>9}" if dcp else ""))
     for method, r in rows.items():
         slowdown = r["step_slowdown"]
         line = (
             f"{LABELS[method]:32} {r['blocking_seconds']:10.3f} {r['durable_seconds']:10.2f} "
             f"{stall.fmt(slowdown, '13.2f', 'x')} {r['training_lost_seconds']:7.2f}"
-            f" {r['bytes_per_second'] / 1e6:8.1f}"
+            f" {r['bytes_per_second'] / 1e6:8.1f} {r['save_cpu_seconds']:10.2f}"
+            f" {r['server_cpu_seconds']:12.2f}"
         )
         if dcp:
             ratio = slowdown / dcp["step_slowdown"] if slowdown and dcp["step_slowdown"] else None
@@ -196,6 +203,7 @@ def main() -> int:
             args.load[0],
             methods=_method,
             path_of=lambda i: f"s3://{bucket}/{args.worker}/ckpt-{i}",
+            save_cpu=lambda: stall.SaveCpu(int(os.environ["AIR_BENCH_SERVER_PID"])),
         )
         print(json.dumps(row))
         return 0
@@ -214,7 +222,8 @@ def main() -> int:
                 try:
                     cmd = [sys.executable, __file__, "--worker", method, "--load", load, "--dir", workdir]
                     cmd += ["--size-mib", str(args.size_mib), "--repeats", str(args.repeats)]
-                    row = stall.run_worker(cmd, f"{method} ({load})", env | {"AIR_BENCH_BUCKET": bucket})
+                    bench = {"AIR_BENCH_BUCKET": bucket, "AIR_BENCH_SERVER_PID": str(server.pid)}
+                    row = stall.run_worker(cmd, f"{method} ({load})", env | bench)
                     if row is None:
                         return 1
                     rows[method] = row
