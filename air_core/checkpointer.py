@@ -16,7 +16,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Literal
@@ -33,7 +32,7 @@ from .lease import RootLease
 from .manifest import CheckpointInfo
 from .recovery import LocalCheckpoint, load_file, one_restore, restore, verify_with
 from .serializer import make_serializer
-from .snapshot import BufferPool, take_snapshot
+from .snapshot import BufferPool, clear_dead_spills, spill_name, take_snapshot
 from .staging import choose_destination
 from .storage import Storage
 from .writer import DeleteJob, Finalize, SaveJob, Writer
@@ -121,6 +120,8 @@ class AsyncCheckpointer:
         )
         self._dest = choose_destination(cfg, self._storage)
         self._cache_dir = self._dest.cache_dir  # None: the root is written in place
+        if not cfg.read_only:
+            clear_dead_spills(self._dest.spill_dir, cfg.rank)
         self._lease: RootLease | None = None
         self._root_key = (str(self._storage.fs.protocol), self._storage.base)
         if not cfg.read_only:
@@ -237,7 +238,7 @@ class AsyncCheckpointer:
                 dict(files),
                 buffer,
                 spill_dir=self._dest.spill_dir,
-                spill_name=f"{name}-r{self.config.rank}-{uuid.uuid4().hex[:6]}.spill",
+                spill_name=spill_name(name, self.config.rank),
                 in_order=in_order,
                 gated=gated,
             )

@@ -16,7 +16,10 @@ import io
 import logging
 import os
 import pickle
+import re
 import threading
+import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +32,32 @@ from .internals import STORAGE_ID
 logger = logging.getLogger(__name__)
 _ALIGN = 64
 _BOUNCE_BYTES = 32 << 20
+_LOADED = time.time()
+"""Every spill file this process writes is newer: an older one is a dead process's."""
+
+
+def spill_name(name: str, rank: int) -> str:
+    """The file a snapshot of checkpoint ``name`` spills to: unique, and marked as ``rank``'s."""
+    return f"{name}-r{rank}-{uuid.uuid4().hex[:6]}.spill"
+
+
+def clear_dead_spills(spill_dir: str, rank: int) -> None:
+    """Remove ``rank``'s spill files that a process killed while saving left in ``spill_dir``.
+
+    A spill file lives only as long as its save's serialization, and holds all the bytes beyond the host
+    budget; one left by each killed launch would fill the staging disk. Files written since this process
+    loaded ``air_core`` are left alone: a checkpointer of this process may still be using them."""
+    mine = re.compile(rf".*-r{rank}-[0-9a-f]{{6}}\.spill")
+    try:
+        entries = list(os.scandir(spill_dir))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        with contextlib.suppress(FileNotFoundError):
+            if mine.fullmatch(entry.name) and entry.is_file() and entry.stat().st_mtime < _LOADED:
+                size = entry.stat().st_size
+                os.unlink(entry.path)
+                logger.info("rank %d: removed %s (%d bytes), a killed save's spill", rank, entry.path, size)
 
 
 def _aligned(n: int) -> int:

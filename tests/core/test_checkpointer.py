@@ -21,6 +21,7 @@ from air_core import (
     SaveError,
     SaveRecord,
 )
+from air_core.snapshot import spill_name
 
 
 class Recorder:
@@ -305,6 +306,32 @@ def test_process_writer_saves_the_same_bytes_as_the_thread_writer(tmp_path):
             _assert_state_equal(loaded, state)
             assert torch.equal(loaded["big"], state["big"])
     assert infos["thread"].manifest.files[0].crc32 == infos["process"].manifest.files[0].crc32
+
+
+def test_a_killed_saves_spill_file_is_removed_when_the_rank_opens_the_root_again(tmp_path):
+    """A spill file holds every byte beyond the host budget and lives through its save's serialization;
+    a process killed meanwhile leaves it on the staging disk, one per killed launch. The rank's next
+    checkpointer removes its own; not another rank's, nor one written since this process started."""
+    root, stage = str(tmp_path / "root"), str(tmp_path / "nvme")
+    state = _state(3) | {"big": torch.arange(600_000, dtype=torch.float32)}  # 2.4 MB: half spills
+    with AsyncCheckpointer(root, staging_dir=stage, host_budget_bytes=1 << 20) as ckpt:
+        ckpt.save(state, step=1).result(timeout=60)
+        spills = os.path.join(ckpt.local_dir, ".spill")
+    assert os.listdir(spills) == [], "a save removes its own spill file"
+
+    def spilled(name: str, rank: int, age: float) -> str:
+        path = os.path.join(spills, spill_name(name, rank))
+        with open(path, "wb") as f:
+            f.write(b"\0" * (1 << 20))
+        os.utime(path, (time.time() - age, time.time() - age))
+        return os.path.basename(path)
+
+    spilled("step-000000002", 0, age=3600)  # rank 0's launch killed an hour ago
+    others = {spilled("step-000000002", 1, age=3600), spilled("step-000000003", 0, age=0)}
+    with AsyncCheckpointer(root, staging_dir=stage, host_budget_bytes=1 << 20) as ckpt:
+        assert set(os.listdir(spills)) == others, "rank 1's and this process's are not rank 0's to remove"
+        ckpt.save(state, step=2).result(timeout=60)
+        _assert_state_equal(ckpt.load(), state)
 
 
 def test_core_imports_no_training_framework():
