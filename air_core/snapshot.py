@@ -17,6 +17,7 @@ import logging
 import os
 import pickle
 import re
+import stat
 import threading
 import time
 import uuid
@@ -53,11 +54,13 @@ def clear_dead_spills(spill_dir: str, rank: int) -> None:
     except FileNotFoundError:
         return
     for entry in entries:
+        if not mine.fullmatch(entry.name):
+            continue
         with contextlib.suppress(FileNotFoundError):
-            if mine.fullmatch(entry.name) and entry.is_file() and entry.stat().st_mtime < _LOADED:
-                size = entry.stat().st_size
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_mtime < _LOADED:
                 os.unlink(entry.path)
-                logger.info("rank %d: removed %s (%d bytes), a killed save's spill", rank, entry.path, size)
+                logger.info("rank %d: removed a dead save's spill %s (%d B)", rank, entry.path, st.st_size)
 
 
 def _aligned(n: int) -> int:
