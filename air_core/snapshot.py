@@ -19,7 +19,6 @@ import pickle
 import re
 import stat
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -29,12 +28,11 @@ import torch
 
 from .errors import ConfigError
 from .internals import STORAGE_ID
+from .leftovers import from_before_this_process
 
 logger = logging.getLogger(__name__)
 _ALIGN = 64
 _BOUNCE_BYTES = 32 << 20
-_LOADED = time.time()
-"""Every spill file this process writes is newer: an older one is a dead process's."""
 
 
 def spill_name(name: str, rank: int) -> str:
@@ -47,7 +45,7 @@ def clear_dead_spills(spill_dir: str, rank: int) -> None:
 
     A spill file lives only as long as its save's serialization, and holds all the bytes beyond the host
     budget; one left by each killed launch would fill the staging disk. Files written since this process
-    loaded ``air_core`` are left alone: a checkpointer of this process may still be using them."""
+    loaded ``air_core`` are left alone (``leftovers.py``): this process may be using them."""
     mine = re.compile(rf".*-r{rank}-[0-9a-f]{{6}}\.spill")
     try:
         entries = list(os.scandir(spill_dir))
@@ -58,7 +56,7 @@ def clear_dead_spills(spill_dir: str, rank: int) -> None:
             continue
         with contextlib.suppress(FileNotFoundError):
             st = entry.stat(follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode) and st.st_mtime < _LOADED:
+            if stat.S_ISREG(st.st_mode) and from_before_this_process(st):
                 os.unlink(entry.path)
                 logger.info("rank %d: removed a dead save's spill %s (%d B)", rank, entry.path, st.st_size)
 

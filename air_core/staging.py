@@ -28,6 +28,7 @@ from .checksum import file_crc32
 from .commit import keep_newest
 from .config import CheckpointerConfig
 from .errors import ConfigError, CorruptCheckpointError
+from .leftovers import from_before_this_process
 from .manifest import FileEntry, Manifest
 from .storage import Put, Storage, fix_for, transfer_all
 from .upload import Growing
@@ -206,13 +207,28 @@ class Staged:
         os.replace(tmp, path)
 
     def trim(self, keep_last: int) -> None:
-        """Keep the newest ``keep_last`` checkpoints the cache holds a manifest of.
+        """Keep the newest ``keep_last`` checkpoints the cache holds a manifest of, and drop what killed
+        saves left: files that no cached manifest names, written before this process (``leftovers.py``).
 
         A node's cache holds only its own ranks' files (and rank 0's after a load), so a cached
-        checkpoint may look incomplete here; it is trimmed by its manifest all the same.
+        checkpoint may look incomplete here; it is trimmed by its manifest all the same. A save killed
+        after its files were placed here and before the cache recorded its manifest leaves them named by
+        nothing, and the cache goes by manifests: a file's worth of disk per such kill, for good.
         """
         cached = Storage(self.cache_dir, storage_options={}, retries=0, retry_backoff_seconds=0.0)
-        keep_newest(cached, read_catalog(cached), keep_last)
+        catalog = read_catalog(cached)
+        keep_newest(cached, catalog, keep_last)
+        named = {f.path for i in catalog.infos if i.manifest for f in i.manifest.files}
+        named |= {layout.manifest_path(i.name) for i in catalog.infos if i.manifest}
+        others = (f"{layout.JOURNAL_DIR}/", f"{os.path.basename(self.spill_dir)}/")  # not checkpoint files
+        for rel in catalog.sizes:
+            if rel in named or rel.startswith(others):
+                continue
+            path = layout.local_path(self.cache_dir, rel)
+            with contextlib.suppress(FileNotFoundError):
+                if from_before_this_process(os.lstat(path)):
+                    os.unlink(path)
+                    logger.info("removed %s from the cache: a killed save's, named by no manifest", path)
 
     def disk_full_fix(self, exc: OSError) -> str:
         return (

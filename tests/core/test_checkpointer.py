@@ -334,6 +334,45 @@ def test_a_killed_saves_spill_file_is_removed_when_the_rank_opens_the_root_again
         _assert_state_equal(ckpt.load(), state)
 
 
+def test_files_a_killed_save_left_in_the_cache_go_at_the_next_commit(tmp_path):
+    """A save killed after its files were placed in the staging cache, and before the cache recorded its
+    manifest, leaves them named by no manifest, and the cache is trimmed by manifests. A commit now
+    also removes such files written before this process; this process's own, the goodput journal and
+    the spill folder stay."""
+    root, stage = str(tmp_path / "root"), str(tmp_path / "nvme")
+    with AsyncCheckpointer(root, staging_dir=stage) as ckpt:
+        ckpt.save(_state(1), step=1).result(timeout=60)
+        cache = ckpt.local_dir
+
+    def left(rel: str, age: float) -> str:
+        path = os.path.join(cache, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(b"\1" * 4096)
+        os.utime(path, (time.time() - age, time.time() - age))
+        return rel
+
+    dead = {  # a launch killed an hour ago: a placed file, and the cache's manifest half written
+        left("step-000000007/rank-00000.pt", 3600),
+        left(".air/step-000000007/manifest.json.1a2b3c4d.tmp", 3600),
+    }
+    kept = {
+        left("step-000000008/rank-00000.pt", 0),  # this process's: a save of it may be in flight
+        left(".air-journal/launch-x/events.jsonl", 3600),
+        left(".spill/step-000000009-r1-abcdef.spill", 3600),  # another rank's, for it to remove
+    }
+    with AsyncCheckpointer(root, staging_dir=stage) as ckpt:
+        assert all(os.path.exists(os.path.join(cache, rel)) for rel in dead), "only a commit trims"
+        ckpt.save(_state(2), step=2).result(timeout=60)
+    # (closed: the writer trims after the commit)
+    assert not [rel for rel in dead if os.path.exists(os.path.join(cache, rel))]
+    assert all(os.path.exists(os.path.join(cache, rel)) for rel in kept)
+    assert os.path.exists(os.path.join(cache, "step-000000002", "rank-00000.pt")), "the cached copies stay"
+    with AsyncCheckpointer(root, staging_dir=stage) as ckpt:
+        assert [i.step for i in ckpt.list()] == [1, 2]
+        _assert_state_equal(ckpt.load(), _state(2))
+
+
 def test_core_imports_no_training_framework():
     from tests.conftest import run_python
 
