@@ -218,8 +218,8 @@ class Staged:
         cached = Storage(self.cache_dir, storage_options={}, retries=0, retry_backoff_seconds=0.0)
         catalog = read_catalog(cached)
         keep_newest(cached, catalog, keep_last)
-        named = {f.path for i in catalog.infos if i.manifest for f in i.manifest.files}
-        named |= {layout.manifest_path(i.name) for i in catalog.infos if i.manifest}
+        held = [i for i in catalog.infos if i.manifest is not None]
+        named = {path for i in held for path in (*catalog.files_of(i), layout.manifest_path(i.name))}
         others = (f"{layout.JOURNAL_DIR}/", f"{os.path.basename(self.spill_dir)}/")  # not checkpoint files
         for rel in catalog.sizes:
             if rel in named or rel.startswith(others):
