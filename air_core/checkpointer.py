@@ -112,6 +112,31 @@ class AsyncCheckpointer:
                 "AsyncCheckpointer(root=''): root must be a non-empty path or URL, e.g. 's3://bucket/run1'."
             )
         self._closed = True  # until fully built, so close() from a failed __init__ is a no-op
+        # First: a writer process that cannot start (spawn and an unguarded script) is a ConfigError,
+        # raised before any I/O. Reads start no process.
+        self._serializer = make_serializer("thread" if cfg.read_only else cfg.writer)
+        try:
+            self._open_root(cfg)
+        except BaseException:
+            self._serializer.close()
+            raise
+        self._emit = Emitter(listeners)
+        self._pool = BufferPool(cfg.host_budget_bytes, cfg.max_in_flight, shared=cfg.writer == "process")
+        fence = self._lease.check if self._lease is not None else None
+        self._writer = Writer(cfg, self._storage, self._dest, self._pool, self._serializer, self._emit, fence)
+        self._handles: list[SaveHandle] = []
+        self._restores: list[RestoreRecord] | None = None  # inside ``restoring``
+        self._warned_spill = False
+        self.bring: Callable[[set[str]], dict[str, str]] | None = None
+        """None, or how DCP data files that a checkpoint's ``.metadata`` names but the root does not hold
+        are brought: a resume from the local tier leaves those of the parts its node lacked with the
+        ranks that hold them (``tiers.Resume.bring``). Called through ``bring_files``."""
+        self._closed = False
+        if not cfg.read_only:
+            open_roots.register(self._root_key, self)
+
+    def _open_root(self, cfg: CheckpointerConfig) -> None:
+        """Reach the root and the staging folder; a writer checks both are writable and leases the root."""
         self._storage = Storage(
             cfg.root,
             storage_options=cfg.storage_options,
@@ -130,23 +155,6 @@ class AsyncCheckpointer:
                 open_roots.take_over(self._root_key, self._storage.url, self)
                 self._lease = RootLease(self._storage, cfg.launch_id, lease_seconds=cfg.lease_seconds)
                 self._lease.acquire()
-        self._emit = Emitter(listeners)
-        self._pool = BufferPool(cfg.host_budget_bytes, cfg.max_in_flight, shared=cfg.writer == "process")
-        self._serializer = make_serializer(
-            "thread" if cfg.read_only else cfg.writer
-        )  # reads start no process
-        fence = self._lease.check if self._lease is not None else None
-        self._writer = Writer(cfg, self._storage, self._dest, self._pool, self._serializer, self._emit, fence)
-        self._handles: list[SaveHandle] = []
-        self._restores: list[RestoreRecord] | None = None  # inside ``restoring``
-        self._warned_spill = False
-        self.bring: Callable[[set[str]], dict[str, str]] | None = None
-        """None, or how DCP data files that a checkpoint's ``.metadata`` names but the root does not hold
-        are brought: a resume from the local tier leaves those of the parts its node lacked with the
-        ranks that hold them (``tiers.Resume.bring``). Called through ``bring_files``."""
-        self._closed = False
-        if not cfg.read_only:
-            open_roots.register(self._root_key, self)
 
     @classmethod
     def from_config(

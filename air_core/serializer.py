@@ -15,8 +15,10 @@ writer's priority can follow its deadline (``priority.py``) in whichever thread 
 
 from __future__ import annotations
 
+import multiprocessing
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,10 +27,16 @@ from typing import IO, Any, NamedTuple, Protocol, cast
 import torch
 
 from .directio import DirectFile
+from .errors import ConfigError
 from .snapshot import Snapshot, materialize, materialize_parts
 
 _POLL_SECONDS = 0.05
 """How often the writer thread checks on the writer process (and on the deadline of its priority)."""
+_PARENT_POLL_SECONDS = 1.0
+"""How often an idle writer process checks that the training process still lives (a SIGKILLed one sends
+no stop, and the process holds both ends of its queue, so it would wait forever)."""
+_START_SECONDS = 300.0
+"""How long the writer process may take to start: spawn imports torch and re-imports the main module."""
 
 
 @dataclass
@@ -154,7 +162,17 @@ class ThreadSerializer:
 def _child_main(jobs: Any, results: Any) -> None:
     """The writer process: rebuild each snapshot from shared memory and serialize it."""
     torch.set_num_threads(1)
-    while (job := jobs.get()) is not None:
+    results.put(("ready", None))
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            job = jobs.get(timeout=_PARENT_POLL_SECONDS)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return  # the training process was killed: nobody will send the stop
+            continue
+        if job is None:
+            return
         try:
             state = materialize_parts(job["skeleton"], job["refs"], job["slots"], job["buffer"], job["spill"])
             results.put(("ok", serialize_files(state, job["targets"])))
@@ -164,14 +182,50 @@ def _child_main(jobs: Any, results: Any) -> None:
 
 
 class ProcessSerializer:
-    """Serialize in a long-lived process fed through shared memory (its priority set by the writer thread)."""
+    """Serialize in a long-lived process fed through shared memory (its priority set by the writer thread).
+
+    The process is started by spawn, which re-imports the main module before it runs anything of ours:
+    a script that builds its checkpointer outside ``if __name__ == "__main__":`` fails there, and a
+    writer that died starting would fail only the first save, steps later. So construction waits until
+    the process is up (about 1.3 s of imports, here), and raises ``ConfigError`` if it died.
+    """
 
     def __init__(self) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
         self._jobs = ctx.Queue()
         self._results = ctx.Queue()
-        self._proc = ctx.Process(target=_child_main, args=(self._jobs, self._results), name="air-writer-proc")
+        # daemon: a checkpointer never closed must not hang the interpreter's exit, where multiprocessing
+        # joins its other children. Saves are over by then (the writer thread is not a daemon).
+        self._proc = ctx.Process(
+            target=_child_main, args=(self._jobs, self._results), name="air-writer-proc", daemon=True
+        )
         self._proc.start()
+        try:
+            self._wait_started()
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_started(self) -> None:
+        deadline = time.monotonic() + _START_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                self._results.get(timeout=_POLL_SECONDS)  # ("ready", None): the only message before a job
+                return
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    raise ConfigError(
+                        f"writer='process': the writer process exited (code {self._proc.exitcode}) while "
+                        "starting, before any save. It starts by spawn, which re-imports the main script "
+                        "(its error is printed above); the usual cause is training code outside an "
+                        '`if __name__ == "__main__":` block. Move that code under the guard, or use '
+                        "writer='thread' (the default)."
+                    ) from None
+        raise ConfigError(
+            f"writer='process': the writer process did not start within {_START_SECONDS:.0f} s (spawn "
+            "re-imports the main script: does its top level wait for something?). Use writer='thread' "
+            '(the default), or move that code under `if __name__ == "__main__":`.'
+        )
 
     @property
     def native_id(self) -> int:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -306,6 +309,70 @@ def test_process_writer_saves_the_same_bytes_as_the_thread_writer(tmp_path):
             _assert_state_equal(loaded, state)
             assert torch.equal(loaded["big"], state["big"])
     assert infos["thread"].manifest.files[0].crc32 == infos["process"].manifest.files[0].crc32
+
+
+def _script(path: Path, body: str, *, guarded: bool) -> list[str]:
+    """A training script's command line: ``body`` at its top level, or under the ``__main__`` guard."""
+    lines = ["import multiprocessing, sys, time, torch", "from air_core import AsyncCheckpointer"]
+    lines += body.splitlines()
+    if guarded:
+        lines = ["if __name__ == '__main__':", *(f"    {line}" for line in lines)]
+    path.write_text("\n".join(lines) + "\n")
+    return [sys.executable, str(path)]
+
+
+def test_a_process_writer_that_cannot_start_fails_construction_not_the_first_save(tmp_path):
+    """spawn re-imports the main script before the writer process runs anything of ours: a script without
+    the ``__main__`` guard fails there. That surfaced as "the writer process died (exit code 1)" at the
+    first save, after the steps before it; it is a ConfigError at construction, naming the fix."""
+    body = (
+        f"ckpt = AsyncCheckpointer({str(tmp_path / 'root')!r}, writer='process')\nprint('TRAINING STEPS RAN')"
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    command = _script(tmp_path / "train.py", body, guarded=False)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1, done.stderr
+    assert "TRAINING STEPS RAN" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("air_core.errors.ConfigError: writer='process': the writer process exited"), last
+    assert 'if __name__ == "__main__":' in last and "writer='thread'" in last
+    assert not (tmp_path / "root").exists()  # raised before any I/O
+
+
+def test_a_process_writer_never_outlives_its_training_process(tmp_path):
+    """A script that never closes its checkpointer exits (multiprocessing joins its other children at exit)
+    with its save committed; a SIGKILLed one, which sends no stop, leaves no writer process behind."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    root = str(tmp_path / "root")
+    body = f"""ckpt = AsyncCheckpointer({root!r}, writer='process')
+ckpt.save({{'w': torch.arange(1000.0)}}, step=1)
+print(*(p.pid for p in multiprocessing.active_children()), flush=True)
+time.sleep(float(sys.argv[1]))"""
+    command = _script(tmp_path / "train.py", body, guarded=True)
+    done = subprocess.run([*command, "0"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    with AsyncCheckpointer(root, read_only=True) as reader:
+        (info,) = reader.list()
+        assert reader.verify(info) == "" and torch.equal(reader.load()["w"], torch.arange(1000.0))
+
+    job = subprocess.Popen([*command, "600"], stdout=subprocess.PIPE, text=True, env=env)
+    assert job.stdout is not None
+    writer_pid = int(job.stdout.readline())
+    job.kill()
+    job.wait()
+    deadline = time.monotonic() + 30
+    while _alive(writer_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(writer_pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited process not yet reaped by its new parent is a zombie: not alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_a_killed_saves_spill_file_is_removed_when_the_rank_opens_the_root_again(tmp_path):
