@@ -15,8 +15,9 @@ writer's priority can follow its deadline (``priority.py``) in whichever thread 
 
 from __future__ import annotations
 
-import multiprocessing
-import queue
+import atexit
+import contextlib
+import signal
 import threading
 import time
 import traceback
@@ -32,9 +33,6 @@ from .snapshot import Snapshot, materialize, materialize_parts
 
 _POLL_SECONDS = 0.05
 """How often the writer thread checks on the writer process (and on the deadline of its priority)."""
-_PARENT_POLL_SECONDS = 1.0
-"""How often an idle writer process checks that the training process still lives (a SIGKILLed one sends
-no stop, and the process holds both ends of its queue, so it would wait forever)."""
 _START_SECONDS = 300.0
 """How long the writer process may take to start: spawn imports torch and re-imports the main module."""
 
@@ -159,26 +157,30 @@ class ThreadSerializer:
         pass
 
 
-def _child_main(jobs: Any, results: Any) -> None:
-    """The writer process: rebuild each snapshot from shared memory and serialize it."""
+def _child_main(conn: Any) -> None:
+    """The writer process: rebuild each snapshot from shared memory and serialize it.
+
+    It ignores SIGINT and SIGTERM, as multiprocessing's resource tracker does: Ctrl-C and a scheduler's
+    SIGTERM before preemption reach the whole process group, and the training process acts on them by
+    flushing the save in flight, through this process. It stops when told (``close``), or when its end
+    of the pipe reads end-of-file: the training process is gone (a SIGKILL sends no stop)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(1)
-    results.put(("ready", None))
-    parent = multiprocessing.parent_process()
-    while True:
-        try:
-            job = jobs.get(timeout=_PARENT_POLL_SECONDS)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():
-                return  # the training process was killed: nobody will send the stop
-            continue
-        if job is None:
-            return
-        try:
-            state = materialize_parts(job["skeleton"], job["refs"], job["slots"], job["buffer"], job["spill"])
-            results.put(("ok", serialize_files(state, job["targets"])))
-        except BaseException as exc:  # handed to the parent, which raises SaveError
-            results.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        del job
+    try:
+        conn.send(("ready", None))
+        while (job := conn.recv()) is not None:
+            try:
+                state = materialize_parts(
+                    job["skeleton"], job["refs"], job["slots"], job["buffer"], job["spill"]
+                )
+                result: tuple[str, Any] = ("ok", serialize_files(state, job["targets"]))
+            except BaseException as exc:  # handed to the parent, which raises SaveError
+                result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            del job
+            conn.send(result)
+    except (EOFError, OSError):
+        pass
 
 
 class ProcessSerializer:
@@ -187,19 +189,19 @@ class ProcessSerializer:
     The process is started by spawn, which re-imports the main module before it runs anything of ours:
     a script that builds its checkpointer outside ``if __name__ == "__main__":`` fails there, and a
     writer that died starting would fail only the first save, steps later. So construction waits until
-    the process is up (about 1.3 s of imports, here), and raises ``ConfigError`` if it died.
+    the process is up (about 1.3 s of imports, here), and raises ``ConfigError`` if it died. Jobs and
+    results go over one pipe (no queue: no feeder thread, no semaphore for a killed process to leak). A
+    checkpointer never closed is closed at exit, before multiprocessing joins its children (forever, as
+    the process waits for work); its saves are over by then, the writer thread being no daemon.
     """
 
     def __init__(self) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
-        self._jobs = ctx.Queue()
-        self._results = ctx.Queue()
-        # daemon: a checkpointer never closed must not hang the interpreter's exit, where multiprocessing
-        # joins its other children. Saves are over by then (the writer thread is not a daemon).
-        self._proc = ctx.Process(
-            target=_child_main, args=(self._jobs, self._results), name="air-writer-proc", daemon=True
-        )
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child_main, args=(child,), name="air-writer-proc")
         self._proc.start()
+        child.close()  # the process's end is its own: the pipe reads end-of-file when either side is gone
+        atexit.register(self.close)  # runs before multiprocessing's own exit hook, registered earlier
         try:
             self._wait_started()
         except BaseException:
@@ -208,60 +210,68 @@ class ProcessSerializer:
 
     def _wait_started(self) -> None:
         deadline = time.monotonic() + _START_SECONDS
-        while time.monotonic() < deadline:
-            try:
-                self._results.get(timeout=_POLL_SECONDS)  # ("ready", None): the only message before a job
-                return
-            except queue.Empty:
-                if not self._proc.is_alive():
-                    raise ConfigError(
-                        f"writer='process': the writer process exited (code {self._proc.exitcode}) while "
-                        "starting, before any save. It starts by spawn, which re-imports the main script "
-                        "(its error is printed above); the usual cause is training code outside an "
-                        '`if __name__ == "__main__":` block. Move that code under the guard, or use '
-                        "writer='thread' (the default)."
-                    ) from None
-        raise ConfigError(
-            f"writer='process': the writer process did not start within {_START_SECONDS:.0f} s (spawn "
-            "re-imports the main script: does its top level wait for something?). Use writer='thread' "
-            '(the default), or move that code under `if __name__ == "__main__":`.'
-        )
+
+        def late() -> None:
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"writer='process': the writer process did not start within {_START_SECONDS:.0f} s "
+                    "(spawn re-imports the main script: does its top level wait for something?). Use "
+                    "writer='thread' (the default), or move that code under `if __name__ == \"__main__\":`."
+                )
+
+        if self._next(late) is None:
+            raise ConfigError(
+                f"writer='process': the writer process exited (code {self._proc.exitcode}) while starting, "
+                "before any save. It starts by spawn, which re-imports the main script (its error is "
+                'printed above); the usual cause is training code outside an `if __name__ == "__main__":` '
+                "block. Move that code under the guard, or use writer='thread' (the default)."
+            )
+
+    def _next(self, tick: Callable[[], None]) -> tuple[str, Any] | None:
+        """The process's next message (``tick`` called while waiting); None once it has exited."""
+        try:
+            while not self._conn.poll(_POLL_SECONDS):
+                tick()
+            return cast(tuple[str, Any], self._conn.recv())
+        except (EOFError, OSError):
+            self._proc.join(timeout=5)  # for its exit code
+            return None
 
     @property
     def native_id(self) -> int:
         return self._proc.pid or 0  # the process serializes on its main thread, whose id is its pid
 
     def write(self, snap: Snapshot, targets: Targets, *, tick: Callable[[], None]) -> dict[str, Written]:
-        self._jobs.put(
-            {
-                "skeleton": snap.skeleton,
-                "refs": snap.tensors,
-                "slots": snap.slots,
-                "buffer": snap.buffer.tensor,
-                "spill": snap.spill_path,
-                "targets": targets,
-            }
-        )
-        while True:
-            try:
-                status, value = self._results.get(timeout=_POLL_SECONDS)
-                break
-            except queue.Empty:
-                tick()
-                if not self._proc.is_alive():
-                    raise RuntimeError(f"the writer process died (exit code {self._proc.exitcode})") from None
+        job = {
+            "skeleton": snap.skeleton,
+            "refs": snap.tensors,
+            "slots": snap.slots,
+            "buffer": snap.buffer.tensor,
+            "spill": snap.spill_path,
+            "targets": targets,
+        }
+        try:
+            self._conn.send(job)
+        except OSError:
+            pass  # the process is gone: the next message says so
+        message = self._next(tick)
+        if message is None:
+            raise RuntimeError(f"the writer process died (exit code {self._proc.exitcode})")
+        status, value = message
         if status != "ok":
             raise RuntimeError(f"the writer process failed: {value}")
         return {rel: Written(*w) for rel, w in value.items()}
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         if self._proc.is_alive():
-            self._jobs.put(None)
+            with contextlib.suppress(OSError):
+                self._conn.send(None)
             self._proc.join(timeout=30)
         if self._proc.is_alive():
             self._proc.kill()
-        self._jobs.close()
-        self._results.close()
+            self._proc.join()
+        self._conn.close()
 
 
 def make_serializer(kind: str) -> Serializer:

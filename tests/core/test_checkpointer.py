@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -364,6 +365,34 @@ time.sleep(float(sys.argv[1]))"""
     while _alive(writer_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(writer_pid)
+
+
+def test_a_sigterm_to_the_process_group_leaves_the_writer_process_to_finish_the_flushed_save(tmp_path):
+    """A scheduler's SIGTERM before preemption (SLURM's reaches every process of the job step), like
+    Ctrl-C's SIGINT, reaches the writer process too. The training process flushes the save in flight on
+    it, through the writer process, which must not die of it: it ignores both."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    root = str(tmp_path / "root")
+    body = f"""import logging, os, signal
+from air_core.session.preemption import FlushOnSigterm
+class Preempt:
+    def on_event(self, event):
+        if getattr(event, 'phase', '') == 'serialize_start':
+            os.killpg(0, signal.SIGTERM)
+ckpt = AsyncCheckpointer({root!r}, writer='process', listeners=[Preempt()])
+FlushOnSigterm(lambda: ckpt, timeout_seconds=60, who='job', log=logging.getLogger('job')).install()
+ckpt.save({{'w': torch.arange(4e6)}}, step=1)
+for _ in range(600):  # short sleeps: a signal another thread took runs its handler after one
+    time.sleep(0.05)"""
+    command = _script(tmp_path / "train.py", body, guarded=True)
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env=env, start_new_session=True
+    )
+    assert done.returncode == -signal.SIGTERM, done.stderr  # flushed, then the default action
+    assert "failed" not in done.stderr, done.stderr
+    with AsyncCheckpointer(root, read_only=True) as reader:
+        (info,) = reader.list()
+        assert reader.verify(info) == "" and torch.equal(reader.load()["w"], torch.arange(4e6))
 
 
 def _alive(pid: int) -> bool:
