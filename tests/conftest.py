@@ -27,6 +27,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="tests/faults: run N seeded kill trials per adapter (default: a few, sized for CI)",
     )
     parser.addoption(
+        "--soak-from",
+        type=int,
+        default=0,
+        metavar="K",
+        help="tests/faults: the first seed of the trials (K, K+1, ...): a soak beyond the seeds run before",
+    )
+    parser.addoption(
         "--fault-report", default="", metavar="PATH", help="tests/faults: write each trial's counts (JSON)"
     )
 

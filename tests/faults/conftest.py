@@ -10,11 +10,11 @@ CI_TRIALS = 2  # per adapter, one process; --soak N runs N (and N // 8 two-proce
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    soak = metafunc.config.getoption("--soak")
+    soak, first = metafunc.config.getoption("--soak"), metafunc.config.getoption("--soak-from")
     if "seed" in metafunc.fixturenames:
-        metafunc.parametrize("seed", range(soak or CI_TRIALS))
+        metafunc.parametrize("seed", range(first, first + (soak or CI_TRIALS)))
     if "ddp_seed" in metafunc.fixturenames:
-        metafunc.parametrize("ddp_seed", range(max(soak // 8, 1)))
+        metafunc.parametrize("ddp_seed", range(first, first + max(soak // 8, 1)))
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Seeded SIGKILL / SIGTERM trials against real Lightning and Accelerate jobs (see ``trials.py``).
 
 CI runs a few trials per adapter; ``pytest tests/faults --soak 32`` runs 32 per adapter (plus 4
-two-process trials each) and ``--fault-report F.json`` keeps every trial's counts.
+two-process trials each), ``--soak-from K`` starts at seed K instead of 0 (seeds no run has tried), and
+``--fault-report F.json`` keeps every trial's counts.
 """
 
 from __future__ import annotations
