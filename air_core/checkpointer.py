@@ -249,6 +249,7 @@ class AsyncCheckpointer:
                 spill_name=spill_name(name, self.config.rank),
                 in_order=in_order,
                 gated=gated,
+                for_process=self.config.writer == "process",
             )
         except BaseException:
             self._pool.give_back(buffer)

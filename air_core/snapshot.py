@@ -18,7 +18,9 @@ import os
 import pickle
 import re
 import stat
+import sys
 import threading
+import types
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -259,12 +261,21 @@ class _RefPickler(pickle.Pickler):
     than ``persistent_id``: pickle does not call it for ints, strings and plain containers, and an RNG
     state alone is hundreds of ints (a Python call each cost a local save of a small model 3 ms)."""
 
-    def __init__(self, file: io.BytesIO, seen: dict[int, int], found: list[torch.Tensor]) -> None:
+    def __init__(
+        self, file: io.BytesIO, seen: dict[int, int], found: list[torch.Tensor], *, refuse_main: bool = False
+    ) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._seen = seen
         self._found = found
+        self._refuse_main = refuse_main
 
     def reducer_override(self, obj: Any) -> Any:
+        if self._refuse_main and isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
+            raise ConfigError(
+                f"save(state): the state holds {obj.__qualname__}, defined in the main module of a notebook "
+                "or `python -c`, which the writer process (writer='process') cannot import to rebuild it. "
+                "Define it in a module of its own, or use writer='thread'."
+            )
         if isinstance(obj, torch.Tensor):
             if obj.layout != torch.strided or obj.is_quantized or obj.device.type == "meta":
                 raise ConfigError(
@@ -279,6 +290,13 @@ class _RefPickler(pickle.Pickler):
         if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
             raise ConfigError("save(state): bare storages cannot be staged; save the tensors that use them.")
         return NotImplemented
+
+
+def _main_reimportable() -> bool:
+    """Whether a spawned process imports this one's main module, and so can rebuild what it defines
+    (``multiprocessing.spawn``'s rule: by its module name, else by its file; a notebook has neither)."""
+    main = sys.modules.get("__main__")
+    return getattr(getattr(main, "__spec__", None), "name", None) is not None or hasattr(main, "__file__")
 
 
 class _RefUnpickler(pickle.Unpickler):
@@ -324,6 +342,7 @@ def take_snapshot(
     spill_name: str,
     in_order: Iterable[torch.Tensor] = (),
     gated: Iterable[torch.Tensor] = (),
+    for_process: bool = False,
 ) -> Snapshot:
     """Copy ``state`` into ``buffer`` (and a spill file beyond its capacity).
 
@@ -339,11 +358,13 @@ def take_snapshot(
         gated: CPU tensors that only the optimizer step after the gate mutates (the trained
             parameters, the optimizer's state): copied on a thread, overlapping the next forward and
             backward as GPU copies do. Other CPU tensors are copied before this returns.
+        for_process: a writer process rebuilds the state: a class or function of a main module it
+            cannot import (a notebook's) is refused here, at the save, not in that process.
     """
     found: list[torch.Tensor] = []
     skel = io.BytesIO()
     try:
-        _RefPickler(skel, {}, found).dump(state)
+        _RefPickler(skel, {}, found, refuse_main=for_process and not _main_reimportable()).dump(state)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise ConfigError(
             f"save(state): the state cannot be pickled ({exc}); keep it to tensors, "

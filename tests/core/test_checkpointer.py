@@ -395,6 +395,40 @@ for _ in range(600):  # short sleeps: a signal another thread took runs its hand
         assert reader.verify(info) == "" and torch.equal(reader.load()["w"], torch.arange(4e6))
 
 
+def test_a_notebooks_class_in_the_state_is_refused_at_the_save_with_a_process_writer(tmp_path):
+    """A notebook's (or ``python -c``'s) main module cannot be imported by a spawned process, so the writer
+    process could not rebuild a class defined there: that failed in the background, the save lost. It is a
+    ConfigError at ``save`` now, naming the fix; the thread writer saves it."""
+    from tests.conftest import run_python
+
+    code = f"""
+import dataclasses, torch
+from air_core import AsyncCheckpointer, ConfigError
+@dataclasses.dataclass
+class Cfg:
+    lr: float = 0.1
+for writer in ("process", "thread"):
+    with AsyncCheckpointer({str(tmp_path)!r} + "/" + writer, writer=writer) as ckpt:
+        try:
+            ckpt.save({{"w": torch.ones(3), "cfg": Cfg()}}, step=1).result(timeout=60)
+            print(writer, "saved")
+        except ConfigError as exc:
+            print(writer, "refused:", exc)
+        ckpt.save({{"w": torch.ones(3), "cfg": dataclasses.asdict(Cfg())}}, step=2).result(timeout=60)
+        print(writer, [i.step for i in ckpt.list()])
+"""
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "process refused: save(state): the state holds Cfg, defined in the main module of a notebook or "
+        "`python -c`, which the writer process (writer='process') cannot import to rebuild it. Define it in "
+        "a module of its own, or use writer='thread'.",
+        "process [2]",
+        "thread saved",
+        "thread [1, 2]",
+    ], done.stdout
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (an exited process not yet reaped by its new parent is a zombie: not alive)."""
     try:
