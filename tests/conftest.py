@@ -161,6 +161,15 @@ def s3_root(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3Root:
     return S3Root(url=f"s3://{bucket}/run", endpoint=s3_endpoint, storage_options=options)
 
 
+def process_runs(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited process its new parent has not reaped is a zombie: not running)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def run_python(
     code: str,
     *args: str,

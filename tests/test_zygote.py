@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, process_runs
 from tests.zygote import launcher as python  # whether or not AIR_TEST_ZYGOTE turned it off for the jobs
 
 
@@ -92,9 +92,9 @@ def test_a_killed_launcher_takes_the_programs_process_group_with_it():
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 10
-    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_runs(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_running(p) for p in pids), "the program and its child die with the launcher"
+    assert not any(process_runs(p) for p in pids), "the program and its child die with the launcher"
 
 
 @pytest.mark.parametrize(("end", "left_running"), [("sys.exit(0)", True), ("sys.exit(3)", False)])
@@ -108,19 +108,11 @@ def test_what_a_failed_program_left_in_its_process_group_is_killed(end, left_run
     out = run("-c", code)
     left = int(out.stdout)
     deadline = time.monotonic() + 10
-    while _running(left) and not left_running and time.monotonic() < deadline:
+    while process_runs(left) and not left_running and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _running(left) == left_running, "a clean exit leaves its children; a failure takes them along"
+    assert process_runs(left) == left_running, "a clean exit leaves its children; a failure takes them along"
     if left_running:
         os.kill(left, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_other_interpreter_options_and_environments_run_the_real_interpreter():

@@ -26,6 +26,7 @@ from air_core import (
     SaveRecord,
 )
 from air_core.snapshot import spill_name
+from tests.conftest import process_runs
 
 
 class Recorder:
@@ -362,9 +363,9 @@ time.sleep(float(sys.argv[1]))"""
     job.kill()
     job.wait()
     deadline = time.monotonic() + 30
-    while _alive(writer_pid) and time.monotonic() < deadline:
+    while process_runs(writer_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(writer_pid)
+    assert not process_runs(writer_pid)
 
 
 def test_a_sigterm_to_the_process_group_leaves_the_writer_process_to_finish_the_flushed_save(tmp_path):
@@ -427,15 +428,6 @@ for writer in ("process", "thread"):
         "thread saved",
         "thread [1, 2]",
     ], done.stdout
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (an exited process not yet reaped by its new parent is a zombie: not alive)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_killed_saves_spill_file_is_removed_when_the_rank_opens_the_root_again(tmp_path):
