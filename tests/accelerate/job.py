@@ -72,6 +72,7 @@ def build(args):
         args.root or os.path.join(args.workdir, "ckpts"),
         staging_dir=os.path.join(args.workdir, "nvme"),
         storage_options=opts,
+        writer=args.writer,
         keep_last=3,
         # A rank that outlives a killed rank 0 gets SIGTERM from torchrun; its flush cannot commit, so
         # bound it well inside torchrun's 30 s grace.
@@ -174,6 +175,7 @@ def main() -> None:
     p.add_argument("--hang", default="", help="STEP:RANK: that rank sleeps forever in that step, once")
     p.add_argument("--hang-timeout", type=float, default=3.0, help="with --hang: that rank's hang timeout")
     p.add_argument("--fsdp2", action="store_true", help="Accelerate's FSDP2 with sharded state dicts")
+    p.add_argument("--writer", choices=["thread", "process"], default="thread", help="AirPlugin(writer=...)")
     p.add_argument("--local-every", type=int, default=0, help="AirPlugin(local_every_n_steps=...)")
     p.add_argument("--local-dir", default="", help="its local_dir (default WORKDIR/local-$AIR_NODE_NAME)")
     p.add_argument("--die", default="", help="STEP[:RANK][:agent]: SIGKILL before that step, once")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -28,7 +29,7 @@ def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
         key = (p.adapter, p.workers, p.processes)
         if key not in cache:
             workdir = tmp_path_factory.mktemp(f"clean-{p.adapter}-w{p.workers}-r{p.processes}")
-            rc, stderr = launch(p, workdir, [], None)
+            rc, stderr = launch(dataclasses.replace(p, writer="thread"), workdir, [], None)
             assert rc == 0, stderr[-4000:]
             cache[key] = workdir
         return cache[key]

@@ -87,6 +87,9 @@ def main() -> None:
     p.add_argument("--dump-loaded", action="store_true", help="each rank saves its weights at train start")
     p.add_argument("--hang", default="", help="STEP:RANK: that rank sleeps forever in that step, once")
     p.add_argument("--hang-timeout", type=float, default=3.0, help="with --hang: that rank's hang timeout")
+    p.add_argument(
+        "--writer", choices=["thread", "process"], default="thread", help="AirCheckpointIO(writer=...)"
+    )
     p.add_argument("--local-every", type=int, default=0, help="AirCallback(local_every_n_steps=...)")
     p.add_argument(
         "--die",
@@ -108,6 +111,7 @@ def main() -> None:
     plugin = AirCheckpointIO(
         staging_dir=os.path.join(args.workdir, "nvme"),
         storage_options=opts,
+        writer=args.writer,
         commit_timeout_seconds=args.commit_timeout,
     )
     plugin.add_listener(Journal(args.workdir))
