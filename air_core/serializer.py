@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -197,6 +198,7 @@ class ProcessSerializer:
 
     def __init__(self) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
+        self._owner = os.getpid()
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_child_main, args=(child,), name="air-writer-proc")
         self._proc.start()
@@ -263,6 +265,8 @@ class ProcessSerializer:
         return {rel: Written(*w) for rel, w in value.items()}
 
     def close(self) -> None:
+        if os.getpid() != self._owner:
+            return  # the exit of a process forked from the training one: the writer process is not its own
         atexit.unregister(self.close)
         if self._proc.is_alive():
             with contextlib.suppress(OSError):
