@@ -3,6 +3,7 @@
     python tests/lightning/job.py WORKDIR [--workers N] [--loader plain|stateful|iterable]
         [--source module|fit|datamodule] [--every K] [--epochs E] [--kill STEP:PHASE]
         [--devices D] [--top-k K] [--root URL --endpoint URL] [--hang STEP:RANK --hang-timeout S]
+        [--writer thread|process]
 
 Trains a dropout MLP on a map-style dataset of numbered samples augmented from the global RNG (of the
 loader worker, or of the main process), checkpointing every K steps through AirCheckpointIO (staged),
