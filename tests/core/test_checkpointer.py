@@ -26,7 +26,7 @@ from air_core import (
     SaveRecord,
 )
 from air_core.snapshot import spill_name
-from tests.conftest import process_runs
+from tests.conftest import REPO, process_runs
 
 
 class Recorder:
@@ -330,7 +330,7 @@ def test_a_process_writer_that_cannot_start_fails_construction_not_the_first_sav
     body = (
         f"ckpt = AsyncCheckpointer({str(tmp_path / 'root')!r}, writer='process')\nprint('TRAINING STEPS RAN')"
     )
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": REPO}
     command = _script(tmp_path / "train.py", body, guarded=False)
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 1, done.stderr
@@ -344,7 +344,7 @@ def test_a_process_writer_that_cannot_start_fails_construction_not_the_first_sav
 def test_a_process_writer_never_outlives_its_training_process(tmp_path):
     """A script that never closes its checkpointer exits (multiprocessing joins its other children at exit)
     with its save committed; a SIGKILLed one, which sends no stop, leaves no writer process behind."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": REPO}
     root = str(tmp_path / "root")
     body = f"""ckpt = AsyncCheckpointer({root!r}, writer='process')
 ckpt.save({{'w': torch.arange(1000.0)}}, step=1)
@@ -372,7 +372,7 @@ def test_a_sigterm_to_the_process_group_leaves_the_writer_process_to_finish_the_
     """A scheduler's SIGTERM before preemption (SLURM's reaches every process of the job step), like
     Ctrl-C's SIGINT, reaches the writer process too. The training process flushes the save in flight on
     it, through the writer process, which must not die of it: it ignores both."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": REPO}
     root = str(tmp_path / "root")
     body = f"""import logging, os, signal
 from air_core.session.preemption import FlushOnSigterm
