@@ -199,7 +199,9 @@ class AirAccelerator(Accelerator):
         if not self._air_started:  # the first step of this launch
             self._air_started = True
             tracker = self._air_tracker_run_id()
-            self.air_session.start(mlflow_run_id=tracker, run_is_ours=tracker is None)
+            self.air_session.start(
+                step=self.completed_steps, mlflow_run_id=tracker, run_is_ours=tracker is None
+            )
         self.completed_steps += 1
         self.air_session.record_step(self.completed_steps)
 

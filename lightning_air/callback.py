@@ -235,7 +235,7 @@ class AirCallback(Callback):
             if resumed is not None:
                 MLFLOW_RUN_ID.set(mlf, resumed)  # its later metrics go to the checkpoint's run
             run_id = mlf.run_id
-        self.session.start(mlflow_run_id=run_id, run_is_ours=mlf is None)
+        self.session.start(step=trainer.global_step, mlflow_run_id=run_id, run_is_ours=mlf is None)
 
     @override
     def on_before_backward(

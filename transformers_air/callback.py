@@ -353,7 +353,7 @@ class AirTrainerCallback(TrainerCallback):
         if not self._started:  # once per train(), though a batch-size retry begins training again
             self._started = True
             run = _mlflow_active_run() if _reports_to_mlflow(args) else None
-            session.start(mlflow_run_id=run, run_is_ours=run is None)
+            session.start(step=state.global_step, mlflow_run_id=run, run_is_ours=run is None)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

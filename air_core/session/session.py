@@ -138,6 +138,7 @@ class TrainingSession:
         self._tier_part: Callable[[], LocalPart] | None = None
         self._tier_plans = dcp.SavePlans()  # the local tier's own: its folders are other paths
         self._tier_due: int | None = None
+        self._steps_done = 0  # optimizer steps applied when the last step ended (``record_step``)
         self._tier_unsettled: int | None = None
         self._tier_group: Any = None
         self._resumed: Resume | None = None  # the last ``recover``'s
@@ -493,11 +494,13 @@ class TrainingSession:
         check_fits(expected, found, what=what, fix=fix)
 
     # -- measurement ---------------------------------------------------------------------------------
-    def start(self, *, mlflow_run_id: str | None = None, run_is_ours: bool = True) -> None:
+    def start(self, *, step: int = 0, mlflow_run_id: str | None = None, run_is_ours: bool = True) -> None:
         """The first training step of this launch is next: restore a pending RNG no loader took, and
         start the MLflow sink (rank 0), the SIGTERM flush and the hang watchdog (``hang_watchdog``).
+        ``step``: the optimizer steps already applied (the resumed step; ``record_step`` counts from it);
         ``mlflow_run_id``: the framework logger's run (None: the checkpoint's run, else a new one);
         ``run_is_ours``: the session ends the run at ``close``."""
+        self._steps_done = step
         self.positions.start()
         if self.rank == 0 and self._measure and self.config.mlflow and self._sink is None:
             run_id = mlflow_run_id or self.positions.resumed_run
@@ -542,8 +545,11 @@ class TrainingSession:
         self.health.progress()
 
     def record_step(self, step: int) -> None:
-        """Training step ``step`` ended (every rank; a window end gathers over ranks). The hang watchdog
-        (armed at ``start``) gets its beat.
+        """A training step ended, after which ``step`` optimizer steps are applied (every rank; a window
+        end gathers over ranks). The hang watchdog (armed at ``start``) gets its beat. A step that only
+        accumulated gradients (Lightning's ``accumulate_grad_batches``: one call per batch) leaves ``step``
+        as it was: the local tier saves only after an optimizer step, so a resume never lacks the
+        gradients of the batches it skips.
 
         Raises:
             StragglerError: with ``stop_on_straggler``, this window named a straggler; the session
@@ -552,8 +558,9 @@ class TrainingSession:
         self.health.step_ended(step)
         self.records.record_step(step)
         k = self.config.local_every_n_steps
-        if k and step % k == 0:
-            self._tier_due = step  # taken between this step and the next (``_between_steps``)
+        stepped, self._steps_done = step > self._steps_done, step
+        if k and stepped and step % k == 0:
+            self._tier_due = step  # taken before the next training batch's fetch (``_between_steps``)
         error = self.health.straggler_stop(step)
         if error is not None:
             self.fail(error)

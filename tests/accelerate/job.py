@@ -62,7 +62,9 @@ def build(args):
     )
     tracking = {"log_with": "mlflow", "project_dir": args.workdir} if args.tracker else {}
     if args.stock:
-        return Accelerator(cpu=True, dataloader_config=config, **tracking)
+        return Accelerator(
+            cpu=True, dataloader_config=config, gradient_accumulation_steps=args.accumulate, **tracking
+        )
     from accelerate_air import AirAccelerator, AirPlugin
 
     opts = {"client_kwargs": {"endpoint_url": args.endpoint}} if args.endpoint else None
@@ -96,7 +98,13 @@ def build(args):
 
         keep_fsdp_on_cpu()
         tracking["fsdp_plugin"] = fsdp2_plugin()
-    return AirAccelerator(air_plugin=plugin, cpu=True, dataloader_config=config, **tracking)
+    return AirAccelerator(
+        air_plugin=plugin,
+        cpu=True,
+        dataloader_config=config,
+        gradient_accumulation_steps=args.accumulate,
+        **tracking,
+    )
 
 
 def trained(width: int = 32) -> tuple:
@@ -180,6 +188,7 @@ def main() -> None:
     p.add_argument("--local-dir", default="", help="its local_dir (default WORKDIR/local-$AIR_NODE_NAME)")
     p.add_argument("--die", default="", help="STEP[:RANK][:agent]: SIGKILL before that step, once")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps")
+    p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps: batches per step")
     args = p.parse_args()
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
@@ -208,28 +217,37 @@ def main() -> None:
         weights = accelerator.unwrap_model(model).state_dict()
         torch.save(weights, os.path.join(args.workdir, f"loaded-rank{accelerator.process_index}.pt"))
     ids_file = os.path.join(args.workdir, f"ids-rank{accelerator.process_index}.jsonl")
+    # "step" in the records numbers each batch (``sameness``): with --accumulate N, N batches make one
+    # optimizer step (``step``), and an epoch's batches are a whole number of steps
+    assert len(loader) % args.accumulate == 0, "--accumulate must divide the batches of an epoch"
+    batch = step * args.accumulate
     for epoch in range(start_epoch, args.epochs):
         model.train()
         for ids, x in loader:
             with open(ids_file, "a") as f:
-                record = {"step": step, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
+                record = {"step": batch, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
+                record.update(optimizer_step=step)
                 record.update(epoch=epoch, pid=os.getpid(), world=accelerator.num_processes, t=time.time())
                 if not args.stock:
                     record["launch"] = accelerator.air_session.launch_id[:8]
                 f.write(json.dumps(record) + "\n")
-            loss = (model(x) - x).pow(2).mean()
-            if args.hang:
-                _hang_once(args, accelerator.process_index, step + 1)
-            if args.die:
-                _die_once(args, accelerator, step + 1)
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
-            if args.tracker:
-                accelerator.log({"loss": loss.item()}, step=step)
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+            batch += 1
+            with accelerator.accumulate(model):
+                loss = (model(x) - x).pow(2).mean()
+                if args.hang:
+                    _hang_once(args, accelerator.process_index, step + 1)
+                if args.die:
+                    _die_once(args, accelerator, step + 1)
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
+                if args.tracker:
+                    accelerator.log({"loss": loss.item()}, step=step)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
             step += 1
             assert args.stock or step == accelerator.completed_steps, "completed_steps counts optimizer steps"
             if step % args.every == 0:

@@ -63,6 +63,28 @@ def test_sigkill_between_root_saves_resumes_from_the_local_tier_exactly(tmp_path
     assert_tier_read_in_place(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("tier", "interrupt", "restored"),
+    [
+        (("--local-every", "3"), ("--die", "8"), "local-s000000006-w1"),  # step 7 waited for it
+        ((), ("--kill", "10:upload_start"), "step-000000005"),  # step 10 never committed
+    ],
+    ids=["local-tier", "root"],
+)
+def test_gradient_accumulation_resumes_exactly_from_an_optimizer_step(
+    tmp_path, reference, tier, interrupt, restored
+):
+    """``gradient_accumulation_steps=2`` with ``accelerator.accumulate(model)``: two batches per optimizer
+    step, and a checkpoint (``save_state`` every 5 steps, the local tier every 3) only after an optimizer
+    step, never after a batch that only accumulated gradients no checkpoint keeps."""
+    args = ("--workers", "2", "--every", "5", "--accumulate", "2", *tier)
+    run_job(tmp_path, *args, *interrupt, expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(*args))
+    (resumed,) = stats(tmp_path)
+    assert resumed["restores"][0][0] == restored, "resumed from the newest committed checkpoint"
+
+
 # 16 batches per epoch, a save every 4 steps. The first launch is killed in the save of step 20: the
 # relaunch resumes from step 16, the save that closed epoch 0. That one is killed in the save of step
 # 28: the third resumes from step 24, a checkpoint written after the first resume, mid-epoch 1.

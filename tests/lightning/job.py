@@ -92,6 +92,7 @@ def main() -> None:
         "--writer", choices=["thread", "process"], default="thread", help="AirCheckpointIO(writer=...)"
     )
     p.add_argument("--local-every", type=int, default=0, help="AirCallback(local_every_n_steps=...)")
+    p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     p.add_argument(
         "--die",
         default="",
@@ -122,6 +123,7 @@ def main() -> None:
         plugin.add_listener(KillAt.parse(args.sigterm, signal.SIGTERM))
     trainer = pl.Trainer(
         max_epochs=args.epochs,
+        accumulate_grad_batches=args.accumulate,
         accelerator="cpu",
         devices=args.devices,
         # Under torchrun's agents each start has its own world size: as many nodes as it says.

@@ -83,7 +83,12 @@ class Model(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         ids, x = batch
-        record = {"step": self.global_step, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
+        # "step" numbers each batch (``sameness``); with accumulate_grad_batches several batches make one
+        # optimizer step (``global_step``), so each gets its own number, the total batch index
+        accumulating = self.trainer.accumulate_grad_batches > 1
+        step = self.trainer.fit_loop.epoch_loop.total_batch_idx if accumulating else self.global_step
+        record = {"step": step, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
+        record.update(optimizer_step=self.global_step)
         record.update(epoch=self.current_epoch, world=self.trainer.world_size, pid=os.getpid())
         with open(os.path.join(self.workdir, f"ids-rank{self.global_rank}.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")

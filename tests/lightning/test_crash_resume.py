@@ -45,13 +45,14 @@ def run_job(
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    cache: dict[tuple[int, str], Path] = {}
+    cache: dict[tuple[int, str, int], Path] = {}
 
-    def get(workers: int, loader: str = "plain") -> Path:
-        if (workers, loader) not in cache:
-            cache[workers, loader] = tmp_path_factory.mktemp(f"reference-w{workers}-{loader}")
-            run_job(cache[workers, loader], "--workers", str(workers), "--loader", loader)
-        return cache[workers, loader]
+    def get(workers: int, loader: str = "plain", accumulate: int = 1) -> Path:
+        key = (workers, loader, accumulate)
+        if key not in cache:
+            cache[key] = tmp_path_factory.mktemp(f"reference-w{workers}-{loader}-a{accumulate}")
+            run_job(cache[key], "--workers", str(workers), "--loader", loader, "--accumulate", str(accumulate))
+        return cache[key]
 
     return get
 
@@ -82,6 +83,31 @@ def test_sigkill_between_root_saves_resumes_from_the_local_tier_exactly(tmp_path
     resumed = next(b for a, b in zip(steps, steps[1:], strict=False) if b <= a)
     assert resumed == 15, f"resumed from the newest local checkpoint, not the root's step 10: {resumed}"
     assert_tier_read_in_place(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("tier", "interrupt", "resumed_at"),
+    [
+        (("--local-every", "3"), ("--die", "8"), 6),  # the local tier's step 6 (step 7 waited for it)
+        ((), ("--kill", "10:upload_start"), 5),  # the root's step 5: step 10 never committed
+    ],
+    ids=["local-tier", "root"],
+)
+def test_gradient_accumulation_resumes_exactly_from_an_optimizer_step(
+    tmp_path, reference, tier, interrupt, resumed_at
+):
+    """``Trainer(accumulate_grad_batches=2)``: two batches per optimizer step, and a checkpoint (the
+    root's every 5 steps, the local tier's every 3) only after an optimizer step, whose gradients it
+    need not hold. A local save after every batch of a step (each accumulates into gradients no
+    checkpoint keeps) would resume past batches whose gradients were lost; the second one of a name
+    failed the fit."""
+    args = ["--workers", "2", "--every", "5", "--accumulate", "2", *tier]
+    run_job(tmp_path, *args, *interrupt, expect_kill=True)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(2, accumulate=2))
+    steps = [(r["step"], r["optimizer_step"]) for r in records(tmp_path)]
+    resumed = next(b for a, b in zip(steps, steps[1:], strict=False) if b[0] <= a[0])
+    assert resumed == (2 * resumed_at, resumed_at), f"resumed at (batch, optimizer step) {resumed}"
 
 
 # 16 batches per epoch, a save every 4 steps. The first launch is killed in the save of step 20: the

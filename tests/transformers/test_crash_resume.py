@@ -73,6 +73,16 @@ def test_gradient_accumulation_resumes_mid_epoch_exactly(tmp_path, reference):
     assert_same_run(tmp_path, reference(*args))
 
 
+def test_gradient_accumulation_resumes_from_the_local_tier_exactly(tmp_path, reference):
+    """Two micro-batches per step, the local tier every 3 steps: killed before step 8, the relaunch
+    resumes from the local save of step 6, taken after that optimizer step (12 micro-batches in)."""
+    args = ("--ga", "2", "--steps", "10", "--every", "10", "--local-every", "3")
+    run_job(tmp_path, *args, "--die", "8", expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference("--ga", "2", "--steps", "10", "--every", "2"))  # the test's above
+    assert stats(tmp_path)[0]["restores"] == [["local-s000000006-w1", "local", "local"]]
+
+
 def test_s3_root_resumes_exactly_from_the_staged_copy(tmp_path, reference, s3_root):
     s3 = ("--root", s3_root.url, "--endpoint", s3_root.endpoint)
     run_job(tmp_path, *s3, "--kill", "16:upload_start", expect_signal=signal.SIGKILL)
