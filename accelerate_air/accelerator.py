@@ -174,6 +174,7 @@ class AirAccelerator(Accelerator):
             on_fetch=self._air_record_fetch,
             reenter=True,  # resume() returns the finished epoch: the loop runs the code after its batches
             who="AirAccelerator",
+            training=self._air_training,
         ):
             self._air_tracked.add(id(prepared))
         return prepared
@@ -219,8 +220,13 @@ class AirAccelerator(Accelerator):
         gathered = self.gather(torch.tensor(values, dtype=torch.float64, device=self.device))
         return gathered.view(self.num_processes, -1).tolist()
 
+    def _air_training(self) -> bool:
+        """Whether a batch fetched now is a training batch: any prepared model in training mode (a loader
+        prepared like the train loader may serve an evaluation under ``model.eval()``)."""
+        return any(m.training for m in models(self)) or not models(self)
+
     def _air_record_fetch(self, seconds: float, samples: int) -> None:
-        if any(m.training for m in models(self)) or not models(self):  # training batches only
+        if self._air_training():  # training batches only
             self.air_session.record_fetch(seconds, samples)
         else:  # an evaluation batch: progress for the hang watchdog, not a step
             self.air_session.record_progress()

@@ -30,12 +30,13 @@ def track_prepared(
     on_fetch: Callable[[float, int], None] | None,
     reenter: bool,
     who: str,
+    training: Callable[[], bool] | None = None,
 ) -> bool:
     """Put ``prepared``'s position in ``session.positions``; False where Accelerate keeps it or none can.
 
     ``reenter``: after a resume from an epoch's end the loop iterates that epoch once more (a plain
     ``for epoch in range(start, n)`` loop) rather than starting the next. ``who`` names the caller in
-    warnings.
+    warnings. ``training``: whether a fetch now is for training (``Positions.track``).
     """
     if type(prepared) is not DataLoaderShard:
         if getattr(prepared, "use_stateful_dataloader", False):  # its position is Accelerate's own state
@@ -63,6 +64,7 @@ def track_prepared(
         on_fetch=on_fetch,
         reenter=reenter,
         layout=batch_layout(base),  # how the batches are dealt to processes, for a resume at another count
+        training=training,
     )
     BASE_DATALOADER.set(prepared, tracked)
     return True

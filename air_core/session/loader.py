@@ -147,6 +147,9 @@ class TrackedLoader(LoaderProxy):
             "generators": generator_states(self._loader),
         }
         if inside:
+            # consumed and fetched ahead; fewer than ``lookahead`` ahead only before the pass's first
+            # fetch (a local save due from the last step of the epoch before)
+            pos["fetched"] = self._taken
             pos["reused_iterator"] = self._reused
             start = self._epoch_start
             pos["epoch_start"] = {"rng": safe_rng(start["rng"]), "generators": start["generators"]}
@@ -279,7 +282,7 @@ class TrackedLoader(LoaderProxy):
             for k, state in enumerate(pending["ahead"]):
                 restore[consumed + k] = functools.partial(restore_rng, state)
             assert self._resume_rng is not None
-            restore[consumed + self._lookahead] = functools.partial(
+            restore[_fetched(pending, self._lookahead)] = functools.partial(
                 self._restore, self._resume_rng, pending["generators"]
             )
         track_ahead = self._lookahead > 0 and self._workers == 0
@@ -382,7 +385,13 @@ class TrackedLoader(LoaderProxy):
         with ledger.resuming(saved, first) if ledger is not None else contextlib.nullcontext():
             if self.mode == "skip":
                 fresh = not pending.get("reused_iterator", False)
-                iterator = iter_skipping(self._loader, consumed, fresh_seed=fresh, prefetch=self._prefetch)
+                iterator = iter_skipping(
+                    self._loader,
+                    consumed,
+                    fresh_seed=fresh,
+                    prefetch=self._prefetch,
+                    started=_fetched(pending, self._lookahead) > 0,
+                )
                 self._taken = consumed
             else:
                 iterator = iter(self._loader)
@@ -415,6 +424,12 @@ class TrackedLoader(LoaderProxy):
             if time.monotonic() - last_log > 10:
                 logger.info("resume: re-read %d/%d batches", i + 1, count)
                 last_log = time.monotonic()
+
+
+def _fetched(position: dict[str, Any], lookahead: int) -> int:
+    """The batches of its pass an ``inside`` position's loader had fetched at the save: the checkpoint's
+    RNG goes back before the next fetch."""
+    return int(position.get("fetched", position["consumed"] + lookahead))  # older checkpoints: mid-epoch
 
 
 def _worker_ledger(loader: DataLoader, lookahead: int) -> WorkerLedger | None:

@@ -52,11 +52,15 @@ def base_seed(iterator: Any) -> int:
     return int(ITERATOR_BASE_SEED.get(iterator))
 
 
-def iter_skipping(loader: DataLoader, count: int, *, fresh_seed: bool, prefetch: Prefetching | None) -> Any:
+def iter_skipping(
+    loader: DataLoader, count: int, *, fresh_seed: bool, prefetch: Prefetching | None, started: bool = True
+) -> Any:
     """An iterator of the loader whose index sampler drops ``count`` batches (no sample is read).
 
     ``fresh_seed=False``: the saved epoch reused persistent workers, so its iterator drew no base
     seed; this new one draws it from a generator of its own, leaving the sampler's draws as they were.
+    ``started``: the saved pass had fetched a batch, so its sampler had drawn its shuffle seed: this one
+    draws it now too (False: at its first fetch, as the saved pass did after the save).
     """
     generator = loader.generator
     skip = Skip(_index_sampler(loader), count)
@@ -66,7 +70,8 @@ def iter_skipping(loader: DataLoader, count: int, *, fresh_seed: bool, prefetch:
         iterator = iter_over(loader, skip, prefetch)
     finally:
         loader.generator = generator
-    skip.prime()
+    if started:
+        skip.prime()
     return iterator
 
 

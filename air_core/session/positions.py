@@ -53,12 +53,17 @@ class Positions:
         on_fetch: Callable[[float, int], None] | None = None,
         reenter: bool = False,
         layout: Layout | None = None,
+        training: Callable[[], bool] | None = None,
     ) -> TrackedLoader:
         """Track a train loader's position; the returned proxy replaces ``loader``. Fetch times go to
         ``records`` (or to ``on_fetch``, for an adapter that keeps only some of them), and so do a data
         cache's counters (``TrackedLoader.counters``). ``layout``: how the
         framework shards it over ranks, if the core cannot tell (``elastic.layout_of``: a
-        ``DistributedSampler``, or a plain sampler on one rank). The other arguments are ``TrackedLoader``'s.
+        ``DistributedSampler``, or a plain sampler on one rank). ``training``: whether a fetch from it
+        now is for training, for a framework that prepares evaluation loaders alike (Accelerate): a local
+        save due is taken before a training fetch only, never inside an evaluation pass, whose position
+        and RNG draws no resume replays. None: it is a train loader. The other arguments are
+        ``TrackedLoader``'s.
 
         A position restored before the loader was tracked applies now (the loaders are matched by the
         order in which they are tracked).
@@ -71,7 +76,7 @@ class Positions:
             exact_state=exact_state,
             reenter=reenter,
             layout=layout or layout_of(loader, world_size=self.world_size),
-            between_steps=self._between_steps,
+            between_steps=_only_when(training, self._between_steps),
         )
         self._loaders.append(tracked)
         if tracked.counters is not None and tracked.counters not in self.records.counters:
@@ -176,3 +181,17 @@ class Positions:
         if self._pending is not None and not self._loaders and self._pending["rng"] is not None:
             restore_rng(self._pending["rng"])
         self._pending = None
+
+
+def _only_when(
+    training: Callable[[], bool] | None, between_steps: Callable[[], None] | None
+) -> Callable[[], None] | None:
+    """``between_steps``, called only while ``training`` says so (always, without one)."""
+    if training is None or between_steps is None:
+        return between_steps
+
+    def between() -> None:
+        if training():
+            between_steps()
+
+    return between

@@ -51,7 +51,8 @@ def reference(tmp_path_factory):
         key = (workers, loader, accumulate)
         if key not in cache:
             cache[key] = tmp_path_factory.mktemp(f"reference-w{workers}-{loader}-a{accumulate}")
-            run_job(cache[key], "--workers", str(workers), "--loader", loader, "--accumulate", str(accumulate))
+            training = ("--workers", str(workers), "--loader", loader, "--accumulate", str(accumulate))
+            run_job(cache[key], *training)
         return cache[key]
 
     return get
