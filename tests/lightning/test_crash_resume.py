@@ -86,6 +86,20 @@ def test_sigkill_between_root_saves_resumes_from_the_local_tier_exactly(tmp_path
     assert_tier_read_in_place(tmp_path)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_local_save_at_an_epoch_boundary_resumes_exactly(tmp_path, reference, workers):
+    """The local save of step 16, the last of epoch 0, is taken before epoch 1's first fetch; the resume
+    draws that epoch's shuffle seed at its first fetch, as the run did after the save (``num_workers=0``:
+    the augmentation drawn on the training thread comes after it)."""
+    args = ["--workers", str(workers), "--every", "10", "--local-every", "4"]
+    run_job(tmp_path, *args, "--die", "18", expect_kill=True)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(workers))
+    steps = [r["step"] for r in records(tmp_path)]
+    resumed = next(b for a, b in zip(steps, steps[1:], strict=False) if b <= a)
+    assert resumed == 16, f"resumed from the local save of step 16: {resumed}"
+
+
 @pytest.mark.parametrize(
     ("tier", "interrupt", "resumed_at"),
     [
