@@ -160,7 +160,11 @@ class TrackedLoader(LoaderProxy):
                 pos.update(self._ledger.state())
             if self.mode == "state":
                 assert self._exact_state is not None
-                pos["loader_state"] = self._exact_state[0]()
+                # Before the pass's first fetch nothing is fetched ahead, so the loader's own state is
+                # exact; a framework's correction for its batch ahead is not (Accelerate's is a copy
+                # taken at its last batch: the pass before's).
+                own = self._taken == 0 and has_state(self._loader)
+                pos["loader_state"] = (self._loader.state_dict if own else self._exact_state[0])()
             if self._stream is not None:
                 pos["stream"] = dict(self._stream)
         return pos

@@ -63,12 +63,15 @@ def test_sigkill_between_root_saves_resumes_from_the_local_tier_exactly(tmp_path
     assert_tier_read_in_place(tmp_path)
 
 
-@pytest.mark.parametrize("workers", ["0", "2"])
-def test_a_local_save_at_an_epoch_boundary_resumes_exactly(tmp_path, reference, workers):
+@pytest.mark.parametrize(
+    ("loader", "workers"), [("plain", "0"), ("plain", "2"), ("stateful", "2"), ("seedable", "2")]
+)
+def test_a_local_save_at_an_epoch_boundary_resumes_exactly(tmp_path, reference, loader, workers):
     """The local save of step 16, the last of epoch 0, is taken at the first training fetch after it:
     after the epoch's evaluation pass (``model.eval()``: no local save inside it, whose position and
-    RNG no resume replays) and before epoch 1's first batch, whose shuffle the resume draws then too."""
-    args = ("--workers", workers, "--every", "10", "--local-every", "4")
+    RNG no resume replays) and before epoch 1's first batch, whose shuffle the resume draws then too. A
+    stateful loader's state there is its own (Accelerate's copy is still the last epoch's)."""
+    args = ("--loader", loader, "--workers", workers, "--every", "10", "--local-every", "4")
     run_job(tmp_path, *args, "--die", "18", expect_signal=signal.SIGKILL)
     run_job(tmp_path, *args)
     assert_same_run(tmp_path, reference(*args))
