@@ -241,15 +241,21 @@ class FileCache:
     def _download(self, rel: str, local: str, row: int) -> None:
         if os.getpid() != self._storage_pid:  # a forked loader worker: fsspec clients are not fork-safe
             self._storage = self._connect()
+        # Counted before the file appears (taken back if the download fails): a reader that finds it and
+        # the metrics published after that read see its bytes. Prefetch threads share row 0.
+        with self._count_lock:
+            self._counts[row, _BYTES] += self.sizes[rel]
         try:
             self._storage.get_file(rel, local, size=self.sizes[rel])  # listed at the start: no request
-        except FileNotFoundError as exc:
-            raise StorageError(
-                f"FileCache: {self._storage.display(rel)} is not there ({exc}); was it removed after the run "
-                "started?"
-            ) from exc
-        with self._count_lock:  # prefetch threads share row 0
-            self._counts[row, _BYTES] += self.sizes[rel]  # the file may be evicted already
+        except BaseException as exc:
+            with self._count_lock:
+                self._counts[row, _BYTES] -= self.sizes[rel]
+            if isinstance(exc, FileNotFoundError):
+                raise StorageError(
+                    f"FileCache: {self._storage.display(rel)} is not there ({exc}); was it removed after the "
+                    "run started?"
+                ) from exc
+            raise
 
     @staticmethod
     def _row() -> int:
