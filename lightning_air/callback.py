@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from typing_extensions import override
@@ -29,6 +29,7 @@ from typing_extensions import override
 from air_core import ConfigError
 from air_core.config import settings_of
 from air_core.session import SessionConfig, TrackedLoader, TrainingSession
+from air_core.session.rng import RawRng, capture_rng, raw_rng, restore_rng
 from air_core.session.session import LocalPart
 from air_core.tiers import tier_name
 
@@ -123,6 +124,8 @@ class AirCallback(Callback):
         """The session of the running (or last) fit."""
         self._saves_at_step: dict[int, int] = defaultdict(int)
         self._quiet = contextlib.ExitStack()  # warnings filtered from the resume to the first batch
+        self._rng_at_batch_end: RawRng | None = None  # what a validation right after it starts from
+        self._rng_before_validation: dict[str, Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``ddp_spawn``'s workers, ``deepcopy(trainer)``) starts without the session: its loaders,
@@ -254,9 +257,17 @@ class AirCallback(Callback):
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The snapshot gate too: a module may swap averaged weights in for validation in its hooks, which
-        run after every callback's."""
+        run after every callback's.
+
+        A validation inside a fit draws from a copy of the RNG, as Lightning's sanity check does
+        (``isolate_rng``): a checkpoint saved at the batch after which a validation runs (``ModelCheckpoint(
+        every_n_train_steps)`` with ``val_check_interval``) resumes past that validation, which Lightning does
+        not run again, so its draws must not reach the training's. They start before this hook (its
+        loader's iterator draws a base seed), so the CPU generators are those of the batch's end."""
         if self.session is not None:
             self.session.before_optimizer_step()
+            if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+                self._rng_before_validation = capture_rng(self._rng_at_batch_end)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -276,6 +287,15 @@ class AirCallback(Callback):
     ) -> None:
         if self.session is not None:
             self.session.record_step(trainer.global_step)
+            self._rng_at_batch_end = raw_rng()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # before ModelCheckpoint's on_validation_end (Lightning runs checkpoint callbacks last): its save
+        # holds the RNG the training goes on with
+        state, self._rng_before_validation = self._rng_before_validation, None
+        if state is not None:
+            restore_rng(state)
 
     @override
     def on_validation_batch_end(

@@ -90,9 +90,10 @@ def raw_from_safe(state: dict[str, Any]) -> RawRng:
     return (version, tuple(words), gauss), numpy_state, state["torch"]
 
 
-def capture_rng() -> dict[str, Any]:
-    """The state of every global generator of this process (call on the thread that draws from them)."""
-    state = safe_rng(raw_rng())
+def capture_rng(cpu: RawRng | None = None) -> dict[str, Any]:
+    """The state of every global generator of this process (call on the thread that draws from them);
+    ``cpu``: the CPU generators' states read earlier (``raw_rng``), else now."""
+    state = safe_rng(raw_rng() if cpu is None else cpu)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

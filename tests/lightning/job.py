@@ -33,7 +33,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning_air import NEWEST, AirCallback, AirCheckpointIO, latest_checkpoint
 from tests import stalls
 from tests.kill_at import Journal, KillAt, die
-from tests.lightning.model import Model, NumberedData, make_loader
+from tests.lightning.model import Model, NumberedData, ValidatedModel, make_loader
 
 
 class SaveLoaded(pl.Callback):
@@ -93,6 +93,7 @@ def main() -> None:
     )
     p.add_argument("--local-every", type=int, default=0, help="AirCallback(local_every_n_steps=...)")
     p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
+    p.add_argument("--val-every", type=int, default=0, help="a validation every this many batches")
     p.add_argument(
         "--die",
         default="",
@@ -124,6 +125,7 @@ def main() -> None:
     trainer = pl.Trainer(
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
+        val_check_interval=args.val_every or None,
         accelerator="cpu",
         devices=args.devices,
         # Under torchrun's agents each start has its own world size: as many nodes as it says.
@@ -151,7 +153,9 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    model = Model(args.workdir, args.workers, args.loader, args.source)
+    model = (ValidatedModel if args.val_every else Model)(
+        args.workdir, args.workers, args.loader, args.source
+    )
     ckpt_path = NEWEST if args.local_every else latest_checkpoint(root, storage_options=opts)
     if args.source == "fit":
         trainer.fit(model, make_loader(args.loader, args.workers), ckpt_path=ckpt_path)

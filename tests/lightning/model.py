@@ -7,7 +7,7 @@ import os
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 
 N_SAMPLES, DIM, BATCH = 64, 16, 4
 
@@ -98,3 +98,17 @@ class Model(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class ValidatedModel(Model):
+    """``Model`` with a validation that draws from the RNG: its shuffled loader's iterator (a base seed)
+    and its step."""
+
+    def val_dataloader(self):
+        return DataLoader(
+            Subset(Numbered(), range(8)), batch_size=BATCH, shuffle=True, num_workers=self.workers
+        )
+
+    def validation_step(self, batch, batch_idx):
+        ids, x = batch
+        self.log("val_loss", (self.net(x) - x).pow(2).mean() + 0.0 * torch.rand(1).item())

@@ -45,14 +45,14 @@ def run_job(
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    cache: dict[tuple[int, str, int], Path] = {}
+    cache: dict[tuple[int, str, int, int], Path] = {}
 
-    def get(workers: int, loader: str = "plain", accumulate: int = 1) -> Path:
-        key = (workers, loader, accumulate)
+    def get(workers: int, loader: str = "plain", accumulate: int = 1, val_every: int = 0) -> Path:
+        key = (workers, loader, accumulate, val_every)
         if key not in cache:
-            cache[key] = tmp_path_factory.mktemp(f"reference-w{workers}-{loader}-a{accumulate}")
+            cache[key] = tmp_path_factory.mktemp(f"reference-w{workers}-{loader}-a{accumulate}-v{val_every}")
             training = ("--workers", str(workers), "--loader", loader, "--accumulate", str(accumulate))
-            run_job(cache[key], *training)
+            run_job(cache[key], *training, "--val-every", str(val_every))
         return cache[key]
 
     return get
@@ -98,6 +98,28 @@ def test_a_local_save_at_an_epoch_boundary_resumes_exactly(tmp_path, reference, 
     steps = [r["step"] for r in records(tmp_path)]
     resumed = next(b for a, b in zip(steps, steps[1:], strict=False) if b <= a)
     assert resumed == 16, f"resumed from the local save of step 16: {resumed}"
+
+
+@pytest.mark.parametrize(
+    ("saves", "die", "resumed_at"),
+    [
+        (("--every", "5"), "12", (5, 10)),  # ModelCheckpoint's of step 10 (or 5), before the validation
+        (("--every", "10", "--local-every", "5"), "17", (15,)),  # the local tier's of step 15, after it
+    ],
+    ids=["root", "local-tier"],
+)
+def test_a_resume_at_a_step_with_a_validation_is_exact(tmp_path, reference, saves, die, resumed_at):
+    """``val_check_interval=5``: a validation after every fifth step, drawing from the RNG (its shuffled
+    loader's base seed and its step). Lightning resumes a checkpoint saved at such a step's
+    ``on_train_batch_end`` past its validation, which the run it resumes did run: so a validation inside
+    a fit draws from a copy of the RNG (``AirCallback``, as Lightning's sanity check does)."""
+    args = ["--workers", "0", "--val-every", "5", *saves]
+    run_job(tmp_path, *args, "--die", die, expect_kill=True)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(0, val_every=5))
+    steps = [r["step"] for r in records(tmp_path)]
+    resumed = next(b for a, b in zip(steps, steps[1:], strict=False) if b <= a)
+    assert resumed in resumed_at, f"resumed at step {resumed}"
 
 
 @pytest.mark.parametrize(
