@@ -227,8 +227,10 @@ def run_trial(plan: Plan, workdir: Path, reference: Path, root: tuple[str, dict]
         flag = "--sigterm" if sig == "SIGTERM" else "--kill"
         rc, stderr = launch(plan, workdir, [flag, spec], root)
         died = rc != 0  # killed, preempted, or torn down after a rank's death
-        # A surviving rank may also fail by itself: its collective with the dead peer breaks.
-        lost_peer = plan.processes > 1 and "Connection reset by peer" in stderr
+        # A surviving rank may also fail by itself: its collective with the dead peer breaks (gloo says
+        # "reset" when the peer's socket resets, "closed" when it reads its end).
+        broken = ("Connection reset by peer", "Connection closed by peer")
+        lost_peer = plan.processes > 1 and any(message in stderr for message in broken)
         expected = not died or sig in stderr or rc < 0 or lost_peer
         assert expected, f"{plan.describe()}: launch failed:\n{stderr[-4000:]}"
         if died or not (workdir / "final.pt").exists():  # Lightning ends a fit SIGTERM stopped with exit 0
