@@ -268,6 +268,7 @@ class AirCallback(Callback):
             self.session.before_optimizer_step()
             if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
                 self._rng_before_validation = capture_rng(self._rng_at_batch_end)
+            self._rng_at_batch_end = None  # one validation's: never a later fit's (a notebook's second)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
