@@ -18,6 +18,14 @@ def records(workdir: Path, rank: int = 0) -> list[dict]:
     return [json.loads(line) for line in (workdir / f"ids-rank{rank}.jsonl").read_text().splitlines()]
 
 
+def resumed_at(workdir: Path, *keys: str, rank: int = 0) -> object:
+    """The step of the first record a relaunch replayed (the first one not past the record before it):
+    where the resume put the training back; with ``keys``, those fields of that record instead."""
+    rows = records(workdir, rank)
+    first = next(b for a, b in zip(rows, rows[1:], strict=False) if b["step"] <= a["step"])
+    return tuple(first[k] for k in keys) if keys else first["step"]
+
+
 def step_records(workdir: Path, rank: int = 0) -> list[dict]:
     """The record of each step; a step replayed after a crash counts once (its last run)."""
     by_step = {record["step"]: record for record in records(workdir, rank)}

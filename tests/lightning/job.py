@@ -3,11 +3,12 @@
     python tests/lightning/job.py WORKDIR [--workers N] [--loader plain|stateful|iterable]
         [--source module|fit|datamodule] [--every K] [--epochs E] [--kill STEP:PHASE]
         [--devices D] [--top-k K] [--root URL --endpoint URL] [--hang STEP:RANK --hang-timeout S]
-        [--writer thread|process]
+        [--writer thread|process] [--val-every N | --val-epoch] [--limit N] [--accumulate N]
 
 Trains a dropout MLP on a map-style dataset of numbered samples augmented from the global RNG (of the
 loader worker, or of the main process), checkpointing every K steps through AirCheckpointIO (staged),
-resuming from lightning_air.latest_checkpoint(). The train loader comes from
+resuming from lightning_air.latest_checkpoint() (--every 0: ModelCheckpoint's default, once per epoch,
+after the epoch's validation if there is one). The train loader comes from
 ``Model.train_dataloader()`` (--source module), ``trainer.fit(model, loader)`` (fit) or a
 LightningDataModule (datamodule). Each process appends the sample ids and the augmented features' sums
 of every step to WORKDIR/ids-rank<R>.jsonl and, at the end, rank 0 writes the final weights to
@@ -72,7 +73,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--loader", choices=["plain", "stateful", "iterable"], default="plain")
     p.add_argument("--source", choices=["module", "fit", "datamodule"], default="module")
-    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--every", type=int, default=5, help="ModelCheckpoint every K steps (0: per epoch)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k); 1 deletes as it goes")
     p.add_argument("--kill", default="", help="STEP:PHASE[:RANK][+DELAY_MS], STEP * for any")
@@ -94,6 +95,8 @@ def main() -> None:
     p.add_argument("--local-every", type=int, default=0, help="AirCallback(local_every_n_steps=...)")
     p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     p.add_argument("--val-every", type=int, default=0, help="a validation every this many batches")
+    p.add_argument("--val-epoch", action="store_true", help="a validation at each epoch's end")
+    p.add_argument("--limit", type=int, default=0, help="Trainer(limit_train_batches=...)")
     p.add_argument(
         "--die",
         default="",
@@ -126,6 +129,7 @@ def main() -> None:
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
         val_check_interval=args.val_every or None,
+        limit_train_batches=args.limit or None,
         accelerator="cpu",
         devices=args.devices,
         # Under torchrun's agents each start has its own world size: as many nodes as it says.
@@ -143,7 +147,7 @@ def main() -> None:
                 local_dir=os.path.join(args.workdir, "local-" + os.environ.get("AIR_NODE_NAME", "node")),
             ),
             *([DieOnce(args.workdir, *args.die.split(":"))] if args.die else []),
-            ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=args.top_k),
+            ModelCheckpoint(dirpath=root, every_n_train_steps=args.every or None, save_top_k=args.top_k),
             *([SaveLoaded(args.workdir)] if args.dump_loaded else []),
             *([HangOnce(args.workdir, args.hang)] if args.hang else []),
         ],
@@ -153,7 +157,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    model = (ValidatedModel if args.val_every else Model)(
+    model = (ValidatedModel if args.val_every or args.val_epoch else Model)(
         args.workdir, args.workers, args.loader, args.source
     )
     ckpt_path = NEWEST if args.local_every else latest_checkpoint(root, storage_options=opts)

@@ -17,7 +17,7 @@ import pytest
 
 from tests import stalls
 from tests.conftest import REPO
-from tests.sameness import assert_same_run, assert_tier_read_in_place, records
+from tests.sameness import assert_same_run, assert_tier_read_in_place, resumed_at
 from tests.zygote import python
 
 pytestmark = pytest.mark.slow
@@ -45,14 +45,18 @@ def run_job(
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    cache: dict[tuple[int, str, int, int], Path] = {}
+    cache: dict[tuple[object, ...], Path] = {}
 
-    def get(workers: int, loader: str = "plain", accumulate: int = 1, val_every: int = 0) -> Path:
-        key = (workers, loader, accumulate, val_every)
+    def get(
+        workers: int, loader: str = "plain", accumulate: int = 1, val_every: int = 0, *training: str
+    ) -> Path:
+        """The uninterrupted run of those settings; ``training``: more of the job's arguments that change
+        what it trains (never its saves)."""
+        key = (workers, loader, accumulate, val_every, *training)
         if key not in cache:
             cache[key] = tmp_path_factory.mktemp(f"reference-w{workers}-{loader}-a{accumulate}-v{val_every}")
-            training = ("--workers", str(workers), "--loader", loader, "--accumulate", str(accumulate))
-            run_job(cache[key], *training, "--val-every", str(val_every))
+            settings = ("--workers", str(workers), "--loader", loader, "--accumulate", str(accumulate))
+            run_job(cache[key], *settings, "--val-every", str(val_every), *training)
         return cache[key]
 
     return get
@@ -80,8 +84,7 @@ def test_sigkill_between_root_saves_resumes_from_the_local_tier_exactly(tmp_path
     run_job(tmp_path, *args, "--die", "18", expect_kill=True)
     run_job(tmp_path, *args)
     assert_same_run(tmp_path, reference(2))
-    steps = [r["step"] for r in records(tmp_path)]
-    resumed = next(b for a, b in zip(steps, steps[1:], strict=False) if b <= a)
+    resumed = resumed_at(tmp_path)
     assert resumed == 15, f"resumed from the newest local checkpoint, not the root's step 10: {resumed}"
     assert_tier_read_in_place(tmp_path)
 
@@ -95,20 +98,19 @@ def test_a_local_save_at_an_epoch_boundary_resumes_exactly(tmp_path, reference, 
     run_job(tmp_path, *args, "--die", "18", expect_kill=True)
     run_job(tmp_path, *args)
     assert_same_run(tmp_path, reference(workers))
-    steps = [r["step"] for r in records(tmp_path)]
-    resumed = next(b for a, b in zip(steps, steps[1:], strict=False) if b <= a)
+    resumed = resumed_at(tmp_path)
     assert resumed == 16, f"resumed from the local save of step 16: {resumed}"
 
 
 @pytest.mark.parametrize(
-    ("saves", "die", "resumed_at"),
+    ("saves", "die", "expected"),
     [
         (("--every", "5"), "12", (5, 10)),  # ModelCheckpoint's of step 10 (or 5), before the validation
         (("--every", "10", "--local-every", "5"), "17", (15,)),  # the local tier's of step 15, after it
     ],
     ids=["root", "local-tier"],
 )
-def test_a_resume_at_a_step_with_a_validation_is_exact(tmp_path, reference, saves, die, resumed_at):
+def test_a_resume_at_a_step_with_a_validation_is_exact(tmp_path, reference, saves, die, expected):
     """``val_check_interval=5``: a validation after every fifth step, drawing from the RNG (its shuffled
     loader's base seed and its step). Lightning resumes a checkpoint saved at such a step's
     ``on_train_batch_end`` past its validation, which the run it resumes did run: so a validation inside
@@ -117,13 +119,54 @@ def test_a_resume_at_a_step_with_a_validation_is_exact(tmp_path, reference, save
     run_job(tmp_path, *args, "--die", die, expect_kill=True)
     run_job(tmp_path, *args)
     assert_same_run(tmp_path, reference(0, val_every=5))
-    steps = [r["step"] for r in records(tmp_path)]
-    resumed = next(b for a, b in zip(steps, steps[1:], strict=False) if b <= a)
-    assert resumed in resumed_at, f"resumed at step {resumed}"
+    resumed = resumed_at(tmp_path)
+    assert resumed in expected, f"resumed at step {resumed}"
 
 
 @pytest.mark.parametrize(
-    ("tier", "interrupt", "resumed_at"),
+    ("tier", "interrupt"),
+    [
+        ((), ("--kill", "32:upload_start")),  # epoch 1's save never commits: epoch 0's is the newest
+        (("--local-every", "4"), ("--die", "19")),  # the local tier's step 16 (step 19 waited for it)
+    ],
+    ids=["root", "local-tier"],
+)
+def test_a_resume_from_an_epoch_end_checkpoint_taken_after_the_validation_is_exact(
+    tmp_path, reference, tier, interrupt
+):
+    """``ModelCheckpoint()`` as Lightning's docs show it: once per epoch, after the validation at the
+    epoch's end (``on_validation_end``). The resume starts the next epoch where the run it resumes
+    started it: with that validation's draws undone as they were there (``AirCallback``)."""
+    args = ["--workers", "2", "--every", "0", "--val-epoch", *tier]
+    run_job(tmp_path, *args, *interrupt, expect_kill=True)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(2, "plain", 1, 0, "--val-epoch"))
+    assert resumed_at(tmp_path) == 16, f"resumed at step {resumed_at(tmp_path)}"
+
+
+@pytest.mark.parametrize(
+    ("workers", "tier", "interrupt"),
+    [
+        (0, ("--every", "5"), ("--kill", "15:upload_start")),  # the root's step 10, the epoch's last
+        (2, ("--every", "100", "--local-every", "5"), ("--die", "13")),  # the local tier's step 10
+    ],
+    ids=["root", "local-tier"],
+)
+def test_an_epoch_cut_short_by_limit_train_batches_resumes_into_the_next_epoch(
+    tmp_path, reference, workers, tier, interrupt
+):
+    """``Trainer(limit_train_batches=10)`` ends each epoch after 10 of the loader's 16 batches, its pass
+    unfinished. A resume from the checkpoint at such an epoch's end starts the next epoch's pass (a new
+    order, none of it skipped), not the rest of the cut one."""
+    args = ["--workers", str(workers), "--limit", "10", *tier]
+    run_job(tmp_path, *args, *interrupt, expect_kill=True)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(workers, "plain", 1, 0, "--limit", "10"))
+    assert resumed_at(tmp_path) == 10, f"resumed at step {resumed_at(tmp_path)}"
+
+
+@pytest.mark.parametrize(
+    ("tier", "interrupt", "optimizer_step"),
     [
         (("--local-every", "3"), ("--die", "8"), 6),  # the local tier's step 6 (step 7 waited for it)
         ((), ("--kill", "10:upload_start"), 5),  # the root's step 5: step 10 never committed
@@ -131,7 +174,7 @@ def test_a_resume_at_a_step_with_a_validation_is_exact(tmp_path, reference, save
     ids=["local-tier", "root"],
 )
 def test_gradient_accumulation_resumes_exactly_from_an_optimizer_step(
-    tmp_path, reference, tier, interrupt, resumed_at
+    tmp_path, reference, tier, interrupt, optimizer_step
 ):
     """``Trainer(accumulate_grad_batches=2)``: two batches per optimizer step, and a checkpoint (the
     root's every 5 steps, the local tier's every 3) only after an optimizer step, whose gradients it
@@ -142,9 +185,8 @@ def test_gradient_accumulation_resumes_exactly_from_an_optimizer_step(
     run_job(tmp_path, *args, *interrupt, expect_kill=True)
     run_job(tmp_path, *args)
     assert_same_run(tmp_path, reference(2, accumulate=2))
-    steps = [(r["step"], r["optimizer_step"]) for r in records(tmp_path)]
-    resumed = next(b for a, b in zip(steps, steps[1:], strict=False) if b[0] <= a[0])
-    assert resumed == (2 * resumed_at, resumed_at), f"resumed at (batch, optimizer step) {resumed}"
+    resumed = resumed_at(tmp_path, "step", "optimizer_step")
+    assert resumed == (2 * optimizer_step, optimizer_step), f"resumed at (batch, optimizer step) {resumed}"
 
 
 # 16 batches per epoch, a save every 4 steps. The first launch is killed in the save of step 20: the

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 
 from tests.kill_at import read_journal
-from tests.sameness import assert_same_run, assert_tier_read_in_place, records
+from tests.sameness import assert_same_run, assert_tier_read_in_place, resumed_at
 from tests.torchrun_nodes import lose_node_b
 from tests.transformers.runs import JOB, run_job, stats
 
@@ -114,8 +114,7 @@ def test_sigkill_between_root_saves_resumes_from_the_local_tier_exactly(tmp_path
     run_job(tmp_path, *TIER, "--die", "18", expect_signal=signal.SIGKILL)
     run_job(tmp_path, *TIER)
     assert_same_run(tmp_path, reference("--workers", "2"))  # the tier changes nothing in the training
-    steps = [r["step"] for r in records(tmp_path)]
-    resumed = next(b for a, b in zip(steps, steps[1:], strict=False) if b <= a)
+    resumed = resumed_at(tmp_path)
     assert resumed == 15, f"resumed from the newest local checkpoint, not the root's step 10: {resumed}"
     assert stats(tmp_path)[0]["restores"] == [["local-s000000015-w1", "local", "local"]]
     assert_tier_read_in_place(tmp_path)
