@@ -48,7 +48,7 @@ def reference(tmp_path_factory):
     cache: dict[tuple[object, ...], Path] = {}
 
     def get(
-        workers: int, loader: str = "plain", accumulate: int = 1, val_every: int = 0, *training: str
+        workers: int, *training: str, loader: str = "plain", accumulate: int = 1, val_every: int = 0
     ) -> Path:
         """The uninterrupted run of those settings; ``training``: more of the job's arguments that change
         what it trains (never its saves)."""
@@ -140,8 +140,9 @@ def test_a_resume_from_an_epoch_end_checkpoint_taken_after_the_validation_is_exa
     args = ["--workers", "2", "--every", "0", "--val-epoch", *tier]
     run_job(tmp_path, *args, *interrupt, expect_kill=True)
     run_job(tmp_path, *args)
-    assert_same_run(tmp_path, reference(2, "plain", 1, 0, "--val-epoch"))
-    assert resumed_at(tmp_path) == 16, f"resumed at step {resumed_at(tmp_path)}"
+    assert_same_run(tmp_path, reference(2, "--val-epoch"))
+    resumed = resumed_at(tmp_path)
+    assert resumed == 16, f"resumed at step {resumed}"
 
 
 @pytest.mark.parametrize(
@@ -161,8 +162,9 @@ def test_an_epoch_cut_short_by_limit_train_batches_resumes_into_the_next_epoch(
     args = ["--workers", str(workers), "--limit", "10", *tier]
     run_job(tmp_path, *args, *interrupt, expect_kill=True)
     run_job(tmp_path, *args)
-    assert_same_run(tmp_path, reference(workers, "plain", 1, 0, "--limit", "10"))
-    assert resumed_at(tmp_path) == 10, f"resumed at step {resumed_at(tmp_path)}"
+    assert_same_run(tmp_path, reference(workers, "--limit", "10"))
+    resumed = resumed_at(tmp_path)
+    assert resumed == 10, f"resumed at step {resumed}"
 
 
 @pytest.mark.parametrize(
@@ -212,7 +214,7 @@ def test_resume_after_an_epoch_closing_checkpoint_and_again_mid_epoch(
     run_job(tmp_path, *args, "--kill", "20:upload_start", expect_kill=True)  # resumes from step 16
     run_job(tmp_path, *args, "--kill", "28:serialize_start", expect_kill=True)  # resumes from step 24
     run_job(tmp_path, *args)
-    assert_same_run(tmp_path, reference(workers, loader))
+    assert_same_run(tmp_path, reference(workers, loader=loader))
 
 
 @pytest.mark.parametrize(
@@ -229,7 +231,7 @@ def test_stateful_and_unsized_loaders_resume_exactly(tmp_path, reference, loader
     args = ["--workers", str(workers), "--loader", loader, "--every", "4"]
     run_job(tmp_path, *args, "--kill", kill, expect_kill=True)
     run_job(tmp_path, *args)
-    assert_same_run(tmp_path, reference(workers, loader))
+    assert_same_run(tmp_path, reference(workers, loader=loader))
 
 
 def test_sigterm_during_an_upload_flushes_and_commits_it_then_resumes_exactly(tmp_path, reference):
