@@ -41,6 +41,7 @@ from .internals import (
     PROCESS_DATALOADER,
     RESET_RESTART_STAGE,
     RESTARTED_MID_EPOCH,
+    TRAIN_START,
     add_worker_init_fn,
     dump_checkpoint,
     replace,
@@ -181,6 +182,7 @@ class AirCallback(Callback):
             if isinstance(callback, ModelCheckpoint):
                 replace(callback, FILE_EXISTS, _WaitForSaves(callback, plugin))
         replace(strategy, PROCESS_DATALOADER, _TrackTrainLoaders(trainer, self))
+        replace(strategy, TRAIN_START, _SettleResumes(trainer, self))
         if root:
             self.session.open(str(root))
         if self.config.local_every_n_steps:
@@ -399,6 +401,7 @@ class AirCallback(Callback):
         for callback in trainer.checkpoint_callbacks:
             restore(callback, FILE_EXISTS, _WaitForSaves)
         restore(trainer.strategy, PROCESS_DATALOADER, _TrackTrainLoaders)
+        restore(trainer.strategy, TRAIN_START, _SettleResumes)
         if self.session is not None:
             self.session.close(trainer.global_step)
 
@@ -481,10 +484,14 @@ class _TrackTrainLoaders:
     tracked by the session. Lightning hands no hook the loaders between building them (``setup_data``:
     the sampler it injects) and iterating them first, and this is the last step of building them, so
     the fit loop's first iterator is already the tracked one (workers start once, as stock). A
-    ``reload_dataloaders_every_n_epochs`` rebuild passes here again. Picklable, like ``_WaitForSaves``."""
+    ``reload_dataloaders_every_n_epochs`` rebuild passes here again, and its loaders replace the ones
+    tracked before: a checkpoint holds the positions of the loaders the fit iterates, which a resume
+    builds once. Picklable, like ``_WaitForSaves``."""
 
     def __init__(self, trainer: pl.Trainer, callback: AirCallback) -> None:
         self.trainer, self.callback = trainer, callback
+        self._replacing: tuple[CombinedLoader | None] | None = None
+        """The fit's train loaders when the build being tracked began (None before the first)."""
 
     def __call__(self, dataloader: Any) -> Any:
         trainer = self.trainer
@@ -492,6 +499,11 @@ class _TrackTrainLoaders:
         session = self.callback.session
         if trainer.state.stage != RunningStage.TRAINING or session is None or session.closed:
             return dataloader
+        # Lightning stores a build's loaders once every one of them passed here
+        built = train_loaders(trainer.fit_loop)
+        if self._replacing is None or self._replacing[0] is not built:
+            self._replacing = (built,)
+            session.positions.forget()
         # Lightning adds its worker seeding right after this hook; the resumable copy must carry it.
         add_worker_init_fn(dataloader, trainer.global_rank)
         return session.positions.track(
@@ -500,6 +512,24 @@ class _TrackTrainLoaders:
             # Lightning fetches one batch ahead of a loader without a length, to know the last one.
             lookahead=0 if _has_len(dataloader) else 1,
         )
+
+
+class _SettleResumes:
+    """The strategy's ``on_train_start`` during a fit with ``AirCallback``: the last call before the first
+    epoch begins, after every callback's and the module's ``on_train_start``. A resume past its epoch's
+    end puts the RNG back here (``Positions.settle``), before Lightning builds the next epoch's loader
+    again (``reload_dataloaders_every_n_epochs``: a sampler built then draws its seed) or runs
+    ``on_train_epoch_start``. Picklable, like ``_WaitForSaves``."""
+
+    def __init__(self, trainer: pl.Trainer, callback: AirCallback) -> None:
+        self.trainer, self.callback = trainer, callback
+
+    def __call__(self) -> None:
+        strategy = self.trainer.strategy
+        type(strategy).on_train_start(strategy)
+        session = self.callback.session
+        if session is not None and not session.closed:
+            session.positions.settle()
 
 
 def _count_from_the_share(trainer: pl.Trainer) -> None:

@@ -225,6 +225,18 @@ class TrackedLoader(LoaderProxy):
             self._resume_rng = rng
         return where.epoch
 
+    def settle(self) -> None:
+        """A resume past the end of its epoch puts the RNG and the loader's generators back now, not at
+        the next pass, which starts a new epoch: the caller (``Positions.settle``) knows the point just
+        before that epoch, where the uninterrupted run's draws for it began. A framework may draw for an
+        epoch before the loader's pass: Lightning's ``reload_dataloaders_every_n_epochs`` builds the loader
+        again (a sampler built then draws its seed), and ``on_train_epoch_start`` hooks run. A consumer
+        that re-enters the finished epoch (``reenter``) keeps the resume for that pass."""
+        pending = self._pending
+        if pending is not None and not self._reenter and self._is_over(pending, self._epoch_fn()):
+            self._restore(self._resume_rng, pending["generators"])
+            self._pending = None
+
     def skip_next_pass(self, count: int) -> None:
         """Start the next pass ``count`` batches into its epoch: a framework resumed from a checkpoint
         that holds no position of this loader (a stock one) and skips what it consumed. They are re-read
@@ -266,7 +278,7 @@ class TrackedLoader(LoaderProxy):
         self._ahead.clear()
         if self._ledger is not None:
             self._ledger.new_pass()
-        if pending is not None and self._is_over(pending):
+        if pending is not None and self._is_over(pending, self._epoch):
             self._restore(self._resume_rng, pending["generators"])
             if self._reenter:  # the consumer re-enters the finished epoch: nothing to fetch or draw
                 self._state = "end"
@@ -316,8 +328,9 @@ class TrackedLoader(LoaderProxy):
             self._state = "start"
             raise
 
-    def _is_over(self, pending: dict[str, Any]) -> bool:
-        if pending["where"] == "end" or pending["epoch"] != self._epoch:
+    def _is_over(self, pending: dict[str, Any], epoch: int) -> bool:
+        """Whether ``pending`` is past the end of its epoch when the consumer is at ``epoch``."""
+        if pending["where"] == "end" or pending["epoch"] != epoch:
             return True
         if "plan" in pending:  # this rank's share may be empty, peers' not: the pass runs (empty)
             return False
@@ -328,11 +341,13 @@ class TrackedLoader(LoaderProxy):
 
     def _start_epoch(self) -> Any:
         self._epoch_start = {"rng": raw_rng(), "generators": generator_states(self._loader)}
-        if self.mode == "reread" and has_state(self._loader):
-            self._epoch_start["loader"] = self._loader.state_dict()
         source = self._layout.source() if self._layout is not None else None
         before = live_iterator(self._loader)
         iterator = iter_over(self._loader, None, self._prefetch)
+        if self.mode == "reread" and has_state(self._loader):
+            # The new pass's state: until ``iter`` a stateful loader reports its last pass's, which may
+            # not have ended (Lightning starts a pass, then another, at an epoch that reloads its loaders)
+            self._epoch_start["loader"] = self._loader.state_dict()
         # Persistent workers: the same iterator again, which draws no new base seed.
         self._reused = iterator is before and bool(getattr(self._loader, "persistent_workers", False))
         self._workers_start(iterator, fresh=not self._reused)

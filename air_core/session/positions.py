@@ -91,8 +91,9 @@ class Positions:
         return self._pending is not None and bool(self._pending["loaders"])
 
     def forget(self) -> None:
-        """Stop tracking every loader: the framework rebuilt its train loaders before training (a retry
-        with a smaller batch size) and tracks the new ones; a restored position applies to those."""
+        """Stop tracking every loader: the framework rebuilt its train loaders (a retry with a smaller
+        batch size before training, Lightning's ``reload_dataloaders_every_n_epochs``) and tracks the new
+        ones in their place; a restored position applies to those."""
         for tracked in self._loaders:
             if tracked.counters in self.records.counters:
                 self.records.counters.remove(tracked.counters)
@@ -181,6 +182,13 @@ class Positions:
         if self._pending is not None and not self._loaders and self._pending["rng"] is not None:
             restore_rng(self._pending["rng"])
         self._pending = None
+
+    def settle(self) -> None:
+        """The launch's first epoch is about to begin, before the framework builds or draws anything for
+        it: each loader whose resume is past its epoch's end puts the RNG back now
+        (``TrackedLoader.settle``)."""
+        for tracked in self._loaders:
+            tracked.settle()
 
 
 def _only_when(

@@ -4,6 +4,7 @@
         [--source module|fit|datamodule] [--every K] [--epochs E] [--kill STEP:PHASE]
         [--devices D] [--top-k K] [--root URL --endpoint URL] [--hang STEP:RANK --hang-timeout S]
         [--writer thread|process] [--val-every N | --val-epoch] [--limit N] [--accumulate N]
+        [--manual] [--reload] [--draw-in HOOK]
 
 Trains a dropout MLP on a map-style dataset of numbered samples augmented from the global RNG (of the
 loader worker, or of the main process), checkpointing every K steps through AirCheckpointIO (staged),
@@ -34,7 +35,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning_air import NEWEST, AirCallback, AirCheckpointIO, latest_checkpoint
 from tests import stalls
 from tests.kill_at import Journal, KillAt, die
-from tests.lightning.model import Model, NumberedData, ValidatedModel, make_loader
+from tests.lightning.model import ManualModel, Model, NumberedData, ValidatedModel, make_loader
 
 
 class SaveLoaded(pl.Callback):
@@ -46,6 +47,14 @@ class SaveLoaded(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         torch.save(pl_module.state_dict(), os.path.join(self.workdir, f"loaded-rank{trainer.global_rank}.pt"))
+
+
+class DrawIn(pl.Callback):
+    """--draw-in HOOK: a user's callback that draws from the global RNG in that hook (no argument it
+    is given is used), as one that makes noise or picks samples to show would."""
+
+    def __init__(self, hook: str) -> None:
+        setattr(self, hook, lambda *_: torch.rand(1))
 
 
 def sleep_forever_in_a_step() -> None:
@@ -97,6 +106,9 @@ def main() -> None:
     p.add_argument("--val-every", type=int, default=0, help="a validation every this many batches")
     p.add_argument("--val-epoch", action="store_true", help="a validation at each epoch's end")
     p.add_argument("--limit", type=int, default=0, help="Trainer(limit_train_batches=...)")
+    p.add_argument("--manual", action="store_true", help="manual optimization, two optimizers")
+    p.add_argument("--reload", action="store_true", help="Trainer(reload_dataloaders_every_n_epochs=1)")
+    p.add_argument("--draw-in", default="", help="HOOK: a user's callback draws from the RNG in that hook")
     p.add_argument(
         "--die",
         default="",
@@ -130,6 +142,7 @@ def main() -> None:
         accumulate_grad_batches=args.accumulate,
         val_check_interval=args.val_every or None,
         limit_train_batches=args.limit or None,
+        reload_dataloaders_every_n_epochs=int(args.reload),
         accelerator="cpu",
         devices=args.devices,
         # Under torchrun's agents each start has its own world size: as many nodes as it says.
@@ -149,6 +162,7 @@ def main() -> None:
             *([DieOnce(args.workdir, *args.die.split(":"))] if args.die else []),
             ModelCheckpoint(dirpath=root, every_n_train_steps=args.every or None, save_top_k=args.top_k),
             *([SaveLoaded(args.workdir)] if args.dump_loaded else []),
+            *([DrawIn(args.draw_in)] if args.draw_in else []),
             *([HangOnce(args.workdir, args.hang)] if args.hang else []),
         ],
         logger=MLFlowLogger(args.experiment, tracking_uri=args.mlflow) if args.mlflow_logger else False,
@@ -157,7 +171,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    model = (ValidatedModel if args.val_every or args.val_epoch else Model)(
+    model = (ValidatedModel if args.val_every or args.val_epoch else ManualModel if args.manual else Model)(
         args.workdir, args.workers, args.loader, args.source
     )
     ckpt_path = NEWEST if args.local_every else latest_checkpoint(root, storage_options=opts)

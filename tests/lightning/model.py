@@ -100,6 +100,34 @@ class Model(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+class ManualModel(Model):
+    """``Model`` optimized by hand with two optimizers (a GAN's pattern): two optimizer steps per batch,
+    so ``global_step`` counts two per batch, and the second loss draws noise on the training thread."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        ids, x = batch
+        record = {"step": self.global_step // 2, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
+        with open(os.path.join(self.workdir, f"ids-rank{self.global_rank}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        first, second = self.optimizers()
+        first.zero_grad()
+        self.manual_backward((self.net(x) - x).pow(2).mean())
+        first.step()
+        second.zero_grad()
+        self.manual_backward((self.net(x + torch.randn_like(x)) - x).abs().mean())
+        second.step()
+
+    def configure_optimizers(self):
+        return (
+            torch.optim.AdamW(self.net[0].parameters(), lr=1e-2),
+            torch.optim.SGD(self.net[2].parameters(), lr=1e-2, momentum=0.9),
+        )
+
+
 class ValidatedModel(Model):
     """``Model`` with a validation that draws from the RNG: its shuffled loader's iterator (a base seed)
     and its step."""

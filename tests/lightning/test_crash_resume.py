@@ -191,6 +191,62 @@ def test_gradient_accumulation_resumes_exactly_from_an_optimizer_step(
     assert resumed == (2 * optimizer_step, optimizer_step), f"resumed at (batch, optimizer step) {resumed}"
 
 
+@pytest.mark.parametrize(
+    ("loader", "workers", "saves", "kill", "expected"),
+    [
+        ("plain", 2, "5", "25:upload_start", 20),  # mid-epoch 1, in the loader built for it
+        ("iterable", 0, "5", "25:upload_start", 20),  # a torchdata loader's state at the epoch's start
+        ("stateful", 0, "16", "48:upload_start", 32),  # epoch 1's end: epoch 2's loader is built anew
+    ],
+    ids=["plain-mid-epoch", "iterable-mid-epoch", "stateful-epoch-end"],
+)
+def test_loaders_built_again_every_epoch_resume_exactly(
+    tmp_path, reference, loader, workers, saves, kill, expected
+):
+    """``Trainer(reload_dataloaders_every_n_epochs=1)``: each epoch's train loader is built anew (a
+    curriculum's pattern). A checkpoint holds the position of the loader the fit iterates, not of every
+    loader the run built, so a resume, which builds one, continues it. At an epoch's start Lightning
+    starts a pass of the new loader, then another: the epoch-start state of a torchdata loader is the
+    second pass's. From an epoch's end the RNG goes back before the next epoch's loader is built, as a
+    ``StatefulDataLoader``'s sampler draws its seed when it is built."""
+    args = ["--workers", str(workers), "--loader", loader, "--reload", "--every", saves]
+    run_job(tmp_path, *args, "--kill", kill, expect_kill=True)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(workers, "--reload", loader=loader))
+    resumed = resumed_at(tmp_path)
+    assert resumed == expected, f"resumed at step {resumed}"
+
+
+def test_a_users_draws_at_an_epoch_start_after_an_epoch_end_checkpoint_are_kept(tmp_path, reference):
+    """A user's ``on_train_epoch_start`` that draws from the RNG ran after the checkpoint of epoch 1's
+    end, before epoch 2's shuffle: the resume puts the RNG back before that hook, not at the shuffle."""
+    args = ["--workers", "2", "--draw-in", "on_train_epoch_start", "--every", "16"]
+    run_job(tmp_path, *args, "--kill", "48:upload_start", expect_kill=True)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(2, "--draw-in", "on_train_epoch_start"))
+    assert resumed_at(tmp_path) == 32
+
+
+@pytest.mark.parametrize(
+    ("tier", "interrupt", "expected"),
+    [
+        (("--every", "6"), ("--kill", "18:upload_start"), 6),  # the root's step 12, batch 6
+        (("--every", "100", "--local-every", "3"), ("--die", "15"), 6),  # the local tier's step 12
+    ],
+    ids=["root", "local-tier"],
+)
+def test_manual_optimization_with_two_optimizers_resumes_exactly(
+    tmp_path, reference, tier, interrupt, expected
+):
+    """``automatic_optimization = False`` with two optimizers stepped in each batch (a GAN's pattern):
+    ``global_step`` counts both, so a batch is two steps, and a save comes after the batch's second."""
+    args = ["--workers", "2", "--manual", *tier]
+    run_job(tmp_path, *args, *interrupt, expect_kill=True)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(2, "--manual"))
+    assert resumed_at(tmp_path) == expected, "the record's step is the batch's: global_step // 2"
+
+
 # 16 batches per epoch, a save every 4 steps. The first launch is killed in the save of step 20: the
 # relaunch resumes from step 16, the checkpoint that closed epoch 0. That one is killed in the save of
 # step 28: the third resumes from step 24 (20 if 24 had not committed yet), a checkpoint written after
