@@ -529,7 +529,7 @@ class _SettleResumes:
         type(strategy).on_train_start(strategy)
         session = self.callback.session
         if session is not None and not session.closed:
-            session.positions.settle()
+            session.positions.settle(self.trainer.current_epoch)
 
 
 def _count_from_the_share(trainer: pl.Trainer) -> None:

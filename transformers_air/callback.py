@@ -355,6 +355,16 @@ class AirTrainerCallback(TrainerCallback):
             run = _mlflow_active_run() if _reports_to_mlflow(args) else None
             session.start(step=state.global_step, mlflow_run_id=run, run_is_ours=run is None)
 
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """A resume past an epoch's end puts the RNG back here (``Positions.settle``), not at the next
+        epoch's first fetch: the ``on_epoch_begin`` of callbacks after this one draw in between, as they
+        did after the checkpoint in the run it resumes (``on_train_begin``'s draws came at its start).
+        Trainer's epoch is ``state.epoch``'s whole part here (the loader's is set after this hook)."""
+        if self.session is not None:
+            self.session.positions.settle(int(state.epoch or 0))
+
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:

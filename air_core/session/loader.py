@@ -225,15 +225,16 @@ class TrackedLoader(LoaderProxy):
             self._resume_rng = rng
         return where.epoch
 
-    def settle(self) -> None:
-        """A resume past the end of its epoch puts the RNG and the loader's generators back now, not at
-        the next pass, which starts a new epoch: the caller (``Positions.settle``) knows the point just
-        before that epoch, where the uninterrupted run's draws for it began. A framework may draw for an
+    def settle(self, epoch: int) -> None:
+        """A resume past the end of its epoch when the consumer is about to begin ``epoch`` puts the RNG
+        and the loader's generators back now, not at the next pass, which starts a new epoch: the caller
+        (``Positions.settle``) knows the point just before that epoch, where the uninterrupted run's draws
+        for it began (the loader's own epoch may be set only at its pass). A framework may draw for an
         epoch before the loader's pass: Lightning's ``reload_dataloaders_every_n_epochs`` builds the loader
         again (a sampler built then draws its seed), and ``on_train_epoch_start`` hooks run. A consumer
         that re-enters the finished epoch (``reenter``) keeps the resume for that pass."""
         pending = self._pending
-        if pending is not None and not self._reenter and self._is_over(pending, self._epoch_fn()):
+        if pending is not None and not self._reenter and self._is_over(pending, epoch):
             self._restore(self._resume_rng, pending["generators"])
             self._pending = None
 

@@ -183,12 +183,12 @@ class Positions:
             restore_rng(self._pending["rng"])
         self._pending = None
 
-    def settle(self) -> None:
-        """The launch's first epoch is about to begin, before the framework builds or draws anything for
-        it: each loader whose resume is past its epoch's end puts the RNG back now
+    def settle(self, epoch: int) -> None:
+        """The launch's first epoch, ``epoch``, is about to begin, before the framework builds or draws
+        anything for it: each loader whose resume is past its epoch's end puts the RNG back now
         (``TrackedLoader.settle``)."""
         for tracked in self._loaders:
-            tracked.settle()
+            tracked.settle(epoch)
 
 
 def _only_when(

@@ -2,7 +2,7 @@
 
     python tests/transformers/job.py WORKDIR [--workers N] [--every K] [--steps S] [--ga G]
         [--kill STEP:PHASE[:RANK][+MS]] [--root URL --endpoint URL] [--stock] [--eval-every K]
-        [--limit N] [--best] [--local-every K --die STEP[:NODE]]
+        [--limit N] [--best] [--local-every K --die STEP[:NODE]] [--draw-in HOOK]
 
 Trains a 2-layer GPT-2 (32 dimensions, built from a config: no download; dropout on) on token ids made
 here: sample i is 16 ids drawn from a generator seeded with i, and one of them is replaced by a token
@@ -101,6 +101,14 @@ class DieOnce(TrainerCallback):
             die(agent=bool(self.node))
 
 
+class DrawIn(TrainerCallback):
+    """--draw-in HOOK: a user's callback that draws from the global RNG in that hook, as one that makes
+    noise or picks samples to show would (registered after ``AirTrainerCallback``)."""
+
+    def __init__(self, hook: str) -> None:
+        setattr(self, hook, lambda *_, **__: torch.rand(1) and None)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("workdir")
@@ -118,6 +126,7 @@ def main() -> None:
     p.add_argument("--mlflow", default="", help="tracking URI: report_to mlflow as well")
     p.add_argument("--local-every", type=int, default=0, help="AirTrainerCallback(local_every_n_steps=...)")
     p.add_argument("--die", default="", help="STEP[:NODE]: SIGKILL before this step of the first launch")
+    p.add_argument("--draw-in", default="", help="HOOK: a user's callback draws from the RNG in that hook")
     args = p.parse_args()
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
@@ -172,6 +181,8 @@ def main() -> None:
         if args.kill:
             air.add_listener(KillAt.parse(args.kill))
         callbacks = [air, *([DieOnce(args.workdir, args.die)] if args.die else [])]
+        if args.draw_in:
+            callbacks.append(DrawIn(args.draw_in))
         trainer = recording(AirTrainer, args.workdir)(tiny_gpt2(), training, callbacks=callbacks, **kwargs)
         if args.local_every:
             trainer.train(resume_from_checkpoint=NEWEST)

@@ -83,6 +83,28 @@ def test_gradient_accumulation_resumes_from_the_local_tier_exactly(tmp_path, ref
     assert stats(tmp_path)[0]["restores"] == [["local-s000000006-w1", "local", "local"]]
 
 
+@pytest.mark.parametrize(
+    ("tier", "interrupt"),
+    [
+        (("--every", "12"), ("--kill", "24:upload_start")),  # the root's step 12, epoch 0's last
+        (("--every", "100", "--local-every", "4"), ("--die", "15")),  # the local tier's step 12
+    ],
+    ids=["root", "local-tier"],
+)
+def test_a_users_draws_at_an_epoch_begin_after_an_epoch_end_checkpoint_are_kept(
+    tmp_path, reference, tier, interrupt
+):
+    """A user's ``on_epoch_begin`` that draws from the RNG ran after the checkpoint of epoch 0's end,
+    before epoch 1's first batch: the resume puts the RNG back before that hook
+    (``AirTrainerCallback.on_epoch_begin``), not at the fetch. The local tier's save there is taken
+    before the epoch's first fetch, its pass begun: it goes on at that fetch, as before."""
+    args = ("--workers", "2", "--draw-in", "on_epoch_begin")
+    run_job(tmp_path, *args, *tier, *interrupt, expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args, *tier)
+    assert_same_run(tmp_path, reference(*args))
+    assert resumed_at(tmp_path) == 12
+
+
 def test_s3_root_resumes_exactly_from_the_staged_copy(tmp_path, reference, s3_root):
     s3 = ("--root", s3_root.url, "--endpoint", s3_root.endpoint)
     run_job(tmp_path, *s3, "--kill", "16:upload_start", expect_signal=signal.SIGKILL)
