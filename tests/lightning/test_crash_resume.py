@@ -217,13 +217,16 @@ def test_loaders_built_again_every_epoch_resume_exactly(
     assert resumed == expected, f"resumed at step {resumed}"
 
 
-def test_a_users_draws_at_an_epoch_start_after_an_epoch_end_checkpoint_are_kept(tmp_path, reference):
-    """A user's ``on_train_epoch_start`` that draws from the RNG ran after the checkpoint of epoch 1's
-    end, before epoch 2's shuffle: the resume puts the RNG back before that hook, not at the shuffle."""
-    args = ["--workers", "2", "--draw-in", "on_train_epoch_start", "--every", "16"]
+@pytest.mark.parametrize("hook", ["on_train_epoch_start", "on_train_start"])
+def test_a_users_draws_around_a_resume_from_an_epoch_end_checkpoint(tmp_path, reference, hook):
+    """A user's callback draws from the RNG. Its ``on_train_epoch_start`` ran after the checkpoint of
+    epoch 1's end, before epoch 2's shuffle: the resume puts the RNG back before that hook, not at the
+    shuffle. Its ``on_train_start`` ran at the run's start, not there: the resume puts the RNG back
+    after it (the strategy's ``on_train_start``, not ``AirCallback``'s)."""
+    args = ["--workers", "2", "--draw-in", hook, "--every", "16"]
     run_job(tmp_path, *args, "--kill", "48:upload_start", expect_kill=True)
     run_job(tmp_path, *args)
-    assert_same_run(tmp_path, reference(2, "--draw-in", "on_train_epoch_start"))
+    assert_same_run(tmp_path, reference(2, "--draw-in", hook))
     assert resumed_at(tmp_path) == 32
 
 
