@@ -70,6 +70,7 @@ class MlflowSink:
         end_run: bool = False,
     ) -> None:
         self._run_id = run_id or active_run_id()
+        self._known = self._run_id is not None
         self._tracking_uri = tracking_uri or default_tracking_uri()
         self._experiment = experiment
         self._run_name = run_name
@@ -92,8 +93,10 @@ class MlflowSink:
 
     @property
     def run_id(self) -> str | None:
-        """The run's id once the sender resolved it (None until then, or if MLflow is unreachable)."""
-        return self._run_id if self._ready.is_set() else None
+        """The run's id: a given or active run's at once; a run the sender creates, once created (None
+        until then, or while MLflow is unreachable). A checkpoint keeps it so that a resumed launch logs
+        into the same run; one saved before the sender connects must keep it too."""
+        return self._run_id if self._known or self._ready.is_set() else None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Queue ``metrics`` at ``step``; never blocks, never raises."""

@@ -57,6 +57,20 @@ def test_an_unreachable_server_never_raises_into_the_loop_and_warns_once(caplog)
     assert "MLflow" in warnings[0].getMessage()
 
 
+def test_a_given_runs_id_is_known_before_the_sender_connects():
+    """A resumed job's checkpoints name the run its metrics go to from the first save on, which can come
+    before the sender thread reached the server (a save under load came before it, and the relaunch
+    after a crash then logged into a new run)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there: the sender never connects
+    sink = MlflowSink(run_id="0123abcd", tracking_uri=f"http://127.0.0.1:{port}", retries=0)
+    try:
+        assert sink.run_id == "0123abcd"
+    finally:
+        sink.close(timeout_seconds=5)
+
+
 def test_the_callers_active_run_is_used_when_no_run_is_given(mlflow_server):
     import mlflow
 
