@@ -41,6 +41,7 @@ from .internals import (
     PROCESS_DATALOADER,
     RESET_RESTART_STAGE,
     RESTARTED_MID_EPOCH,
+    SETUP_DATA,
     TRAIN_START,
     add_worker_init_fn,
     dump_checkpoint,
@@ -181,7 +182,9 @@ class AirCallback(Callback):
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
                 replace(callback, FILE_EXISTS, _WaitForSaves(callback, plugin))
-        replace(strategy, PROCESS_DATALOADER, _TrackTrainLoaders(trainer, self))
+        tracking = _TrackTrainLoaders(trainer, self)
+        replace(strategy, PROCESS_DATALOADER, tracking)
+        replace(trainer.fit_loop, SETUP_DATA, _NewBuild(trainer, tracking))
         replace(strategy, TRAIN_START, _SettleResumes(trainer, self))
         if root:
             self.session.open(str(root))
@@ -401,6 +404,7 @@ class AirCallback(Callback):
         for callback in trainer.checkpoint_callbacks:
             restore(callback, FILE_EXISTS, _WaitForSaves)
         restore(trainer.strategy, PROCESS_DATALOADER, _TrackTrainLoaders)
+        restore(trainer.fit_loop, SETUP_DATA, _NewBuild)
         restore(trainer.strategy, TRAIN_START, _SettleResumes)
         if self.session is not None:
             self.session.close(trainer.global_step)
@@ -484,14 +488,14 @@ class _TrackTrainLoaders:
     tracked by the session. Lightning hands no hook the loaders between building them (``setup_data``:
     the sampler it injects) and iterating them first, and this is the last step of building them, so
     the fit loop's first iterator is already the tracked one (workers start once, as stock). A
-    ``reload_dataloaders_every_n_epochs`` rebuild passes here again, and its loaders replace the ones
-    tracked before: a checkpoint holds the positions of the loaders the fit iterates, which a resume
-    builds once. Picklable, like ``_WaitForSaves``."""
+    rebuild (``reload_dataloaders_every_n_epochs``, ``BatchSizeFinder``'s trials) passes here again,
+    and its loaders replace the ones tracked before (``_NewBuild``): a checkpoint holds the positions of
+    the loaders the fit iterates, which a resume builds once. Picklable, like ``_WaitForSaves``."""
 
     def __init__(self, trainer: pl.Trainer, callback: AirCallback) -> None:
         self.trainer, self.callback = trainer, callback
-        self._replacing: tuple[CombinedLoader | None] | None = None
-        """The fit's train loaders when the build being tracked began (None before the first)."""
+        self.new_build = True
+        """The next train loader begins a build of them (``_NewBuild``)."""
 
     def __call__(self, dataloader: Any) -> Any:
         trainer = self.trainer
@@ -499,10 +503,8 @@ class _TrackTrainLoaders:
         session = self.callback.session
         if trainer.state.stage != RunningStage.TRAINING or session is None or session.closed:
             return dataloader
-        # Lightning stores a build's loaders once every one of them passed here
-        built = train_loaders(trainer.fit_loop)
-        if self._replacing is None or self._replacing[0] is not built:
-            self._replacing = (built,)
+        if self.new_build:
+            self.new_build = False
             session.positions.forget()
         # Lightning adds its worker seeding right after this hook; the resumable copy must carry it.
         add_worker_init_fn(dataloader, trainer.global_rank)
@@ -512,6 +514,20 @@ class _TrackTrainLoaders:
             # Lightning fetches one batch ahead of a loader without a length, to know the last one.
             lookahead=0 if _has_len(dataloader) else 1,
         )
+
+
+class _NewBuild:
+    """The fit loop's ``setup_data`` during a fit with ``AirCallback``: each build of the train loaders
+    starts in it, so the loaders ``_TrackTrainLoaders`` sees next replace the tracked ones (if it builds
+    none, the next build does). Picklable, like ``_WaitForSaves``."""
+
+    def __init__(self, trainer: pl.Trainer, tracking: _TrackTrainLoaders) -> None:
+        self.trainer, self.tracking = trainer, tracking
+
+    def __call__(self) -> None:
+        self.tracking.new_build = True
+        loop = self.trainer.fit_loop
+        type(loop).setup_data(loop)
 
 
 class _SettleResumes:

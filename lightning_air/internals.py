@@ -18,13 +18,15 @@ hooks); these have none:
 - ``lightning.fabric.utilities.load._METADATA_FILENAME``: the name of a sharded folder's ``meta.pt``.
 - ``FSDPStrategy._configure_launcher`` (overridden): the first call where a CPU accelerator is known.
 
-Three public methods are replaced on live objects, since no hook runs at that point (``replace`` and
+Four methods are replaced on live objects, since no hook runs at that point (``replace`` and
 ``restore`` below; ``AirCallback`` puts them back at the fit's end):
 
 - ``ModelCheckpoint.file_exists``: it picks version suffixes and rerun names by asking whether a file
   exists; a save in flight must count as written, as a finished ``torch.save`` would.
 - ``Strategy.process_dataloader``: the last step of building each train loader, before its first
   iterator; Lightning hands no callback the built loaders.
+- ``_FitLoop.setup_data`` (the fit loop's, a private class): every build of the train loaders starts
+  there, so the loaders built next replace the tracked ones (a reload, ``BatchSizeFinder``'s trials).
 - ``Strategy.on_train_start``: the last call before a fit's first epoch begins (after the module's
   ``on_train_start``, which runs after every callback's); a resume past an epoch's end restores the RNG
   there, before the next epoch's loader may be built again.
@@ -85,6 +87,10 @@ FILE_EXISTS = _lightning(
 )
 PROCESS_DATALOADER = _lightning(
     "Strategy.process_dataloader", "it is the last step of building a train loader; no hook sees loaders"
+)
+SETUP_DATA = _lightning(
+    "_FitLoop.setup_data",
+    "every build of the train loaders starts there (BatchSizeFinder's trials clear the stored loaders first)",
 )
 TRAIN_START = _lightning(
     "Strategy.on_train_start",

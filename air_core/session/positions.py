@@ -141,6 +141,9 @@ class Positions:
         once; rank r takes saved rank r's RNG where there was one (``elastic.py``). Rank 0 logs once
         that the run is then no longer bitwise equal to an uninterrupted one.
 
+        A checkpoint saved before any loader was built (none tracked then) starts the loaders afresh and
+        restores its RNG when training starts.
+
         Raises:
             ConfigError: the checkpoint was written by another number of ranks (without ``elastic``) or
                 loaders, or a loader cannot continue its epoch at this world size.
@@ -152,7 +155,8 @@ class Positions:
             raise AirError(f"{what}: the rank state of saved rank(s) {missing} was not loaded.")
         ordered = [states[r] for r in sorted(states)]
         counts = {len(s["loaders"]) for s in ordered}
-        if len(counts) != 1 or (self._loaders and counts != {len(self._loaders)}):
+        # a checkpoint saved before any loader was built (0) starts this run's loaders afresh
+        if len(counts) != 1 or (self._loaders and counts not in ({len(self._loaders)}, {0})):
             raise ConfigError(
                 f"{what}: the checkpoint tracked {sorted(counts)} train loader(s), this run has "
                 f"{len(self._loaders)}; set up the same loaders before loading it."
@@ -178,9 +182,12 @@ class Positions:
             )
 
     def start(self) -> None:
-        """Training starts: a restored RNG that no loader took back (none is tracked) applies now."""
-        if self._pending is not None and not self._loaders and self._pending["rng"] is not None:
-            restore_rng(self._pending["rng"])
+        """Training starts: a restored RNG that no loader took back (none is tracked, or the checkpoint
+        was saved before any was built) applies now."""
+        pending = self._pending
+        untaken = not self._loaders or not pending or not pending["loaders"]
+        if pending is not None and untaken and pending["rng"] is not None:
+            restore_rng(pending["rng"])
         self._pending = None
 
     def settle(self, epoch: int) -> None:

@@ -4,7 +4,7 @@
         [--source module|fit|datamodule] [--every K] [--epochs E] [--kill STEP:PHASE]
         [--devices D] [--top-k K] [--root URL --endpoint URL] [--hang STEP:RANK --hang-timeout S]
         [--writer thread|process] [--val-every N | --val-epoch] [--limit N] [--accumulate N]
-        [--manual] [--reload] [--draw-in HOOK]
+        [--manual] [--reload] [--draw-in HOOK] [--batch-size-finder]
 
 Trains a dropout MLP on a map-style dataset of numbered samples augmented from the global RNG (of the
 loader worker, or of the main process), checkpointing every K steps through AirCheckpointIO (staged),
@@ -29,7 +29,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BatchSizeFinder, ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
 
 from lightning_air import NEWEST, AirCallback, AirCheckpointIO, latest_checkpoint
@@ -107,6 +107,7 @@ def main() -> None:
     p.add_argument("--val-epoch", action="store_true", help="a validation at each epoch's end")
     p.add_argument("--limit", type=int, default=0, help="Trainer(limit_train_batches=...)")
     p.add_argument("--manual", action="store_true", help="manual optimization, two optimizers")
+    p.add_argument("--batch-size-finder", action="store_true", help="BatchSizeFinder picks the batch size")
     p.add_argument("--reload", action="store_true", help="Trainer(reload_dataloaders_every_n_epochs=1)")
     p.add_argument("--draw-in", default="", help="HOOK: a user's callback draws from the RNG in that hook")
     p.add_argument(
@@ -163,6 +164,11 @@ def main() -> None:
             ModelCheckpoint(dirpath=root, every_n_train_steps=args.every or None, save_top_k=args.top_k),
             *([SaveLoaded(args.workdir)] if args.dump_loaded else []),
             *([DrawIn(args.draw_in)] if args.draw_in else []),
+            *(
+                [BatchSizeFinder(steps_per_trial=1, init_val=2, max_trials=1)]
+                if args.batch_size_finder
+                else []
+            ),
             *([HangOnce(args.workdir, args.hang)] if args.hang else []),
         ],
         logger=MLFlowLogger(args.experiment, tracking_uri=args.mlflow) if args.mlflow_logger else False,

@@ -41,7 +41,7 @@ class NumberedStream(IterableDataset):
                 yield Numbered(augment=False)[i]
 
 
-def make_loader(loader: str, workers: int):
+def make_loader(loader: str, workers: int, batch: int = BATCH):
     """The train loader of the tests: ``plain`` (shuffled DataLoader), ``stateful`` (torchdata) or
     ``iterable`` (an unsized stream)."""
     if loader == "stateful":
@@ -50,7 +50,7 @@ def make_loader(loader: str, workers: int):
         return StatefulDataLoader(Numbered(), batch_size=BATCH, shuffle=True, num_workers=workers)
     if loader == "iterable":
         return DataLoader(NumberedStream(), batch_size=BATCH, num_workers=workers)
-    return DataLoader(Numbered(), batch_size=BATCH, shuffle=True, num_workers=workers)
+    return DataLoader(Numbered(), batch_size=batch, shuffle=True, num_workers=workers)
 
 
 class NumberedData(pl.LightningDataModule):
@@ -76,10 +76,11 @@ class Model(pl.LightningModule):
             torch.nn.Linear(DIM, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, DIM)
         )
         self.workdir, self.workers, self.loader, self.source = workdir, workers, loader, source
+        self.batch_size = BATCH  # a plain loader's: BatchSizeFinder scales it
 
     def train_dataloader(self):
         assert self.source == "module", f"the train loader comes from {self.source}, not the module"
-        return make_loader(self.loader, self.workers)
+        return make_loader(self.loader, self.workers, self.batch_size)
 
     def training_step(self, batch, batch_idx):
         ids, x = batch
@@ -90,8 +91,9 @@ class Model(pl.LightningModule):
         record = {"step": step, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
         record.update(optimizer_step=self.global_step)
         record.update(epoch=self.current_epoch, world=self.trainer.world_size, pid=os.getpid())
-        with open(os.path.join(self.workdir, f"ids-rank{self.global_rank}.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.trainer.callbacks:  # not a BatchSizeFinder trial (run without callbacks, then undone)
+            with open(os.path.join(self.workdir, f"ids-rank{self.global_rank}.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
         loss = (self.net(x) - x).pow(2).mean()
         self.log("loss", loss)
         return loss

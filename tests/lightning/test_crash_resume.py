@@ -17,7 +17,7 @@ import pytest
 
 from tests import stalls
 from tests.conftest import REPO
-from tests.sameness import assert_same_run, assert_tier_read_in_place, resumed_at
+from tests.sameness import assert_same_run, assert_tier_read_in_place, records, resumed_at
 from tests.zygote import python
 
 pytestmark = pytest.mark.slow
@@ -248,6 +248,20 @@ def test_manual_optimization_with_two_optimizers_resumes_exactly(
     run_job(tmp_path, *args)
     assert_same_run(tmp_path, reference(2, "--manual"))
     assert resumed_at(tmp_path) == expected, "the record's step is the batch's: global_step // 2"
+
+
+def test_a_fit_with_the_batch_size_finder_trains_every_sample_once_per_epoch(tmp_path):
+    """``BatchSizeFinder`` saves a checkpoint before any train loader is built, builds one per trial
+    (each after clearing the fit's loaders), then loads that checkpoint back: the trial loaders are
+    replaced by the fit's own, and a checkpoint of no loader starts them afresh. (Relaunched, the
+    finder's load of its own checkpoint replaces the one the fit was resumed from, so stock Lightning
+    and this fit start their loops again at step 0.)"""
+    run_job(tmp_path, "--workers", "2", "--batch-size-finder")
+    by_epoch: dict[int, list[int]] = {}
+    for record in records(tmp_path):
+        by_epoch.setdefault(record["epoch"], []).extend(record["ids"])
+    assert sorted(by_epoch) == [0, 1, 2]
+    assert all(sorted(ids) == list(range(64)) for ids in by_epoch.values()), "each sample once per epoch"
 
 
 # 16 batches per epoch, a save every 4 steps. The first launch is killed in the save of step 20: the

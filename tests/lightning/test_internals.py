@@ -15,6 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 
 from air_core import AirError
@@ -69,8 +70,9 @@ def test_fsdp_strategy_still_configures_its_launcher_in_the_method_we_override()
         (internals.FILE_EXISTS, ModelCheckpoint, ["self", "filepath", "trainer"]),
         (internals.PROCESS_DATALOADER, Strategy, ["self", "dataloader"]),
         (internals.TRAIN_START, Strategy, ["self"]),
+        (internals.SETUP_DATA, _FitLoop, ["self"]),
     ],
-    ids=["file_exists", "process_dataloader", "on_train_start"],
+    ids=["file_exists", "process_dataloader", "on_train_start", "setup_data"],
 )
 def test_methods_replaced_on_live_objects_keep_their_signature(tmp_path, touch, owner, parameters):
     assert list(inspect.signature(touch.get(owner)).parameters) == parameters
