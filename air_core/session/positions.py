@@ -185,8 +185,7 @@ class Positions:
         """Training starts: a restored RNG that no loader took back (none is tracked, or the checkpoint
         was saved before any was built) applies now."""
         pending = self._pending
-        untaken = not self._loaders or not pending or not pending["loaders"]
-        if pending is not None and untaken and pending["rng"] is not None:
+        if pending is not None and pending["rng"] is not None and not (self._loaders and pending["loaders"]):
             restore_rng(pending["rng"])
         self._pending = None
 

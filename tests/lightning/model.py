@@ -47,9 +47,9 @@ def make_loader(loader: str, workers: int, batch: int = BATCH):
     if loader == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        return StatefulDataLoader(Numbered(), batch_size=BATCH, shuffle=True, num_workers=workers)
+        return StatefulDataLoader(Numbered(), batch_size=batch, shuffle=True, num_workers=workers)
     if loader == "iterable":
-        return DataLoader(NumberedStream(), batch_size=BATCH, num_workers=workers)
+        return DataLoader(NumberedStream(), batch_size=batch, num_workers=workers)
     return DataLoader(Numbered(), batch_size=batch, shuffle=True, num_workers=workers)
 
 

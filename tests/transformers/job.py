@@ -106,7 +106,10 @@ class DrawIn(TrainerCallback):
     noise or picks samples to show would (registered after ``AirTrainerCallback``)."""
 
     def __init__(self, hook: str) -> None:
-        setattr(self, hook, lambda *_, **__: torch.rand(1) and None)
+        def draw(*_: object, **__: object) -> None:  # Trainer takes a returned value as the new control
+            torch.rand(1)
+
+        setattr(self, hook, draw)
 
 
 def main() -> None:
