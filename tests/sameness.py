@@ -1,8 +1,9 @@
 """Is a resumed run the uninterrupted one? Sample ids and augmentation per step (per rank), final weights.
 
-Both adapters' jobs append ``{"step": s, "ids": [...], "aug": [...]}`` per step to ``ids-rank<R>.jsonl``
+The jobs append ``{"step": s, "ids": [...], "aug": [...], "loss": x}`` per step to ``ids-rank<R>.jsonl``
 (``aug``: each sample's augmented features summed in float64, so it shows the RNG that augmented it;
-optional) and write the final weights to ``final.pt``.
+``loss``: the step's loss, which shows the weights and dropout it was computed with; both optional) and
+write the final weights to ``final.pt``.
 """
 
 from __future__ import annotations
@@ -55,8 +56,12 @@ def assert_same_run(resumed: Path, reference: Path, ranks: int = 1) -> None:
             assert got_aug == want_aug, (
                 f"rank {rank} got other augmentation ({_first_difference(got_aug, want_aug)})"
             )
+        if all("loss" in r for r in got + want):  # the weights and dropout each step trained with
+            got_loss, want_loss = [r["loss"] for r in got], [r["loss"] for r in want]
+            assert got_loss == want_loss, f"rank {rank} got other losses ({_first_difference(got_loss, want_loss)})"
     got, want = torch.load(resumed / "final.pt"), torch.load(reference / "final.pt")
-    assert all(torch.equal(got[k], want[k]) for k in want), "final weights must be bitwise equal"
+    differ = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not differ, f"final weights must be bitwise equal; {len(differ)} of {len(want)} differ: {differ[:4]}"
 
 
 def flat(tree: object, prefix: str = "") -> dict[str, object]:

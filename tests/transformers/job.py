@@ -8,9 +8,9 @@ Trains a 2-layer GPT-2 (32 dimensions, built from a config: no download; dropout
 here: sample i is 16 ids drawn from a generator seeded with i, and one of them is replaced by a token
 drawn from the global RNG of whichever process loads it (the main process, or a loader worker), so
 shuffling, augmentation and dropout all depend on restored RNG state. ``AirTrainer`` saves every K
-steps and resumes with ``latest_checkpoint``. Each process appends the sample ids and augmented ids'
-sums of every micro-batch to WORKDIR/ids-rank<R>.jsonl; at the end process 0 writes the final weights to
-WORKDIR/final.pt and its stats (restores, fetches) to WORKDIR/stats-<launch>.json. --stock runs a
+steps and resumes with ``latest_checkpoint``. Each process appends the sample ids, augmented ids' sums
+and loss of every micro-batch to WORKDIR/ids-rank<R>.jsonl; at the end process 0 writes the final
+weights to WORKDIR/final.pt and its stats (restores, fetches) to WORKDIR/stats-<launch>.json. --stock runs a
 plain ``Trainer`` (stock checkpoints in WORKDIR/stock, resumed with resume_from_checkpoint=True).
 --local-every K adds the local tier (``local_every_n_steps=K``, ``local_dir`` WORKDIR/local-$AIR_NODE_NAME)
 and resumes with ``resume_from_checkpoint=NEWEST``; --die STEP[:NODE] SIGKILLs every process (or node
@@ -56,23 +56,27 @@ def tiny_gpt2() -> GPT2LMHeadModel:
 
 
 def recording(base: type, workdir: str) -> type:
-    """``base`` whose ``compute_loss`` logs each training micro-batch's sample ids before the forward."""
+    """``base`` whose ``compute_loss`` logs each training micro-batch's sample ids, augmented ids' sums
+    and loss (which shows the weights and dropout it was computed with)."""
 
     class Recording(base):  # type: ignore[misc, valid-type]
         def compute_loss(self, model, inputs, *args, **kwargs):
             idx = inputs.pop("idx")
+            out = super().compute_loss(model, inputs, *args, **kwargs)
             if model.training:
                 micro = self.state.global_step * self.args.gradient_accumulation_steps + self._micro()
+                loss = out[0] if isinstance(out, tuple) else out
                 record = {
                     "step": micro,
                     "ids": idx.tolist(),
                     "aug": inputs["input_ids"].sum(1).tolist(),
+                    "loss": loss.item(),
                     "t": time.time(),
                 }
                 path = os.path.join(workdir, f"ids-rank{self.args.process_index}.jsonl")
                 with open(path, "a") as f:
                     f.write(json.dumps(record) + "\n")
-            return super().compute_loss(model, inputs, *args, **kwargs)
+            return out
 
         def _micro(self) -> int:
             seen = getattr(self, "_seen", (-1, 0))

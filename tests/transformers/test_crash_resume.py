@@ -60,8 +60,8 @@ def test_sigkill_during_each_save_phase_resumes_exactly(tmp_path, reference, pha
     run_job(tmp_path, *args, "--kill", f"16:{phase}", expect_signal=signal.SIGKILL)
     told = newest_told(tmp_path)
     run_job(tmp_path, *args)
-    assert_same_run(tmp_path, reference(*args))
     step = resumed_step(tmp_path, told)
+    assert_same_run(tmp_path, reference(*args))
     assert stats(tmp_path)[0]["fetches"] == 24 - step, "fetch_seconds: one per training batch of this launch"
 
 
