@@ -14,8 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One intra-op thread for every job a test starts (set before the first launch, so the pre-imported
+# interpreter of tests/zygote.py has it too) and for this process. With two threads on this 2-core CI,
+# about one uninterrupted transformers run in a hundred rounded differently from the next, under the
+# suite's load: a loss 2-3 ulp off from one step on, ids and augmentation equal, and the stock Trainer
+# did it too. A bitwise crash test cannot tell that from a resume error. With one thread, none did.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
