@@ -19,10 +19,10 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # One intra-op thread for every job a test starts (set before the first launch, so the pre-imported
-# interpreter of tests/zygote.py has it too) and for this process. With two threads on this 2-core CI,
-# about one uninterrupted transformers run in a hundred rounded differently from the next, under the
-# suite's load: a loss 2-3 ulp off from one step on, ids and augmentation equal, and the stock Trainer
-# did it too. A bitwise crash test cannot tell that from a resume error. With one thread, none did.
+# interpreter of tests/zygote.py has it too) and for this process. With two threads on a 2-core host
+# under the suite's load, 3 of 440 identical uninterrupted transformers runs rounded differently from
+# the rest (a loss 2-3 ulp off from one step on, ids and augmentation equal; one was a stock Trainer
+# run), which a bitwise crash test cannot tell from a resume error. With one thread: 0 of 350.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
