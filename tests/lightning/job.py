@@ -171,6 +171,7 @@ def main() -> None:
             ),
             *([HangOnce(args.workdir, args.hang)] if args.hang else []),
         ],
+        default_root_dir=args.workdir,  # what Lightning writes beside the checkpoints (BatchSizeFinder's)
         logger=MLFlowLogger(args.experiment, tracking_uri=args.mlflow) if args.mlflow_logger else False,
         enable_progress_bar=False,
         log_every_n_steps=4,
