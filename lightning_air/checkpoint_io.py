@@ -348,8 +348,9 @@ class AirCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at ``path`` after any save queued before. While saves are asynchronous the
-        newest committed one is kept until a newer one commits; otherwise it goes at once, as asked."""
+        """Delete the checkpoint at ``path`` after any save queued before, as Lightning does. While saves are
+        asynchronous, a removal that a later save replaces keeps the newest committed checkpoint until a
+        newer one commits (``Paths.release``)."""
         place = self._place(str(path))
         session = self.session
         ckpt = session.paths.writer(place)

@@ -111,6 +111,8 @@ class _Root:
     """Names of committed or damaged checkpoints (never written again) and of this session's saves."""
     owners: dict[str, list[Owner]] = field(default_factory=dict)
     """Entry -> the commits (and saves in flight) whose files are in it, the most recent last."""
+    last: str = ""
+    """The name of this session's most recent save to the root ("": none yet)."""
 
     @classmethod
     def listed(cls, ckpt: AsyncCheckpointer, *, flat: bool) -> _Root:
@@ -210,6 +212,7 @@ class Paths:
         save's writes (a file replacing a folder of the same name, or the reverse)."""
         root = self._root(ckpt, place)
         root.taken.add(owner.name)
+        root.last = owner.name
         replaced = []
         for older in root.owners.get(place.entry, []):
             switch = older.folder != owner.folder
@@ -221,12 +224,16 @@ class Paths:
         return replaced
 
     def release(self, ckpt: AsyncCheckpointer, place: Place, *, now: bool) -> bool:
-        """Remove what owns ``place`` (rank 0), after any save queued before; the newest committed
-        checkpoint is kept until a newer one commits unless ``now``. Returns whether any commit or save
-        of this session owned it (if not, the framework removes the path itself)."""
-        owners = self._root(ckpt, place).owners.pop(place.entry, [])
+        """Remove what owns ``place`` (rank 0), after any save queued before. A removal that a later save
+        of this session replaces (top-k dropping an older file) keeps the newest committed checkpoint until
+        a newer one commits, so a failed replacement leaves one to resume from; the session's own last save
+        to the root, or any with ``now``, goes as asked (nothing replaces it: ``BatchSizeFinder``'s
+        temporary file). Returns whether any commit or save of this session owned it (if not, the
+        framework removes the path itself)."""
+        root = self._root(ckpt, place)
+        owners = root.owners.pop(place.entry, [])
         for owner in owners:
-            ckpt.delete(owner.name, even_newest=now)
+            ckpt.delete(owner.name, even_newest=now or owner.name == root.last)
         return bool(owners)
 
     def in_flight(self, ckpt: AsyncCheckpointer, place: Place) -> bool:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
+import fsspec
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from air_core import ConfigError, CorruptCheckpointError
+from air_core import AsyncCheckpointer, ConfigError, CorruptCheckpointError, SaveError
 from air_core.session import SessionConfig, TrainingSession
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
+import tests.faultfs  # noqa: F401  (registers flaky://)
 from tests.conftest import REPO, run_python
 from tests.lightning.model import Model
 from tests.lightning.test_crash_resume import run_job
@@ -86,10 +89,10 @@ def _ckpt_files(root: str) -> list[str]:
     return sorted(f for f in os.listdir(root) if not f.startswith(".air"))
 
 
-def _asynchronous_plugin() -> AirCheckpointIO:
+def _asynchronous_plugin(**kw: Any) -> AirCheckpointIO:
     """The plugin as ``AirCallback.setup`` leaves it: saves return after the snapshot until the session
     closes."""
-    plugin = AirCheckpointIO()
+    plugin = AirCheckpointIO(**kw)
     plugin.use(TrainingSession(SessionConfig(mlflow=False, owner="test"), checkpointer=plugin.config))
     return plugin
 
@@ -100,22 +103,49 @@ def _end_fit(plugin: AirCheckpointIO) -> None:
     plugin.session.close(0)
 
 
-def test_top_k_removal_never_deletes_the_newest_committed_checkpoint(tmp_path):
+def test_a_removal_whose_replacement_failed_keeps_the_newest_committed_checkpoint(tmp_path):
+    """Top-k saves the new file, then removes the old one: while saves are asynchronous the removal waits
+    for the new save, and when that failed (access denied at the root) the old commit stays, the one the
+    job can resume from. Once a newer save commits, the removal goes ahead."""
+    root = f"flaky://{tmp_path.name}/ckpts"
+    fs = fsspec.filesystem("flaky")
+
+    def files() -> list[str]:
+        return sorted(p.rsplit("/", 1)[1] for p in fs.ls(root, detail=False) if p.endswith(".ckpt"))
+
+    def plugin(**storage_options: Any) -> AirCheckpointIO:
+        return _asynchronous_plugin(staging_dir=str(tmp_path / "nvme"), storage_options=storage_options)
+
+    first = plugin()
+    first.save_checkpoint({"global_step": 1, "w": torch.ones(2)}, f"{root}/s1.ckpt")
+    _end_fit(first)
+    denied = plugin(permanent_error="denied")
+    denied.save_checkpoint({"global_step": 2, "w": torch.ones(2) * 2}, f"{root}/s2.ckpt")
+    denied.remove_checkpoint(f"{root}/s1.ckpt")
+    with pytest.raises(SaveError, match="s2.*Access Denied"):
+        _end_fit(denied)
+    assert files() == ["s1.ckpt"], "the only commit stays while its replacement failed"
+    third = plugin()
+    third.save_checkpoint({"global_step": 3, "w": torch.ones(2) * 3}, f"{root}/s3.ckpt")
+    third.remove_checkpoint(f"{root}/s1.ckpt")
+    _end_fit(third)
+    assert files() == ["s3.ckpt"]
+    third.remove_checkpoint(f"{root}/s3.ckpt")  # outside a fit an explicit removal is done as asked
+    assert files() == []
+
+
+def test_removing_the_fits_last_save_deletes_it_as_lightning_does(tmp_path):
+    """``BatchSizeFinder`` and ``LearningRateFinder`` save a temporary file, load it back and remove it,
+    all during the fit: no later save replaces it, so it goes as stock Lightning removes it (once its save
+    committed), rather than waiting for a newer commit that never comes to that folder."""
     plugin = _asynchronous_plugin()
-    root = str(tmp_path / "ckpts")
-    for step in (1, 2):
-        plugin.save_checkpoint({"global_step": step, "w": torch.ones(2) * step}, f"{root}/s{step}.ckpt")
-    plugin.remove_checkpoint(f"{root}/s2.ckpt")  # the newest: must survive until a newer one commits
-    plugin.remove_checkpoint(f"{root}/s1.ckpt")
+    root = str(tmp_path / "run")
+    plugin.save_checkpoint({"global_step": 0, "w": torch.randn(1 << 22)}, f"{root}/.scale_batch_size_x.ckpt")
+    plugin.remove_checkpoint(f"{root}/.scale_batch_size_x.ckpt")  # in flight: removed once it commits
     _end_fit(plugin)
-    assert _ckpt_files(root) == ["s2.ckpt"]
-    plugin = _asynchronous_plugin()
-    plugin.save_checkpoint({"global_step": 3, "w": torch.ones(2) * 3}, f"{root}/s3.ckpt")
-    plugin.remove_checkpoint(f"{root}/s2.ckpt")
-    _end_fit(plugin)
-    assert _ckpt_files(root) == ["s3.ckpt"]
-    plugin.remove_checkpoint(f"{root}/s3.ckpt")  # outside a fit an explicit removal is done as asked
     assert _ckpt_files(root) == []
+    with AsyncCheckpointer(root, read_only=True) as reader:
+        assert reader.list() == [], "the temporary commit is gone, not kept as the newest"
 
 
 def test_removing_a_save_still_in_flight_deletes_it_once_a_newer_one_commits(tmp_path):

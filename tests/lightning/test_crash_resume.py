@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from air_core import AsyncCheckpointer
 from tests import stalls
 from tests.conftest import REPO
 from tests.sameness import assert_same_run, assert_tier_read_in_place, records, resumed_at
@@ -262,6 +263,9 @@ def test_a_fit_with_the_batch_size_finder_trains_every_sample_once_per_epoch(tmp
         by_epoch.setdefault(record["epoch"], []).extend(record["ids"])
     assert sorted(by_epoch) == [0, 1, 2]
     assert all(sorted(ids) == list(range(64)) for ids in by_epoch.values()), "each sample once per epoch"
+    assert not list(tmp_path.glob(".scale_batch_size_*")), "the finder's file is removed, as without air"
+    with AsyncCheckpointer(str(tmp_path), read_only=True) as beside:
+        assert beside.list() == [], "and so is its commit"
 
 
 # 16 batches per epoch, a save every 4 steps. The first launch is killed in the save of step 20: the
