@@ -11,10 +11,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+import tests.faultfs  # noqa: F401  (registers flaky://)
 from air_core import AsyncCheckpointer, ConfigError, CorruptCheckpointError, SaveError
 from air_core.session import SessionConfig, TrainingSession
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
-import tests.faultfs  # noqa: F401  (registers flaky://)
 from tests.conftest import REPO, run_python
 from tests.lightning.model import Model
 from tests.lightning.test_crash_resume import run_job
