@@ -1,7 +1,8 @@
 """``MlflowSink``: metrics to MLflow from a background thread, so the training loop never waits on it.
 
 ``log()`` appends to a bounded queue and returns (about a microsecond). A daemon thread resolves the
-run (the one given, the caller's active run, or a new one), then sends what accumulated every
+run (the one given, the caller's active run, the one an earlier launch created under the same
+``run_key``, or a new one), then sends what accumulated every
 ``flush_every_seconds`` as ``log_batch`` calls of at most 1000 metrics. If the tracking server is
 down or slow, the thread retries a batch a few times, then drops it with one warning; when the queue
 is full the newest metrics are dropped, also with one warning. ``tag()`` keeps the latest value of
@@ -20,12 +21,15 @@ import queue
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _BATCH = 1000  # MLflow's limit of metrics per log_batch
+RUN_KEY_TAG = "air.run_key"
+"""The tag naming a run the sink created, by a key known before the run exists (``MlflowSink.run_key``)."""
 
 
 def default_tracking_uri() -> str:
@@ -48,6 +52,9 @@ class MlflowSink:
         tracking_uri: None: ``MLFLOW_TRACKING_URI``, else a local sqlite database.
         experiment: experiment of a new run.
         run_name: name of a new run.
+        run_key: the key of the run the sink creates (tag ``air.run_key``), known at once, before the
+            run exists; a resumed job passes its checkpoint's key and logs into the run made under it
+            (None: a new key).
         params: logged once, with the first batch.
         flush_every_seconds: how often accumulated metrics are sent.
         max_queued: metrics held while the server is unreachable; beyond it new ones are dropped.
@@ -63,6 +70,7 @@ class MlflowSink:
         tracking_uri: str | None = None,
         experiment: str = "air-plugins",
         run_name: str | None = None,
+        run_key: str | None = None,
         params: dict[str, Any] | None = None,
         flush_every_seconds: float = 5.0,
         max_queued: int = 200_000,
@@ -74,6 +82,8 @@ class MlflowSink:
         self._tracking_uri = tracking_uri or default_tracking_uri()
         self._experiment = experiment
         self._run_name = run_name
+        self.run_key = run_key or uuid.uuid4().hex
+        """Names the run before it exists: a checkpoint saved before the sender connects keeps it."""
         self._params = dict(params or {})
         self._every = flush_every_seconds
         self._retries = retries
@@ -94,8 +104,8 @@ class MlflowSink:
     @property
     def run_id(self) -> str | None:
         """The run's id: a given or active run's at once; a run the sender creates, once created (None
-        until then, or while MLflow is unreachable). A checkpoint keeps it so that a resumed launch logs
-        into the same run; one saved before the sender connects must keep it too."""
+        until then, or while MLflow is unreachable: a checkpoint saved meanwhile keeps ``run_key``). A
+        checkpoint keeps it so that a resumed launch logs into the same run."""
         return self._run_id if self._known or self._ready.is_set() else None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -172,7 +182,12 @@ class MlflowSink:
             if self._run_id is None:
                 found = client.get_experiment_by_name(self._experiment)
                 exp_id = found.experiment_id if found else client.create_experiment(self._experiment)
-                self._run_id = client.create_run(exp_id, run_name=self._run_name).info.run_id
+                self._run_id = (
+                    self._keyed_run(client, exp_id)
+                    or client.create_run(
+                        exp_id, run_name=self._run_name, tags={RUN_KEY_TAG: self.run_key}
+                    ).info.run_id
+                )
             else:
                 client.get_run(self._run_id)  # it must exist
             if self._params:
@@ -184,6 +199,13 @@ class MlflowSink:
             return client
 
         return self._retrying(connect, f"cannot reach MLflow at {self._tracking_uri}")
+
+    def _keyed_run(self, client: Any, exp_id: str) -> str | None:
+        """The id of the run created under ``run_key`` by an earlier launch, if there is one."""
+        runs = client.search_runs(
+            [exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self.run_key}'", max_results=1
+        )
+        return runs[0].info.run_id if runs else None
 
     def _drain(self) -> list[tuple[str, float, int, int]]:
         items = []

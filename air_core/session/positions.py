@@ -38,6 +38,8 @@ class Positions:
         self.records = records
         self.resumed_run: str | None = None
         """The MLflow run of the checkpoint this launch resumed from (None: fresh, or none)."""
+        self.resumed_run_key: str | None = None
+        """The key of that run (``MlflowSink.run_key``): the run, when the checkpoint came before its id."""
         self._on_fetch = on_fetch
         self._between_steps = between_steps
         self._loaders: list[TrackedLoader] = []
@@ -112,9 +114,9 @@ class Positions:
         if all(p is not None for p in positions):
             tracked.resume_elastic(positions, pending["rng"], mine=pending["mine"])
 
-    def state(self, mlflow_run_id: str | None) -> dict[str, Any]:
+    def state(self, mlflow_run_id: str | None, mlflow_run_key: str | None) -> dict[str, Any]:
         """This rank's part of a checkpoint: RNG (captured once), every loader's position, the MLflow run
-        (``TrainingSession.rank_state``).
+        and its key (``TrainingSession.rank_state``).
 
         Only tensors and plain values (loads with ``weights_only=True``). Call on the training thread.
         """
@@ -123,6 +125,7 @@ class Positions:
             "rng": capture_rng(),
             "loaders": [t.position() for t in self._loaders],
             "mlflow_run_id": mlflow_run_id,
+            "mlflow_run_key": mlflow_run_key,
         }
 
     def ranks_to_load(self, saved_world_size: int) -> list[int]:
@@ -169,6 +172,7 @@ class Positions:
         for index, tracked in enumerate(self._loaders):  # none tracked yet: later
             self._resume(tracked, index)
         self.resumed_run = ordered[0].get("mlflow_run_id") or self.resumed_run
+        self.resumed_run_key = ordered[0].get("mlflow_run_key") or self.resumed_run_key
 
     def check_world_size(self, saved: int, *, what: str) -> None:
         """Raise ``ConfigError`` if ``saved`` (the checkpoint's world size) is not this run's and the

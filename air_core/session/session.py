@@ -484,8 +484,9 @@ class TrainingSession:
 
     # -- per-rank state -------------------------------------------------------------------------------
     def rank_state(self) -> dict[str, Any]:
-        """This rank's part of a checkpoint (``Positions.state``, with the MLflow run)."""
-        return self.positions.state(self.mlflow_run_id())
+        """This rank's part of a checkpoint (``Positions.state``, with the MLflow run and its key)."""
+        key = self._sink.run_key if self._sink is not None else self.positions.resumed_run_key
+        return self.positions.state(self.mlflow_run_id(), key)
 
     def check_model(
         self, expected: Mapping[str, Any], found: Mapping[str, Any], *, what: str, fix: str
@@ -505,7 +506,10 @@ class TrainingSession:
         if self.rank == 0 and self._measure and self.config.mlflow and self._sink is None:
             run_id = mlflow_run_id or self.positions.resumed_run
             self._sink = MlflowSink(
-                run_id=run_id, experiment=self.config.mlflow_experiment, end_run=run_is_ours
+                run_id=run_id,
+                run_key=self.positions.resumed_run_key,
+                experiment=self.config.mlflow_experiment,
+                end_run=run_is_ours,
             )
             self.records.attach(self._sink.log, self._sink.tag)
             self.health.log_preflight(self._sink)

@@ -6,7 +6,8 @@ import logging
 import socket
 import time
 
-from air_core.session import MlflowSink
+from air_core.session import MlflowSink, SessionConfig, TrainingSession
+from air_core.session.mlflow_sink import RUN_KEY_TAG
 
 
 def test_metrics_and_params_land_with_their_steps(mlflow_server):
@@ -35,6 +36,60 @@ def test_a_given_run_is_continued(mlflow_server):
     sink.log({"z": 3.0}, 7)
     sink.close(timeout_seconds=60)
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "z")] == [(7, 3.0)]
+
+
+def test_a_run_made_under_a_key_is_continued_by_a_sink_given_that_key(mlflow_server):
+    """A sink names the run it will create by a key at once; a later sink given the key (from a checkpoint
+    saved before the run's id was known) logs into that run rather than a new one."""
+    from mlflow import MlflowClient
+
+    first = MlflowSink(tracking_uri=mlflow_server.uri, experiment="sink-key")
+    first.log({"x": 1.0}, 1)
+    first.close(timeout_seconds=60)
+    again = MlflowSink(tracking_uri=mlflow_server.uri, experiment="sink-key", run_key=first.run_key)
+    assert again.run_key == first.run_key
+    again.log({"x": 2.0}, 2)
+    again.close(timeout_seconds=60)
+    other = MlflowSink(tracking_uri=mlflow_server.uri, experiment="sink-key")
+    other.log({"x": 3.0}, 3)
+    other.close(timeout_seconds=60)
+    assert first.run_id is not None and again.run_id == first.run_id and other.run_id != first.run_id
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(first.run_id, "x")] == [(1, 1.0), (2, 2.0)]
+    assert client.get_run(first.run_id).data.tags[RUN_KEY_TAG] == first.run_key
+
+
+def test_a_launch_resumed_from_a_save_made_before_the_run_existed_logs_into_that_run(
+    mlflow_server, monkeypatch
+):
+    """The sender creates the run in the background, so a save can come first: its rank state has no run
+    id yet, only the key. The relaunch resumed from it continues the run, one run for the whole job."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+    config = SessionConfig(mlflow_experiment="session-key", log_every_n_steps=1, owner="test")
+    first = TrainingSession(config)
+    first.start()
+    state = first.rank_state()
+    state["mlflow_run_id"] = None  # what a save before the sender reached the server holds
+    assert state["mlflow_run_key"]
+    for step in (1, 2):
+        first.record_fetch(0.0)
+        first.record_step(step)
+    first.close(2)
+    relaunch = TrainingSession(config)
+    relaunch.positions.restore({0: state}, what="the checkpoint")
+    relaunch.start(step=2)
+    for step in (3, 4):
+        relaunch.record_fetch(0.0)
+        relaunch.record_step(step)
+    relaunch.close(4)
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    experiment = client.get_experiment_by_name("session-key")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1, "one MLflow run for the job, not one per launch"
+    steps = {m.step for m in client.get_metric_history(runs[0].info.run_id, "fetch_seconds")}
+    assert {1, 2, 3, 4} <= steps, f"both launches' steps in it: {sorted(steps)}"
 
 
 def test_an_unreachable_server_never_raises_into_the_loop_and_warns_once(caplog):
