@@ -29,7 +29,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import BatchSizeFinder, ModelCheckpoint
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder, ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
 
 from lightning_air import NEWEST, AirCallback, AirCheckpointIO, latest_checkpoint
@@ -108,6 +108,7 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=0, help="Trainer(limit_train_batches=...)")
     p.add_argument("--manual", action="store_true", help="manual optimization, two optimizers")
     p.add_argument("--batch-size-finder", action="store_true", help="BatchSizeFinder picks the batch size")
+    p.add_argument("--lr-finder", action="store_true", help="LearningRateFinder picks the learning rate")
     p.add_argument("--reload", action="store_true", help="Trainer(reload_dataloaders_every_n_epochs=1)")
     p.add_argument("--draw-in", default="", help="HOOK: a user's callback draws from the RNG in that hook")
     p.add_argument(
@@ -169,9 +170,10 @@ def main() -> None:
                 if args.batch_size_finder
                 else []
             ),
+            *([LearningRateFinder(num_training_steps=4)] if args.lr_finder else []),
             *([HangOnce(args.workdir, args.hang)] if args.hang else []),
         ],
-        default_root_dir=args.workdir,  # what Lightning writes beside the checkpoints (BatchSizeFinder's)
+        default_root_dir=args.workdir,  # what Lightning writes beside the checkpoints (the finders')
         logger=MLFlowLogger(args.experiment, tracking_uri=args.mlflow) if args.mlflow_logger else False,
         enable_progress_bar=False,
         log_every_n_steps=4,

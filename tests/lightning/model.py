@@ -7,6 +7,7 @@ import os
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 
 N_SAMPLES, DIM, BATCH = 64, 16, 4
@@ -77,6 +78,7 @@ class Model(pl.LightningModule):
         )
         self.workdir, self.workers, self.loader, self.source = workdir, workers, loader, source
         self.batch_size = BATCH  # a plain loader's: BatchSizeFinder scales it
+        self.lr = 1e-2  # LearningRateFinder sets it
 
     def train_dataloader(self):
         assert self.source == "module", f"the train loader comes from {self.source}, not the module"
@@ -91,7 +93,9 @@ class Model(pl.LightningModule):
         record = {"step": step, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
         record.update(optimizer_step=self.global_step)
         record.update(epoch=self.current_epoch, world=self.trainer.world_size, pid=os.getpid())
-        if self.trainer.callbacks:  # not a BatchSizeFinder trial (run without callbacks, then undone)
+        # not a finder's trial (BatchSizeFinder's runs without callbacks, LearningRateFinder's with its
+        # own only; both are undone)
+        if any(isinstance(cb, ModelCheckpoint) for cb in self.trainer.callbacks):
             with open(os.path.join(self.workdir, f"ids-rank{self.global_rank}.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
         loss = (self.net(x) - x).pow(2).mean()
@@ -99,7 +103,7 @@ class Model(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
 class ManualModel(Model):

@@ -251,19 +251,21 @@ def test_manual_optimization_with_two_optimizers_resumes_exactly(
     assert resumed_at(tmp_path) == expected, "the record's step is the batch's: global_step // 2"
 
 
-def test_a_fit_with_the_batch_size_finder_trains_every_sample_once_per_epoch(tmp_path):
-    """``BatchSizeFinder`` saves a checkpoint before any train loader is built, builds one per trial
-    (each after clearing the fit's loaders), then loads that checkpoint back: the trial loaders are
-    replaced by the fit's own, and a checkpoint of no loader starts them afresh. (Relaunched, the
-    finder's load of its own checkpoint replaces the one the fit was resumed from, so stock Lightning
-    and this fit start their loops again at step 0.)"""
-    run_job(tmp_path, "--workers", "2", "--batch-size-finder")
+@pytest.mark.parametrize("finder", ["batch-size", "lr"])
+def test_a_fit_with_a_finder_trains_every_sample_once_per_epoch_and_removes_its_file(tmp_path, finder):
+    """``BatchSizeFinder`` and ``LearningRateFinder`` save a checkpoint before any train loader is built,
+    build one per trial (each after clearing the fit's loaders), then load that checkpoint back and
+    remove it: the trial loaders are replaced by the fit's own, a checkpoint of no loader starts them
+    afresh, and the file goes as without air. (Relaunched, the finder's load of its own checkpoint
+    replaces the one the fit was resumed from, so stock Lightning and this fit start their loops again
+    at step 0.)"""
+    run_job(tmp_path, "--workers", "2", f"--{finder}-finder")
     by_epoch: dict[int, list[int]] = {}
     for record in records(tmp_path):
         by_epoch.setdefault(record["epoch"], []).extend(record["ids"])
     assert sorted(by_epoch) == [0, 1, 2]
     assert all(sorted(ids) == list(range(64)) for ids in by_epoch.values()), "each sample once per epoch"
-    assert not list(tmp_path.glob(".scale_batch_size_*")), "the finder's file is removed, as without air"
+    assert not list(tmp_path.glob(".*.ckpt")), "the finder's file is removed, as without air"
     with AsyncCheckpointer(str(tmp_path), read_only=True) as beside:
         assert beside.list() == [], "and so is its commit"
 
