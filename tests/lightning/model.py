@@ -7,7 +7,6 @@ import os
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 
 N_SAMPLES, DIM, BATCH = 64, 16, 4
@@ -93,9 +92,10 @@ class Model(pl.LightningModule):
         record = {"step": step, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
         record.update(optimizer_step=self.global_step)
         record.update(epoch=self.current_epoch, world=self.trainer.world_size, pid=os.getpid())
-        # not a finder's trial (BatchSizeFinder's runs without callbacks, LearningRateFinder's with its
-        # own only; both are undone)
-        if any(isinstance(cb, ModelCheckpoint) for cb in self.trainer.callbacks):
+        # not a finder's trial (undone after): BatchSizeFinder's runs without callbacks,
+        # LearningRateFinder's with only its own
+        tuner = "lightning.pytorch.tuner."
+        if not all(type(cb).__module__.startswith(tuner) for cb in self.trainer.callbacks):
             with open(os.path.join(self.workdir, f"ids-rank{self.global_rank}.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
         loss = (self.net(x) - x).pow(2).mean()
