@@ -37,7 +37,7 @@ from ..errors import ConfigError
 from .elastic import Layout, Plan, plan, remainder
 from .passes import Pass, base_seed, iter_over, iter_skipping, length, live_iterator
 from .proxy import LoaderProxy
-from .rng import raw_from_safe, raw_rng, restore_rng, safe_rng
+from .rng import ResumeRng, capture_rng, raw_from_safe, raw_rng, restore_rng, safe_rng
 from .sampling import Batches, Prefetching, generator_states, has_state, loader_generators
 from .workers import Carried, WorkerLedger
 
@@ -119,7 +119,7 @@ class TrackedLoader(LoaderProxy):
         self._state: Literal["start", "inside", "end"] = "start"
         self._epoch_start: dict[str, Any] = {}
         self._pending: dict[str, Any] | None = None
-        self._resume_rng: dict[str, Any] | None = None
+        self._resume_rng: ResumeRng | None = None
         # RNG before each of the last ``lookahead`` fetches: with num_workers=0 the dataset draws from
         # the training thread's RNG, and the batches fetched ahead of a save were drawn from these.
         self._ahead: deque[Any] = deque(maxlen=max(lookahead, 1))
@@ -169,9 +169,10 @@ class TrackedLoader(LoaderProxy):
                 pos["stream"] = dict(self._stream)
         return pos
 
-    def resume(self, position: dict[str, Any], rng: dict[str, Any]) -> int:
-        """Continue at ``position`` (``rng``: the global RNG saved with it); return the epoch the
-        training loop re-enters (at ``end`` the consumer's own epoch counter must move one past it).
+    def resume(self, position: dict[str, Any], rng: dict[str, Any] | ResumeRng | None) -> int:
+        """Continue at ``position`` (``rng``: the global RNG saved with it; the loaders of one fit share
+        one ``ResumeRng``); return the epoch the training loop re-enters (at ``end`` the consumer's own
+        epoch counter must move one past it).
 
         Raises:
             ConfigError: the position was saved from a loader resumed another way (another kind of loader).
@@ -185,14 +186,15 @@ class TrackedLoader(LoaderProxy):
                 f"resume: the checkpoint's loader position was saved for a {position['mode']!r} loader, this "
                 f"run's loader resumes by {self.mode!r}; resume with the same kind of loader."
             )
+        self._resume_rng = rng if isinstance(rng, ResumeRng) else ResumeRng(rng)
         if position["where"] == "start":
-            self._restore(rng, position["generators"])
+            self._resumed(position["generators"])
         else:
-            self._pending, self._resume_rng = position, rng
+            self._pending = position
         return int(position["epoch"])
 
     def resume_elastic(
-        self, positions: list[dict[str, Any]], rng: dict[str, Any] | None, *, mine: int | None
+        self, positions: list[dict[str, Any]], rng: dict[str, Any] | ResumeRng | None, *, mine: int | None
     ) -> int:
         """Continue from every saved rank's position (in rank order) at this run's world size; return the
         epoch the training loop re-enters (as ``resume``).
@@ -217,12 +219,12 @@ class TrackedLoader(LoaderProxy):
                 "epoch ends."
             )
         generators = positions[mine]["generators"] if mine is not None else {}
+        self._resume_rng = rng if isinstance(rng, ResumeRng) else ResumeRng(rng)
         if where.where == "start":
-            self._restore(rng, generators)
+            self._resumed(generators)
         else:
             self._pending = {"where": where.where, "epoch": where.epoch, "generators": generators}
             self._pending["plan"] = where
-            self._resume_rng = rng
         return where.epoch
 
     def settle(self, epoch: int) -> None:
@@ -235,7 +237,7 @@ class TrackedLoader(LoaderProxy):
         that re-enters the finished epoch (``reenter``) keeps the resume for that pass."""
         pending = self._pending
         if pending is not None and not self._reenter and self._is_over(pending, epoch):
-            self._restore(self._resume_rng, pending["generators"])
+            self._resumed(pending["generators"])
             self._pending = None
 
     def skip_next_pass(self, count: int) -> None:
@@ -261,6 +263,11 @@ class TrackedLoader(LoaderProxy):
             )
         return pending["batches"]
 
+    def _resumed(self, generators: dict[str, Any]) -> None:
+        """Put the loader's generators back as saved, and the saved global RNG unless another loader of
+        the fit put it back already (``ResumeRng``)."""
+        self._restore(self._resume_rng.take() if self._resume_rng is not None else None, generators)
+
     def _restore(self, rng: dict[str, Any] | None, generators: dict[str, Any]) -> None:
         if rng is not None:
             restore_rng(rng)
@@ -280,7 +287,7 @@ class TrackedLoader(LoaderProxy):
         if self._ledger is not None:
             self._ledger.new_pass()
         if pending is not None and self._is_over(pending, self._epoch):
-            self._restore(self._resume_rng, pending["generators"])
+            self._resumed(pending["generators"])
             if self._reenter:  # the consumer re-enters the finished epoch: nothing to fetch or draw
                 self._state = "end"
                 return
@@ -298,9 +305,8 @@ class TrackedLoader(LoaderProxy):
             consumed = pending["consumed"]
             for k, state in enumerate(pending["ahead"]):
                 restore[consumed + k] = functools.partial(restore_rng, state)
-            assert self._resume_rng is not None
             restore[_fetched(pending, self._lookahead)] = functools.partial(
-                self._restore, self._resume_rng, pending["generators"]
+                self._resumed, pending["generators"]
             )
         track_ahead = self._lookahead > 0 and self._workers == 0
         self._state = "inside"
@@ -377,7 +383,7 @@ class TrackedLoader(LoaderProxy):
 
     def _continue_share(self, pending: dict[str, Any]) -> Any:
         """This rank's share of the rest of an epoch saved at another world size (or one continued so)."""
-        self._restore(self._resume_rng, pending["generators"])
+        self._resumed(pending["generators"])
         batches = self._share(pending)  # rebuilding the order puts the order's generators where they were
         self._epoch_start = {"rng": raw_rng(), "generators": generator_states(self._loader)}
         iterator = iter_over(self._loader, Batches(batches), self._prefetch)
@@ -388,6 +394,16 @@ class TrackedLoader(LoaderProxy):
         return iterator
 
     def _continue_epoch(self, pending: dict[str, Any]) -> Any:
+        """Rebuild the interrupted pass: its order from the RNG at the pass's start, the consumed batches
+        skipped. A replay: the global RNG is left as it was found, since another loader of the fit may
+        already have put the saved RNG back and drawn from it (``ResumeRng``)."""
+        found = capture_rng()
+        try:
+            return self._rebuild_pass(pending)
+        finally:
+            restore_rng(found)
+
+    def _rebuild_pass(self, pending: dict[str, Any]) -> Any:
         start = pending["epoch_start"]
         self._restore(start["rng"], start["generators"])
         self._epoch_start = {"rng": raw_from_safe(start["rng"]), "generators": start["generators"]}

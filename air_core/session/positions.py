@@ -18,7 +18,7 @@ from .config import SessionConfig
 from .elastic import Layout, layout_of
 from .loader import LoaderState, TrackedLoader
 from .metrics import Recorder
-from .rng import capture_rng, restore_rng
+from .rng import ResumeRng, capture_rng, restore_rng
 
 
 class Positions:
@@ -169,6 +169,7 @@ class Positions:
             self._pending = {"rng": mine["rng"], "loaders": mine["loaders"]}
         else:
             self._pending = elastic.pending(ordered, rank=self.rank, world_size=self.world_size, what=what)
+        self._pending["rng"] = ResumeRng(self._pending["rng"])  # put back once, by the first loader
         for index, tracked in enumerate(self._loaders):  # none tracked yet: later
             self._resume(tracked, index)
         self.resumed_run = ordered[0].get("mlflow_run_id") or self.resumed_run
@@ -189,8 +190,10 @@ class Positions:
         """Training starts: a restored RNG that no loader took back (none is tracked, or the checkpoint
         was saved before any was built) applies now."""
         pending = self._pending
-        if pending is not None and pending["rng"] is not None and not (self._loaders and pending["loaders"]):
-            restore_rng(pending["rng"])
+        if pending is not None and not (self._loaders and pending["loaders"]):
+            state = pending["rng"].take()
+            if state is not None:
+                restore_rng(state)
         self._pending = None
 
     def settle(self, epoch: int) -> None:

@@ -117,3 +117,21 @@ def restore_rng(state: dict[str, Any]) -> None:
                 f"process sees {count} GPU(s); resume with as many GPUs per process to resume exactly."
             )
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class ResumeRng:
+    """The RNG a checkpoint saved, put back once per resume.
+
+    It stands for one moment of the interrupted run: the save. Each loader of a fit holds it and reaches
+    its own restore point in turn (a ``CombinedLoader`` fetches its loaders one after another), and the
+    draws between two of those points (the first loader's main-process augmentation, or a new pass's
+    sampler seed) belong to the run. So only the first of them puts it back.
+    """
+
+    def __init__(self, state: dict[str, Any] | None) -> None:
+        self._state = state
+
+    def take(self) -> dict[str, Any] | None:
+        """The saved state the first time, then None (already put back, or none was saved)."""
+        state, self._state = self._state, None
+        return state

@@ -80,7 +80,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("workdir")
     p.add_argument("--workers", type=int, default=0)
-    p.add_argument("--loader", choices=["plain", "stateful", "iterable"], default="plain")
+    p.add_argument("--loader", choices=["plain", "stateful", "iterable", "two"], default="plain")
     p.add_argument("--source", choices=["module", "fit", "datamodule"], default="module")
     p.add_argument("--every", type=int, default=5, help="ModelCheckpoint every K steps (0: per epoch)")
     p.add_argument("--epochs", type=int, default=3)

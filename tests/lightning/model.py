@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 
 N_SAMPLES, DIM, BATCH = 64, 16, 4
+SHORT = 24  # the samples of the ``two`` loaders' shorter one
 
 
 class Numbered(Dataset):
@@ -42,8 +43,13 @@ class NumberedStream(IterableDataset):
 
 
 def make_loader(loader: str, workers: int, batch: int = BATCH):
-    """The train loader of the tests: ``plain`` (shuffled DataLoader), ``stateful`` (torchdata) or
-    ``iterable`` (an unsized stream)."""
+    """The train loader of the tests: ``plain`` (shuffled DataLoader), ``stateful`` (torchdata),
+    ``iterable`` (an unsized stream) or ``two``: a dict of the plain loader and a shorter shuffled one
+    (ids from 1000; Lightning's ``CombinedLoader`` starts it again each time it runs out)."""
+    if loader == "two":
+        short = Subset(Numbered(), range(SHORT))
+        cycled = DataLoader(short, batch_size=batch, shuffle=True, num_workers=workers)
+        return {"a": make_loader("plain", workers, batch), "b": cycled}
     if loader == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -84,7 +90,11 @@ class Model(pl.LightningModule):
         return make_loader(self.loader, self.workers, self.batch_size)
 
     def training_step(self, batch, batch_idx):
-        ids, x = batch
+        if isinstance(batch, dict):  # the ``two`` loaders: one batch of each
+            (ids_a, x_a), (ids_b, x_b) = batch["a"], batch["b"]
+            ids, x = torch.cat([ids_a, ids_b + 1000]), torch.cat([x_a, x_b])
+        else:
+            ids, x = batch
         # "step" numbers each batch (``sameness``); with accumulate_grad_batches several batches make one
         # optimizer step (``global_step``), so each gets its own number, the total batch index
         accumulating = self.trainer.accumulate_grad_batches > 1
@@ -115,7 +125,11 @@ class ManualModel(Model):
         self.automatic_optimization = False
 
     def training_step(self, batch, batch_idx):
-        ids, x = batch
+        if isinstance(batch, dict):  # the ``two`` loaders: one batch of each
+            (ids_a, x_a), (ids_b, x_b) = batch["a"], batch["b"]
+            ids, x = torch.cat([ids_a, ids_b + 1000]), torch.cat([x_a, x_b])
+        else:
+            ids, x = batch
         record = {"step": self.global_step // 2, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
         with open(os.path.join(self.workdir, f"ids-rank{self.global_rank}.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -270,6 +270,23 @@ def test_a_fit_with_a_finder_trains_every_sample_once_per_epoch_and_removes_its_
         assert beside.list() == [], "and so is its commit"
 
 
+@pytest.mark.parametrize(
+    ("workers", "kill"), [("0", "12:upload_start"), ("2", "12:upload_start"), ("0", "40:commit_start")]
+)
+def test_two_train_loaders_one_cycled_resume_exactly(tmp_path, reference, workers, kill):
+    """``train_dataloader`` returns two loaders; Lightning's ``CombinedLoader`` fetches one batch of each
+    per step and starts the shorter (6 batches) again each time it runs out, a new shuffle drawn from the
+    global RNG mid-epoch. Each loader is resumed, but the saved RNG goes back once, before the first
+    loader's next fetch: the second one's rebuilt pass must not move the RNG the first already took and
+    drew from (its main-process augmentation with ``num_workers=0``). Killed at 12 (resumed from 8) the
+    shorter one starts again at 12; at 40 (from 36), at 40 too, in epoch 2."""
+    args = ["--workers", workers, "--loader", "two", "--every", "4"]
+    run_job(tmp_path, *args, "--kill", kill, expect_kill=True)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(int(workers), loader="two"))
+    assert resumed_at(tmp_path) == int(kill.split(":")[0]) - 4
+
+
 # 16 batches per epoch, a save every 4 steps. The first launch is killed in the save of step 20: the
 # relaunch resumes from step 16, the checkpoint that closed epoch 0. That one is killed in the save of
 # step 28: the third resumes from step 24 (20 if 24 had not committed yet), a checkpoint written after
