@@ -263,10 +263,12 @@ class TrackedLoader(LoaderProxy):
             )
         return pending["batches"]
 
-    def _resumed(self, generators: dict[str, Any]) -> None:
-        """Put the loader's generators back as saved, and the saved global RNG unless another loader of
-        the fit put it back already (``ResumeRng``)."""
-        self._restore(self._resume_rng.take() if self._resume_rng is not None else None, generators)
+    def _resumed(self, generators: dict[str, Any], *, fetch: bool = False) -> None:
+        """Put the loader's generators and the saved global RNG back; ``fetch``: before this loader's next
+        fetch, where only the first of the fit's loaders puts the RNG back (``ResumeRng``)."""
+        rng = self._resume_rng
+        state = None if rng is None else rng.at_fetch() if fetch else rng.state
+        self._restore(state, generators)
 
     def _restore(self, rng: dict[str, Any] | None, generators: dict[str, Any]) -> None:
         if rng is not None:
@@ -306,7 +308,7 @@ class TrackedLoader(LoaderProxy):
             for k, state in enumerate(pending["ahead"]):
                 restore[consumed + k] = functools.partial(restore_rng, state)
             restore[_fetched(pending, self._lookahead)] = functools.partial(
-                self._resumed, pending["generators"]
+                self._resumed, pending["generators"], fetch=True
             )
         track_ahead = self._lookahead > 0 and self._workers == 0
         self._state = "inside"
@@ -396,7 +398,7 @@ class TrackedLoader(LoaderProxy):
     def _continue_epoch(self, pending: dict[str, Any]) -> Any:
         """Rebuild the interrupted pass: its order from the RNG at the pass's start, the consumed batches
         skipped. A replay: the global RNG is left as it was found, since another loader of the fit may
-        already have put the saved RNG back and drawn from it (``ResumeRng``)."""
+        already have put the saved RNG back before its fetch and drawn from it (``ResumeRng``)."""
         found = capture_rng()
         try:
             return self._rebuild_pass(pending)

@@ -169,7 +169,7 @@ class Positions:
             self._pending = {"rng": mine["rng"], "loaders": mine["loaders"]}
         else:
             self._pending = elastic.pending(ordered, rank=self.rank, world_size=self.world_size, what=what)
-        self._pending["rng"] = ResumeRng(self._pending["rng"])  # put back once, by the first loader
+        self._pending["rng"] = ResumeRng(self._pending["rng"])  # shared by the fit's loaders
         for index, tracked in enumerate(self._loaders):  # none tracked yet: later
             self._resume(tracked, index)
         self.resumed_run = ordered[0].get("mlflow_run_id") or self.resumed_run
@@ -191,7 +191,7 @@ class Positions:
         was saved before any was built) applies now."""
         pending = self._pending
         if pending is not None and not (self._loaders and pending["loaders"]):
-            state = pending["rng"].take()
+            state = pending["rng"].state
             if state is not None:
                 restore_rng(state)
         self._pending = None

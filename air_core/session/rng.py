@@ -120,18 +120,22 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 class ResumeRng:
-    """The RNG a checkpoint saved, put back once per resume.
+    """The RNG a checkpoint saved, shared by the loaders of one fit.
 
-    It stands for one moment of the interrupted run: the save. Each loader of a fit holds it and reaches
-    its own restore point in turn (a ``CombinedLoader`` fetches its loaders one after another), and the
-    draws between two of those points (the first loader's main-process augmentation, or a new pass's
-    sampler seed) belong to the run. So only the first of them puts it back.
+    It stands for one moment of the interrupted run: the save. A resume puts it back where that moment
+    falls: at once, or at an epoch's start (every loader may do so), or before the next fetch. Each
+    loader of a fit reaches its next fetch in turn (a ``CombinedLoader`` fetches them one after another),
+    and the draws between two of those fetches (the first loader's main-process augmentation, a new
+    pass's sampler seed) belong to the run, so only the first loader puts it back there.
     """
 
     def __init__(self, state: dict[str, Any] | None) -> None:
-        self._state = state
+        self.state = state
+        self._fetched = False
 
-    def take(self) -> dict[str, Any] | None:
-        """The saved state the first time, then None (already put back, or none was saved)."""
-        state, self._state = self._state, None
-        return state
+    def at_fetch(self) -> dict[str, Any] | None:
+        """The saved state for the first loader to reach its next fetch; None for the others."""
+        if self._fetched:
+            return None
+        self._fetched = True
+        return self.state
