@@ -14,7 +14,7 @@ from .metrics import Recorder
 from .mlflow_sink import MlflowSink
 from .paths import Owner, Paths, Place, entry_of, entry_of_commit, safe_name, split
 from .preemption import FlushOnSigterm
-from .rng import capture_rng, raw_from_safe, restore_rng
+from .rng import ResumeRng, capture_rng, raw_from_safe, restore_rng
 from .session import TrainingSession
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "Paths",
     "Place",
     "Recorder",
+    "ResumeRng",
     "SessionConfig",
     "TrackedLoader",
     "TrainingSession",

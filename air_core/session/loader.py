@@ -169,7 +169,7 @@ class TrackedLoader(LoaderProxy):
                 pos["stream"] = dict(self._stream)
         return pos
 
-    def resume(self, position: dict[str, Any], rng: dict[str, Any] | ResumeRng | None) -> int:
+    def resume(self, position: dict[str, Any], rng: ResumeRng) -> int:
         """Continue at ``position`` (``rng``: the global RNG saved with it; the loaders of one fit share
         one ``ResumeRng``); return the epoch the training loop re-enters (at ``end`` the consumer's own
         epoch counter must move one past it).
@@ -186,16 +186,14 @@ class TrackedLoader(LoaderProxy):
                 f"resume: the checkpoint's loader position was saved for a {position['mode']!r} loader, this "
                 f"run's loader resumes by {self.mode!r}; resume with the same kind of loader."
             )
-        self._resume_rng = rng if isinstance(rng, ResumeRng) else ResumeRng(rng)
+        self._resume_rng = rng
         if position["where"] == "start":
             self._resumed(position["generators"])
         else:
             self._pending = position
         return int(position["epoch"])
 
-    def resume_elastic(
-        self, positions: list[dict[str, Any]], rng: dict[str, Any] | ResumeRng | None, *, mine: int | None
-    ) -> int:
+    def resume_elastic(self, positions: list[dict[str, Any]], rng: ResumeRng, *, mine: int | None) -> int:
         """Continue from every saved rank's position (in rank order) at this run's world size; return the
         epoch the training loop re-enters (as ``resume``).
 
@@ -219,7 +217,7 @@ class TrackedLoader(LoaderProxy):
                 "epoch ends."
             )
         generators = positions[mine]["generators"] if mine is not None else {}
-        self._resume_rng = rng if isinstance(rng, ResumeRng) else ResumeRng(rng)
+        self._resume_rng = rng
         if where.where == "start":
             self._resumed(generators)
         else:
@@ -267,8 +265,8 @@ class TrackedLoader(LoaderProxy):
         """Put the loader's generators and the saved global RNG back; ``fetch``: before this loader's next
         fetch, where only the first of the fit's loaders puts the RNG back (``ResumeRng``)."""
         rng = self._resume_rng
-        state = None if rng is None else rng.at_fetch() if fetch else rng.state
-        self._restore(state, generators)
+        assert rng is not None  # set by resume or resume_elastic
+        self._restore(rng.at_fetch() if fetch else rng.state, generators)
 
     def _restore(self, rng: dict[str, Any] | None, generators: dict[str, Any]) -> None:
         if rng is not None:

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_air import AirAccelerator, AirPlugin
 from air_core import ConfigError, HealthCheckError, StorageError
+from air_core.session import ResumeRng
 from tests.accelerate.runs import run_job
 
 
@@ -216,7 +217,7 @@ def test_a_0_1_rank_file_resumes_the_same_batches_through_the_migration():
     assert state["world_size"] == 1 and state["mlflow_run_id"] == "abc" and state["loaders"][1] is None
     torch.manual_seed(99)
     again = TrackedLoader(loader(), epoch=lambda: 0)
-    again.resume(state["loaders"][0], state["rng"])
+    again.resume(state["loaders"][0], ResumeRng(state["rng"]))
     assert [b.tolist() for b in again] == rest, "the 0.1 position resumes the same batches"
 
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from air_core import ConfigError, StorageError
 from air_core.data import FileCache, RemoteFiles
-from air_core.session import TrackedLoader, capture_rng
+from air_core.session import ResumeRng, TrackedLoader, capture_rng
 from tests.faults.s3proxy import FaultProxy
 
 N, SIZE = 40, 64 << 10  # 40 files of 64 KiB
@@ -107,7 +107,7 @@ def test_a_resume_mid_epoch_prefetches_from_the_resume_point(shards, tmp_path, c
     cache2, dataset2 = build(shards, tmp_path / ("cache" if cache_kind == "warm" else "cold"), budget_files=N)
     torch.manual_seed(99)  # a new process: the resume puts the RNG back
     again = TrackedLoader(loader(dataset2, workers=workers, batch=1), epoch=lambda: 0)
-    again.resume(position, rng)
+    again.resume(position, ResumeRng(rng))
     rest = [int(b) for b in again]
     cache2.close()
     assert first + rest == full, "no repeats, no skips"
@@ -143,7 +143,7 @@ def test_persistent_workers_resume_mid_epoch_then_run_whole_epochs_through_the_c
     cache2, again = make(tmp_path / "cold")
     epoch[0] = 0
     torch.manual_seed(99)
-    again.resume(position, rng)
+    again.resume(position, ResumeRng(rng))
     assert [b.tolist() for b in again] == rest
     epoch[0] = 1
     assert [b.tolist() for b in again] == following, "the next epoch is whole, in the uninterrupted order"

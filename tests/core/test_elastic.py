@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
 from air_core import ConfigError
-from air_core.session import SessionConfig, TrackedLoader, TrainingSession, capture_rng
+from air_core.session import ResumeRng, SessionConfig, TrackedLoader, TrainingSession, capture_rng
 from air_core.session.elastic import DealtBatches, layout_of
 
 N_SAMPLES, BATCH = 30, 4
@@ -94,7 +94,10 @@ def test_rest_of_a_distributed_epoch_is_split_over_another_world_size_each_sampl
     for rank in range(new_world):
         tracked = make(new_world, rank, 1, workers) if new_world > 1 else _one_process(1)
         mine = rank if rank < 2 else None
-        assert tracked.resume_elastic(positions, rngs[mine] if mine is not None else None, mine=mine) == 1
+        assert (
+            tracked.resume_elastic(positions, ResumeRng(rngs[mine] if mine is not None else None), mine=mine)
+            == 1
+        )
         left = tracked.batches_left()
         shares.append(_rest(tracked))
         assert left == len(shares[-1]), "batches_left() announces this rank's share"
@@ -112,7 +115,7 @@ def test_the_next_epoch_after_an_elastic_resume_is_the_frameworks_own():
     sampler = DistributedSampler(Ids(), num_replicas=3, rank=1, shuffle=True, seed=7)
     loader = DataLoader(Ids(), batch_size=BATCH, sampler=sampler)
     tracked = TrackedLoader(loader, epoch=lambda: epoch["e"], layout=layout_of(loader, world_size=3))
-    tracked.resume_elastic(positions, rngs[1], mine=1)
+    tracked.resume_elastic(positions, ResumeRng(rngs[1]), mine=1)
     _rest(tracked)
     epoch["e"] = 2
     sampler.set_epoch(2)
@@ -125,7 +128,9 @@ def test_a_second_resume_inside_an_elastic_epoch_continues_its_split():
     new_positions, new_rngs = [], []
     for rank in range(3):
         tracked = _distributed(3, rank, 1)
-        tracked.resume_elastic(positions, rngs[rank] if rank < 2 else None, mine=rank if rank < 2 else None)
+        tracked.resume_elastic(
+            positions, ResumeRng(rngs[rank] if rank < 2 else None), mine=rank if rank < 2 else None
+        )
         ids, (position, rng) = _take(tracked, 1)
         seen += ids
         new_positions.append(position)
@@ -135,10 +140,10 @@ def test_a_second_resume_inside_an_elastic_epoch_continues_its_split():
     rest_same = []
     for rank in range(3):
         tracked = _distributed(3, rank, 1)
-        tracked.resume(new_positions[rank], new_rngs[rank])
+        tracked.resume(new_positions[rank], ResumeRng(new_rngs[rank]))
         rest_same += [i for batch in _rest(tracked) for i in batch]
     again = _distributed(1, 0, 1)
-    again.resume_elastic(new_positions, new_rngs[0], mine=0)
+    again.resume_elastic(new_positions, ResumeRng(new_rngs[0]), mine=0)
     rest_one = [i for batch in _rest(again) for i in batch]
     assert Counter(seen + rest_one) == Counter(range(N_SAMPLES)), "2 -> 3 -> 1: each sample once"
     # 2 samples left for 3 ranks: one is repeated to pad, as it was in the interrupted split.
@@ -190,7 +195,9 @@ def test_rest_of_an_epoch_of_dealt_batches_is_dealt_anew_each_sample_once(new_wo
         # A one-process run has no synchronized generator: the checkpoint's is continued.
         dealt = Dealt(new_world, rank, None if new_world == 1 else torch.Generator().manual_seed(99))
         tracked = dealt.loader(1)
-        tracked.resume_elastic(positions, rngs[rank] if rank < 2 else None, mine=rank if rank < 2 else None)
+        tracked.resume_elastic(
+            positions, ResumeRng(rngs[rank] if rank < 2 else None), mine=rank if rank < 2 else None
+        )
         shares.append(_rest(tracked))
     assert len({len(s) for s in shares}) == 1, "every rank runs the same number of steps"
     counts = Counter(seen + [i for s in shares for b in s for i in b])
@@ -206,7 +213,7 @@ def test_ranks_out_of_lockstep_are_refused():
         positions.append(position)
         rngs.append(rng)
     with pytest.raises(ConfigError, match="different numbers of batches"):
-        _distributed(3, 0, 1).resume_elastic(positions, rngs[0], mine=0)
+        _distributed(3, 0, 1).resume_elastic(positions, ResumeRng(rngs[0]), mine=0)
 
 
 class Stream(IterableDataset):
@@ -218,13 +225,13 @@ def test_a_loader_that_cannot_be_resharded_is_refused_with_the_fix():
     _, positions, rngs = _saved_at(2, k=1)
     tracked = TrackedLoader(DataLoader(Stream(), batch_size=BATCH), epoch=lambda: 1, layout=None)
     with pytest.raises(ConfigError, match="Resume with the number of processes"):
-        tracked.resume_elastic(positions, rngs[0], mine=0)
+        tracked.resume_elastic(positions, ResumeRng(rngs[0]), mine=0)
 
 
 def test_a_position_that_does_not_say_how_its_epoch_was_dealt_is_refused():
     _, positions, rngs = _saved_at(1, k=1, make=lambda w, r, e: _one_process(e))
     with pytest.raises(ConfigError, match="does not say how epoch 1's order was dealt"):
-        _distributed(2, 0, 1).resume_elastic(positions, rngs[0], mine=0)
+        _distributed(2, 0, 1).resume_elastic(positions, ResumeRng(rngs[0]), mine=0)
 
 
 # -- the session ---------------------------------------------------------------------------------------

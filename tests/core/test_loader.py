@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from air_core.session import TrackedLoader, capture_rng, restore_rng
+from air_core.session import ResumeRng, TrackedLoader, capture_rng, restore_rng
 
 
 def _draws() -> tuple:
@@ -127,7 +127,7 @@ def test_resume_mid_epoch_sees_the_same_samples_augmentation_and_rng(workers, lo
     torch.manual_seed(99), np.random.seed(99), random.seed(99)  # a new process: all differs until the resume
     loader = _loader(workers, **kwargs)
     again = TrackedLoader(loader, epoch=lambda: 0, lookahead=lookahead)
-    assert again.resume(position, rng) == 0
+    assert again.resume(position, ResumeRng(rng)) == 0
     assert _consume(consumer(again), 10 - consumed) == rest, "same samples, augmentation and RNG"
     if workers == 0:
         assert loader.dataset.reads == 4 * (10 - consumed), "the consumed samples are skipped, not re-read"
@@ -147,7 +147,7 @@ def test_persistent_workers_keep_their_streams_across_epochs_and_a_resume():
 
     torch.manual_seed(99)
     again = TrackedLoader(_loader(2, persistent_workers=True), epoch=lambda: epoch[0])
-    again.resume(position, rng)
+    again.resume(position, ResumeRng(rng))
     assert _consume(iter(again), 7) == rest, "epoch 2's worker streams continue epoch 1's"
 
 
@@ -167,14 +167,14 @@ def test_at_an_epoch_end_resume_gives_an_empty_pass_then_the_next_epoch():
     torch.manual_seed(99)
     epoch[0] = 0
     again = TrackedLoader(_loader(), epoch=lambda: epoch[0], reenter=True)
-    assert again.resume(position, rng) == 0
+    assert again.resume(position, ResumeRng(rng)) == 0
     assert list(again) == [], "the finished epoch yields nothing"
     epoch[0] = 1
     assert _consume(iter(again), 10) == expected
 
     torch.manual_seed(99)
     moved_on = TrackedLoader(_loader(), epoch=lambda: epoch[0])  # a consumer that goes on to the next epoch
-    moved_on.resume(position, rng)
+    moved_on.resume(position, ResumeRng(rng))
     assert _consume(iter(moved_on), 10) == expected
 
 
@@ -193,7 +193,7 @@ def test_a_position_after_the_last_batch_of_a_sized_loader_resumes_into_the_next
 
     torch.manual_seed(99)
     again = TrackedLoader(_loader(2), epoch=lambda: epoch[0])
-    again.resume(position, rng)
+    again.resume(position, ResumeRng(rng))
     assert _consume(iter(again), 10) == expected, "the next epoch, as if the run had gone on"
 
 
@@ -214,7 +214,7 @@ def test_a_stateful_loader_resumes_from_its_own_state_with_its_workers_rng():
 
     torch.manual_seed(99)
     again = TrackedLoader(loader(), epoch=lambda: 0)
-    again.resume(position, rng)
+    again.resume(position, ResumeRng(rng))
     assert _consume(iter(again), 5) == rest, "same samples, worker augmentation and RNG"
 
 
@@ -232,7 +232,7 @@ def test_an_iterable_without_state_is_re_read_with_a_progress_line(caplog):
 
     torch.manual_seed(99)
     again = TrackedLoader(loader(), epoch=lambda: 0, lookahead=1)
-    again.resume(position, rng)
+    again.resume(position, ResumeRng(rng))
     with caplog.at_level(logging.INFO, logger="air_core.session.loader"):
         assert _consume(_one_ahead(again), 6) == rest
     assert "re-reading 4 consumed batch(es)" in caplog.text

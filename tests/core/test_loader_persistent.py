@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader
 
-from air_core.session import TrackedLoader, capture_rng
+from air_core.session import ResumeRng, TrackedLoader, capture_rng
 
 
 def _loader() -> DataLoader:
@@ -27,7 +27,7 @@ def test_the_epoch_after_a_resume_mid_epoch_is_whole_and_in_the_uninterrupted_or
     torch.manual_seed(99)
     epoch[0] = 0
     again = TrackedLoader(_loader(), epoch=lambda: epoch[0])
-    again.resume(position, rng)
+    again.resume(position, ResumeRng(rng))
     assert [b.tolist() for b in again] == rest
     epoch[0] = 1
     assert [b.tolist() for b in again] == following, "10 batches, not 7: the skip was for the resumed pass"
