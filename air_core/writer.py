@@ -124,8 +124,11 @@ class Writer:
         """Rank 0: raises if another launch took the root over (called before a commit or a delete)."""
         self._queue: queue.Queue[SaveJob | DeleteJob | None] = queue.Queue()
         self._lock = threading.Lock()
-        """Guards ``_busy`` and ``_thread`` (the training thread submits, the writer thread releases)."""
+        """Guards ``_thread``; held by the training thread only around calls that never wait on the writer
+        thread. Its SIGTERM handler (the preemption flush) may run inside ``submit`` and wait for the saves
+        in flight, so nothing the writer needs to finish one is held there."""
         self._busy: set[str] = set()
+        """Set operations are atomic; no lock (see ``_lock``)."""
         self.kept: frozenset[str] = frozenset()
         """Checkpoints retention counts as newest (``AsyncCheckpointer.keep``); replaced, never mutated."""
         self._deferred: set[str] = set()
@@ -147,20 +150,26 @@ class Writer:
 
     @property
     def busy(self) -> frozenset[str]:
-        """Names of the saves submitted and not yet committed or failed (a copy; never blocks long)."""
-        with self._lock:
-            return frozenset(self._busy)
+        """Names of the saves submitted and not yet committed or failed (a copy)."""
+        return frozenset(self._busy)
 
     def submit(self, job: SaveJob | DeleteJob | None) -> None:
-        """Queue ``job`` (None: let the thread exit once idle) and start the thread if it is not running."""
+        """Queue ``job`` (None: let the thread exit once idle) and start the thread if it is not running.
+
+        The thread starts outside ``_lock``: ``Thread.start`` waits for it, and a SIGTERM that arrived
+        meanwhile ran the flush there, waiting for this very save while the lock was held."""
+        if isinstance(job, SaveJob):
+            self._busy.add(job.name)
+            self._training_nice = own_nice()
         with self._lock:
-            if isinstance(job, SaveJob):
-                self._busy.add(job.name)
-                self._training_nice = own_nice()
             self._queue.put(job)
+            thread = None
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"air-writer-r{self._config.rank}")
-                self._thread.start()
+                thread = self._thread = threading.Thread(
+                    target=self._run, name=f"air-writer-r{self._config.rank}"
+                )
+        if thread is not None:
+            thread.start()
 
     def stop(self, timeout_seconds: float) -> bool:
         """Finish queued jobs and let the thread exit; return whether it did within the bound."""
@@ -462,8 +471,7 @@ class Writer:
             job.released = True
             job.snapshot.wait_copied()
             job.snapshot.remove_spill()
-            with self._lock:
-                self._busy.discard(job.name)
+            self._busy.discard(job.name)
             self._pool.give_back(job.snapshot.buffer)
 
     def _record(self, job: SaveJob, run: _Progress, error: str = "") -> None:
