@@ -125,6 +125,10 @@ class AirAccelerator(Accelerator):
         self._air_positioned: dict[int, int] = {}
         """Loaders whose position ``load_state`` restored -> their epoch then (``skip_first_batches``)."""
         self._air_said_skip = False
+        self._air_reentering = False
+        """Inside ``resume()``: the loop re-enters the epoch of a position at its end
+        (``range(resume(), n)``); a plain ``load_state`` is followed by Accelerate's recipe, which starts
+        the next epoch."""
         self._air_step_hook: Any = None
         self._air_started = False
         if air_plugin.session.local_every_n_steps:
@@ -172,7 +176,6 @@ class AirAccelerator(Accelerator):
             self.air_session,
             prepared,
             on_fetch=self._air_record_fetch,
-            reenter=True,  # resume() returns the finished epoch: the loop runs the code after its batches
             who="AirAccelerator",
             training=self._air_training,
         ):
@@ -384,14 +387,16 @@ class AirAccelerator(Accelerator):
             return
         mine = self.process_index if self.process_index in states else 0  # a process the checkpoint lacked
         self.completed_steps = airs[mine]["completed_steps"]
-        self.air_session.positions.restore({r: states[r] for r in needed}, what=what)
+        reenter = self._air_reentering
+        self.air_session.positions.restore({r: states[r] for r in needed}, what=what, reenter=reenter)
         tracked = [dl for dl in dataloaders(self) if id(dl) in self._air_tracked]
         for dl, position in zip(tracked, states[mine]["loaders"], strict=True):
             if position is None:
                 continue
-            # At an epoch's end the loop re-enters that epoch for the code after its batches; the
-            # loader's next real pass is the following epoch.
-            dl.iteration = position["epoch"] + (1 if position["where"] == "end" else 0)
+            # At an epoch's end, a loop that re-enters that epoch for the code after its batches moves
+            # the loader's counter when it asks for the batch after the last (``track_prepared``), as
+            # the uninterrupted one did; Accelerate's recipe starts the next epoch at once.
+            dl.iteration = position["epoch"] + (1 if position["where"] == "end" and not reenter else 0)
             self._air_positioned[id(dl)] = dl.iteration  # skip_first_batches must not skip again
             if dl is tracked[0]:
                 self.start_epoch = position["epoch"]
@@ -461,16 +466,20 @@ class AirAccelerator(Accelerator):
         """
         latest = self._air.latest()
         resumed = self.air_session.recover(latest.step if latest is not None else None)
-        if resumed is not None:  # the local tier holds a newer complete state than the root
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(self.air_session.watchdog_paused())
-                ckpt = stack.enter_context(self.air_session.reader(resumed.root))
-                self._air_load_commit(ckpt, None, stack, flat=False, resumed=resumed)
-            return self.start_epoch
-        if latest is None:
+        if resumed is None and latest is None:
             logger.info("AirAccelerator: nothing committed under %s; starting fresh", self.air_plugin.root)
             return 0
-        self.load_state()
+        self._air_reentering = True
+        try:
+            if resumed is None:
+                self.load_state()
+            else:  # the local tier holds a newer complete state than the root
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(self.air_session.watchdog_paused())
+                    ckpt = stack.enter_context(self.air_session.reader(resumed.root))
+                    self._air_load_commit(ckpt, None, stack, flat=False, resumed=resumed)
+        finally:
+            self._air_reentering = False
         return self.start_epoch
 
     # -- MLflow run --------------------------------------------------------------------------

@@ -28,15 +28,13 @@ def track_prepared(
     prepared: Any,
     *,
     on_fetch: Callable[[float, int], None] | None,
-    reenter: bool,
     who: str,
     training: Callable[[], bool] | None = None,
 ) -> bool:
     """Put ``prepared``'s position in ``session.positions``; False where Accelerate keeps it or none can.
 
-    ``reenter``: after a resume from an epoch's end the loop iterates that epoch once more (a plain
-    ``for epoch in range(start, n)`` loop) rather than starting the next. ``who`` names the caller in
-    warnings. ``training``: whether a fetch now is for training (``Positions.track``).
+    ``who`` names the caller in warnings. ``training``: whether a fetch now is for training
+    (``Positions.track``).
     """
     if type(prepared) is not DataLoaderShard:
         if getattr(prepared, "use_stateful_dataloader", False):  # its position is Accelerate's own state
@@ -62,7 +60,9 @@ def track_prepared(
         # Accelerate corrects a stateful loader's state for that batch.
         exact_state=(prepared.state_dict, prepared.load_state_dict) if stateful else None,
         on_fetch=on_fetch,
-        reenter=reenter,
+        # A shard counts its epoch when asked for the batch after its last; a loop that re-enters an
+        # epoch after a resume at its end (``resume(reenter=True)``) asks then.
+        on_reenter=lambda: setattr(prepared, "iteration", prepared.iteration + 1),
         layout=batch_layout(base),  # how the batches are dealt to processes, for a resume at another count
         training=training,
     )

@@ -249,9 +249,7 @@ class AirTrainerCallback(TrainerCallback):
         if self.positioned:  # Trainer rebuilt it (auto_find_batch_size retries with a smaller batch)
             self.session.positions.forget()
             self.positioned = set()
-        if track_prepared(
-            self.session, prepared, on_fetch=self.session.record_fetch, reenter=False, who="AirTrainer"
-        ):
+        if track_prepared(self.session, prepared, on_fetch=self.session.record_fetch, who="AirTrainer"):
             self.positioned.add(id(prepared))
 
     def skips(self, loader: Any, batches: int) -> bool:

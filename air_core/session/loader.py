@@ -65,9 +65,10 @@ class TrackedLoader(LoaderProxy):
         exact_state: ``(state_dict, load_state_dict)`` giving the loader's state at the consumed position
             (a framework that corrects its own prefetch). Default: the loader's own, if it has one and
             ``lookahead`` is 0.
-        reenter: after a resume from the end of an epoch, the consumer iterates that epoch once more
-            (and gets no batch) before the next one, as a loop ``for epoch in range(start, n)`` does
-            (Accelerate); otherwise its next pass is the next epoch (Lightning).
+        on_reenter: called when the consumer re-enters the finished epoch of a resume that said so
+            (``resume(reenter=True)``): a framework that counts its epochs when the consumer asks for the
+            batch after an epoch's last (Accelerate's loader) moves its counter then, as the uninterrupted
+            run's moved after the save.
         layout: how the loader is sharded over ranks (``elastic.layout_of``, or an adapter's); None:
             its epochs cannot be resumed at another world size.
     """
@@ -80,14 +81,16 @@ class TrackedLoader(LoaderProxy):
         lookahead: int = 0,
         on_fetch: Callable[[float, int], None] | None = None,
         exact_state: LoaderState | None = None,
-        reenter: bool = False,
+        on_reenter: Callable[[], None] | None = None,
         layout: Layout | None = None,
         between_steps: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(loader)
         self._between_steps = between_steps
         self._layout = layout
-        self._reenter = reenter
+        self._on_reenter = on_reenter
+        self._reenter = False  # this resume's (``resume``)
+        self._reentered = False  # this loader's last pass re-entered a finished epoch
         self._epoch_fn = epoch
         self._lookahead = lookahead
         self._on_fetch = on_fetch
@@ -169,10 +172,14 @@ class TrackedLoader(LoaderProxy):
                 pos["stream"] = dict(self._stream)
         return pos
 
-    def resume(self, position: dict[str, Any], rng: ResumeRng) -> int:
+    def resume(self, position: dict[str, Any], rng: ResumeRng, *, reenter: bool = False) -> int:
         """Continue at ``position`` (``rng``: the global RNG saved with it; the loaders of one fit share
-        one ``ResumeRng``); return the epoch the training loop re-enters (at ``end`` the consumer's own
-        epoch counter must move one past it).
+        one ``ResumeRng``); return the epoch of the position.
+
+        ``reenter``: after a resume from the end of an epoch the consumer iterates that epoch once more
+        (and gets no batch) before the next one, as a loop ``for epoch in range(resume(), n)`` does;
+        otherwise (Lightning, Accelerate's documented recipe) its next pass is the next epoch, and the
+        consumer's own epoch counter must move one past the position's.
 
         Raises:
             ConfigError: the position was saved from a loader resumed another way (another kind of loader).
@@ -180,22 +187,24 @@ class TrackedLoader(LoaderProxy):
         if position["where"] == "inside" and position.get("stream", {}).get("split"):
             # An epoch continued at another world size: its order is not the sampler's, so it goes on
             # the same way (the peers are in lockstep).
-            return self.resume_elastic([position], rng, mine=0)
+            return self.resume_elastic([position], rng, mine=0, reenter=reenter)
         if position.get("mode", self.mode) != self.mode:
             raise ConfigError(
                 f"resume: the checkpoint's loader position was saved for a {position['mode']!r} loader, this "
                 f"run's loader resumes by {self.mode!r}; resume with the same kind of loader."
             )
-        self._resume_rng = rng
+        self._resume_rng, self._reenter = rng, reenter
         if position["where"] == "start":
             self._resumed(position["generators"])
         else:
             self._pending = position
         return int(position["epoch"])
 
-    def resume_elastic(self, positions: list[dict[str, Any]], rng: ResumeRng, *, mine: int | None) -> int:
+    def resume_elastic(
+        self, positions: list[dict[str, Any]], rng: ResumeRng, *, mine: int | None, reenter: bool = False
+    ) -> int:
         """Continue from every saved rank's position (in rank order) at this run's world size; return the
-        epoch the training loop re-enters (as ``resume``).
+        epoch of the positions (``reenter`` as for ``resume``).
 
         The rest of an interrupted epoch is split over this run's ranks (``elastic.py``): every sample of
         it once, batches composed anew. ``mine``: this rank's index in ``positions`` (None for a rank the
@@ -217,7 +226,7 @@ class TrackedLoader(LoaderProxy):
                 "epoch ends."
             )
         generators = positions[mine]["generators"] if mine is not None else {}
-        self._resume_rng = rng
+        self._resume_rng, self._reenter = rng, reenter
         if where.where == "start":
             self._resumed(generators)
         else:
@@ -261,12 +270,22 @@ class TrackedLoader(LoaderProxy):
             )
         return pending["batches"]
 
-    def _resumed(self, generators: dict[str, Any], *, fetch: bool = False) -> None:
-        """Put the loader's generators and the saved global RNG back; ``fetch``: before this loader's next
-        fetch, where only the first of the fit's loaders puts the RNG back (``ResumeRng``)."""
+    def _resumed(self, generators: dict[str, Any]) -> None:
+        """Put the loader's generators and the saved global RNG back."""
         rng = self._resume_rng
         assert rng is not None  # set by resume or resume_elastic
-        self._restore(rng.at_fetch() if fetch else rng.state, generators)
+        self._restore(rng.state, generators)
+
+    def _resumed_at_fetch(self, generators: dict[str, Any], found: dict[str, Any] | None) -> None:
+        """Before the first fetch after the save's: the loader's generators go back, and the global RNG
+        goes back to the saved one for the first of the fit's loaders to get here (``ResumeRng``). Another
+        loader puts back ``found``, the RNG as its pass began: replaying its batches fetched ahead of the
+        save, each from the RNG it had then, moved it (an Accelerate loop zipping two loaders fetches two
+        batches of the first before the second's pass begins)."""
+        rng = self._resume_rng
+        assert rng is not None  # set by resume or resume_elastic
+        saved = rng.at_fetch()
+        self._restore(saved if saved is not None else found, generators)
 
     def _restore(self, rng: dict[str, Any] | None, generators: dict[str, Any]) -> None:
         if rng is not None:
@@ -286,12 +305,26 @@ class TrackedLoader(LoaderProxy):
         self._ahead.clear()
         if self._ledger is not None:
             self._ledger.new_pass()
+        rng = self._resume_rng
+        if self._reentered:  # the pass after this loader's re-entry: the consumer left that epoch
+            self._reentered = False
+            assert rng is not None
+            rng.moved_on = True
         if pending is not None and self._is_over(pending, self._epoch):
-            self._resumed(pending["generators"])
-            if self._reenter:  # the consumer re-enters the finished epoch: nothing to fetch or draw
+            assert rng is not None
+            if self._reenter and not rng.moved_on:
+                # The consumer re-enters the finished epoch: nothing to fetch or draw. Only the first
+                # loader of the fit to get here puts the saved RNG back, as at a fetch.
+                self._resumed_at_fetch(pending["generators"], None)
+                self._reentered = True
+                if self._on_reenter is not None:
+                    self._on_reenter()
                 self._state = "end"
                 return
-            pending = None  # the next epoch starts fresh from the saved RNG
+            # The next epoch starts fresh, from the saved RNG unless another loader of the fit fetched
+            # since (a loader ``zip`` never asked for the batch after its last: the first stopped it).
+            self._resumed_at_fetch(pending["generators"], None)
+            pending = None
         restore: dict[int, Callable[[], None]] = {}
         if pending is None:
             iterator = self._start_epoch()
@@ -305,8 +338,9 @@ class TrackedLoader(LoaderProxy):
             consumed = pending["consumed"]
             for k, state in enumerate(pending["ahead"]):
                 restore[consumed + k] = functools.partial(restore_rng, state)
+            found = capture_rng() if pending["ahead"] else None
             restore[_fetched(pending, self._lookahead)] = functools.partial(
-                self._resumed, pending["generators"], fetch=True
+                self._resumed_at_fetch, pending["generators"], found
             )
         track_ahead = self._lookahead > 0 and self._workers == 0
         self._state = "inside"

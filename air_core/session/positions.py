@@ -53,7 +53,7 @@ class Positions:
         lookahead: int = 0,
         exact_state: LoaderState | None = None,
         on_fetch: Callable[[float, int], None] | None = None,
-        reenter: bool = False,
+        on_reenter: Callable[[], None] | None = None,
         layout: Layout | None = None,
         training: Callable[[], bool] | None = None,
     ) -> TrackedLoader:
@@ -76,7 +76,7 @@ class Positions:
             lookahead=lookahead,
             on_fetch=on_fetch or self._on_fetch,
             exact_state=exact_state,
-            reenter=reenter,
+            on_reenter=on_reenter,
             layout=layout or layout_of(loader, world_size=self.world_size),
             between_steps=_only_when(training, self._between_steps),
         )
@@ -108,11 +108,13 @@ class Positions:
             return
         if "mine" not in pending:  # the saved world size
             if pending["loaders"][index] is not None:
-                tracked.resume(pending["loaders"][index], pending["rng"])
+                tracked.resume(pending["loaders"][index], pending["rng"], reenter=pending["reenter"])
             return
         positions = pending["loaders"][index]  # every saved rank's
         if all(p is not None for p in positions):
-            tracked.resume_elastic(positions, pending["rng"], mine=pending["mine"])
+            tracked.resume_elastic(
+                positions, pending["rng"], mine=pending["mine"], reenter=pending["reenter"]
+            )
 
     def state(self, mlflow_run_id: str | None, mlflow_run_key: str | None) -> dict[str, Any]:
         """This rank's part of a checkpoint: RNG (captured once), every loader's position, the MLflow run
@@ -135,9 +137,10 @@ class Positions:
             return list(range(saved_world_size))
         return [self.rank] if self.rank < saved_world_size else []
 
-    def restore(self, states: Mapping[int, dict[str, Any]], *, what: str) -> None:
+    def restore(self, states: Mapping[int, dict[str, Any]], *, what: str, reenter: bool = False) -> None:
         """Continue from the checkpoint ``what``: ``states`` maps saved ranks to their ``rank_state``
-        (the ranks ``ranks_to_load`` names).
+        (the ranks ``ranks_to_load`` names). ``reenter``: the training loop re-enters the epoch of a
+        position at its end (``TrackedLoader.resume``).
 
         At the saved world size this rank continues exactly where it was. At another one (with
         ``elastic``) the rest of each interrupted epoch is split over this run's ranks, each sample
@@ -170,6 +173,7 @@ class Positions:
         else:
             self._pending = elastic.pending(ordered, rank=self.rank, world_size=self.world_size, what=what)
         self._pending["rng"] = ResumeRng(self._pending["rng"])  # shared by the fit's loaders
+        self._pending["reenter"] = reenter
         for index, tracked in enumerate(self._loaders):  # none tracked yet: later
             self._resume(tracked, index)
         self.resumed_run = ordered[0].get("mlflow_run_id") or self.resumed_run

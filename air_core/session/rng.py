@@ -132,6 +132,10 @@ class ResumeRng:
     def __init__(self, state: dict[str, Any] | None) -> None:
         self.state = state
         self._fetched = False
+        self.moved_on = False
+        """After a resume at an epoch's end that the consumer re-entered: a loader began its pass after
+        that re-entry, so the consumer left the finished epoch. A loader of the fit it never asked for a
+        batch meanwhile (the second of ``zip(a, b)``: ``a`` ran out first) begins the next epoch."""
 
     def at_fetch(self) -> dict[str, Any] | None:
         """The saved state for the first loader to reach its next fetch; None for the others."""

@@ -43,13 +43,15 @@ N_SAMPLES, DIM, BATCH = 64, 16, 4
 
 
 class Numbered(Dataset):
-    def __init__(self, augment_from_rng: bool = True) -> None:
+    def __init__(self, augment_from_rng: bool = True, first_id: int = 0) -> None:
         self.augment_from_rng = augment_from_rng
+        self.first_id = first_id
 
     def __len__(self) -> int:
         return N_SAMPLES
 
     def __getitem__(self, i: int):
+        i += self.first_id
         x = torch.randn(DIM, generator=torch.Generator().manual_seed(i))
         if not self.augment_from_rng:
             return i, x
@@ -188,6 +190,7 @@ def main() -> None:
     p.add_argument("--local-dir", default="", help="its local_dir (default WORKDIR/local-$AIR_NODE_NAME)")
     p.add_argument("--die", default="", help="STEP[:RANK][:agent]: SIGKILL before that step, once")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps")
+    p.add_argument("--zip", action="store_true", help="a second train loader: zip(loader, second)")
     p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps: batches per step")
     args = p.parse_args()
     stalls.arm(args.workdir)
@@ -207,6 +210,10 @@ def main() -> None:
     model, optimizer, loader, evaluation, scheduler = accelerator.prepare(
         model, optimizer, loader, evaluation, scheduler
     )
+    loaders = [loader]
+    if args.zip:  # a second train loader (sample ids from 1000), iterated in step with the first
+        second = Numbered(augment_from_rng=not args.no_augment, first_id=1000)
+        loaders.append(accelerator.prepare(DataLoader(second, batch_size=BATCH, shuffle=True)))
     start_epoch = 0 if args.stock else accelerator.resume()
     step = 0 if args.stock else accelerator.completed_steps
     if args.dump_loaded and args.fsdp2:
@@ -223,7 +230,9 @@ def main() -> None:
     batch = step * args.accumulate
     for epoch in range(start_epoch, args.epochs):
         model.train()
-        for ids, x in loader:
+        # a plain zip, as users write it: it stops at the first loader's end, never asking the second
+        for batches in zip(*loaders, strict=False):
+            ids, x = (torch.cat(parts) for parts in zip(*batches, strict=True))
             with open(ids_file, "a") as f:
                 record = {"step": batch, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}
                 record.update(optimizer_step=step)

@@ -115,6 +115,23 @@ def test_resume_after_an_epoch_closing_checkpoint_and_again_mid_epoch(tmp_path, 
     assert last["restores"][0][0] in ("step-000000024", "step-000000020"), "resumed mid-epoch 1"
 
 
+# The same kills, with two train loaders zipped in one loop. Each shard fetches one batch ahead, the
+# first two before the second starts its pass: the second replays its batch fetched ahead of the save
+# from the RNG it had then, and must put back the RNG it found (which the first drew from). At the
+# save that closed epoch 0, zip stops at the first loader's end and never asks the second for the batch
+# after its last, so the second's epoch counter stays (seedable: the same order again) and it is not
+# re-entered: its next pass is epoch 1's.
+@pytest.mark.parametrize("loader", ["plain", "seedable"])
+def test_two_train_loaders_zipped_resume_exactly_at_an_epochs_end_and_mid_epoch(tmp_path, reference, loader):
+    args = ("--zip", "--loader", loader, "--every", "4")
+    run_job(tmp_path, *args, "--kill", "20:upload_start", expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args, "--kill", "28:serialize_start", expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(*args))
+    (last,) = stats(tmp_path)  # (the first relaunch resumed from 16: the writer commits in order)
+    assert last["restores"][0][0] in ("step-000000024", "step-000000020"), "resumed mid-epoch 1"
+
+
 @pytest.mark.parametrize(
     ("loader", "workers"),
     [

@@ -212,6 +212,37 @@ def test_the_documented_resume_recipe_with_skip_first_batches_sees_every_sample_
     resumed.end_training()
 
 
+def test_the_documented_recipe_from_a_step_at_an_epochs_last_batch_goes_on_with_the_next_epoch(tmp_path):
+    """Accelerate's recipe for a checkpoint named by its step resumes at epoch ``step // len(loader)`` and
+    skips ``step % len(loader)`` batches: from a save after an epoch's last batch, the next epoch, none
+    skipped. The loader's position (the end of epoch 0) must not give an empty pass there: that epoch
+    would be lost."""
+
+    def epochs(accelerator, model, optimizer, loader, first: int, save_at: str = "") -> list[float]:
+        seen = []
+        for epoch in range(first, 3):
+            active = accelerator.skip_first_batches(loader, 0) if epoch == first and not save_at else loader
+            for step, (x,) in enumerate(active, start=1):
+                seen += x.tolist()
+                model(x[:, None]).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if save_at and epoch == 0 and step == len(loader):
+                    accelerator.save_state(save_at)
+        return seen
+
+    first = air(str(tmp_path / "root"))
+    want = epochs(first, *ids_loader(first), 0, save_at=str(tmp_path / "root" / "step_12"))
+    first.end_training()
+    resumed = air(str(tmp_path / "root"))
+    model, optimizer, loader = ids_loader(resumed)
+    resumed.load_state(str(tmp_path / "root" / "step_12"))
+    assert len(loader) == 12
+    rest = epochs(resumed, model, optimizer, loader, 12 // len(loader))
+    assert rest == want[24:], "epochs 1 and 2, in order"
+    resumed.end_training()
+
+
 def test_a_stateful_dispatching_loader_resumes_its_position(tmp_path):
     config = DataLoaderConfiguration(dispatch_batches=True, use_stateful_dataloader=True)
 
