@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from .errors import ConfigError, StorageError, StorageLost
-from .layout import LEASE_PATH
+from .layout import LEASE_PATH, META_DIR
 from .storage import Storage
 
 # LEASE_PATH and StorageLost now live in layout.py and errors.py; tests/faults import them from here.
@@ -77,12 +77,20 @@ class RootLease:
         self._thread.start()
 
     def release(self) -> None:
-        """Stop renewing and mark the lease released, so the next launch takes the root at once."""
+        """Stop renewing and mark the lease released, so the next launch takes the root at once. A root
+        that holds nothing else of ours (no checkpoint saved, or every one removed: a Lightning finder's
+        temporary checkpoint) loses the lease file too, and is left as this launch found it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         try:
-            if self.holds():
+            if not self.holds():
+                return
+            if set(self._storage.sizes(META_DIR)) == {LEASE_PATH}:
+                # its folder too (deletes keep it, for other ranks' records): rank 0 commits, and it is
+                # closing with nothing in flight, so no other rank's record there could commit
+                self._storage.remove(META_DIR)
+            else:
                 self._write(released=True)
         except (StorageError, ConfigError, StorageLost) as exc:
             logger.warning("could not release the lease on %s: %s", self._storage.display(), exc)

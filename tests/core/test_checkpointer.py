@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -394,6 +395,22 @@ for _ in range(600):  # short sleeps: a signal another thread took runs its hand
     with AsyncCheckpointer(root, read_only=True) as reader:
         (info,) = reader.list()
         assert reader.verify(info) == "" and torch.equal(reader.load()["w"], torch.arange(4e6))
+
+
+def test_closing_a_root_that_holds_nothing_of_ours_leaves_no_lease_behind(tmp_path):
+    """A root whose every checkpoint was removed (a Lightning finder's temporary one), or that never got
+    one, is left as it was found; one that holds a checkpoint keeps its lease, marked released."""
+    emptied, kept = tmp_path / "emptied", tmp_path / "kept"
+    with AsyncCheckpointer(str(emptied)) as ckpt:
+        ckpt.save({"w": torch.ones(2)}, step=1).result(timeout=60)
+        assert ckpt.delete("step-000000001", even_newest=True).wait(60)
+    assert sorted(p.name for p in emptied.iterdir()) == [], "no .air/lease.json left"
+    with AsyncCheckpointer(str(kept)) as ckpt:
+        ckpt.save({"w": torch.ones(2)}, step=1).result(timeout=60)
+    lease = json.loads((kept / ".air" / "lease.json").read_text())
+    assert lease["released"], lease
+    with AsyncCheckpointer(str(kept)) as again:  # the next launch takes it at once
+        assert [i.step for i in again.list()] == [1]
 
 
 def test_a_notebooks_class_in_the_state_is_refused_at_the_save_with_a_process_writer(tmp_path):

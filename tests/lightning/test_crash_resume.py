@@ -266,6 +266,7 @@ def test_a_fit_with_a_finder_trains_every_sample_once_per_epoch_and_removes_its_
     assert sorted(by_epoch) == [0, 1, 2]
     assert all(sorted(ids) == list(range(64)) for ids in by_epoch.values()), "each sample once per epoch"
     assert not list(tmp_path.glob(".*.ckpt")), "the finder's file is removed, as without air"
+    assert not (tmp_path / ".air").exists(), "and nothing of air's is left beside it"
     with AsyncCheckpointer(str(tmp_path), read_only=True) as beside:
         assert beside.list() == [], "and so is its commit"
 
