@@ -400,6 +400,8 @@ class AirAccelerator(Accelerator):
             self._air_positioned[id(dl)] = dl.iteration  # skip_first_batches must not skip again
             if dl is tracked[0]:
                 self.start_epoch = position["epoch"]
+        if self.air_session.positions.loop_epoch is not None:  # the epoch the loop was in (resume())
+            self.start_epoch = self.air_session.positions.loop_epoch
         if self.air_session.resumed_mlflow_run:
             self._air_continue_mlflow_run(self.air_session.resumed_mlflow_run)
 

@@ -60,8 +60,10 @@ class TrackedLoader(LoaderProxy):
         lookahead: batches the consumer fetches ahead of what it hands to training.
         on_fetch: called with the seconds each fetched batch took (``fetch_seconds``) and its samples
             (the loader's batch size; 0 where it has none).
-        between_steps: called before each fetch, once what the last fetch's step changed is settled: the
-            point between two steps at which the session takes a local checkpoint that is due.
+        between_steps: called before each training fetch, once what the last fetch's step changed is
+            settled: the point between two steps at which the session takes a local checkpoint that is due.
+        training: whether a fetch now is for training, for a framework that prepares evaluation loaders
+            alike (Accelerate); None: always. A position says whether its loader's last pass trained.
         exact_state: ``(state_dict, load_state_dict)`` giving the loader's state at the consumed position
             (a framework that corrects its own prefetch). Default: the loader's own, if it has one and
             ``lookahead`` is 0.
@@ -84,9 +86,12 @@ class TrackedLoader(LoaderProxy):
         on_reenter: Callable[[], None] | None = None,
         layout: Layout | None = None,
         between_steps: Callable[[], None] | None = None,
+        training: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__(loader)
         self._between_steps = between_steps
+        self._training = training
+        self._trains = False  # whether the last fetch was for training
         self._layout = layout
         self._on_reenter = on_reenter
         self._reenter = False  # this resume's (``resume``)
@@ -148,6 +153,7 @@ class TrackedLoader(LoaderProxy):
             "epoch": self._epoch if where != "start" else self._epoch_fn(),
             "consumed": max(self._taken - self._lookahead, 0) if inside else 0,
             "generators": generator_states(self._loader),
+            "trains": self._trains,
         }
         if inside:
             # consumed and fetched ahead; fewer than ``lookahead`` ahead only before the pass's first
@@ -172,14 +178,15 @@ class TrackedLoader(LoaderProxy):
                 pos["stream"] = dict(self._stream)
         return pos
 
-    def resume(self, position: dict[str, Any], rng: ResumeRng, *, reenter: bool = False) -> int:
+    def resume(self, position: dict[str, Any], rng: ResumeRng, *, reenter: int | None = None) -> int:
         """Continue at ``position`` (``rng``: the global RNG saved with it; the loaders of one fit share
         one ``ResumeRng``); return the epoch of the position.
 
-        ``reenter``: after a resume from the end of an epoch the consumer iterates that epoch once more
-        (and gets no batch) before the next one, as a loop ``for epoch in range(resume(), n)`` does;
-        otherwise (Lightning, Accelerate's documented recipe) its next pass is the next epoch, and the
-        consumer's own epoch counter must move one past the position's.
+        ``reenter``: the epoch the consumer iterates again, as a loop ``for epoch in range(resume(), n)``
+        does, to run the code after its batches: a loader at that epoch's end, or a train loader it had
+        finished in it (two iterated one after the other), gets no batch there, then the next epoch.
+        None (Lightning, Accelerate's documented recipe): the consumer's next pass is the next epoch,
+        and its own epoch counter must move one past a position at an epoch's end.
 
         Raises:
             ConfigError: the position was saved from a loader resumed another way (another kind of loader).
@@ -193,15 +200,20 @@ class TrackedLoader(LoaderProxy):
                 f"resume: the checkpoint's loader position was saved for a {position['mode']!r} loader, this "
                 f"run's loader resumes by {self.mode!r}; resume with the same kind of loader."
             )
-        self._resume_rng, self._reenter = rng, reenter
-        if position["where"] == "start":
+        self._resume_rng, self._reenter = rng, reenter is not None
+        where, epoch, trains = position["where"], position["epoch"], position.get("trains", False)
+        self._trains = trains  # until its next fetch (a pass it gets no batch in keeps it)
+        finished = _finished_in(reenter, where, epoch, trains, position["generators"])
+        if finished is not None:
+            self._pending = finished
+        elif where == "start":
             self._resumed(position["generators"])
         else:
             self._pending = position
         return int(position["epoch"])
 
     def resume_elastic(
-        self, positions: list[dict[str, Any]], rng: ResumeRng, *, mine: int | None, reenter: bool = False
+        self, positions: list[dict[str, Any]], rng: ResumeRng, *, mine: int | None, reenter: int | None = None
     ) -> int:
         """Continue from every saved rank's position (in rank order) at this run's world size; return the
         epoch of the positions (``reenter`` as for ``resume``).
@@ -226,8 +238,12 @@ class TrackedLoader(LoaderProxy):
                 "epoch ends."
             )
         generators = positions[mine]["generators"] if mine is not None else {}
-        self._resume_rng, self._reenter = rng, reenter
-        if where.where == "start":
+        self._resume_rng, self._reenter = rng, reenter is not None
+        trains = self._trains = positions[0].get("trains", False)
+        finished = _finished_in(reenter, where.where, where.epoch, trains, generators)
+        if finished is not None:
+            self._pending = finished
+        elif where.where == "start":
             self._resumed(generators)
         else:
             self._pending = {"where": where.where, "epoch": where.epoch, "generators": generators}
@@ -317,7 +333,9 @@ class TrackedLoader(LoaderProxy):
                 # loader of the fit to get here puts the saved RNG back, as at a fetch.
                 self._resumed_at_fetch(pending["generators"], None)
                 self._reentered = True
-                if self._on_reenter is not None:
+                if pending.get("counted"):  # the consumer's counter had moved on: it stays
+                    self._epoch = pending["epoch"]
+                elif self._on_reenter is not None:
                     self._on_reenter()
                 self._state = "end"
                 return
@@ -348,7 +366,8 @@ class TrackedLoader(LoaderProxy):
             while True:
                 if restore and (action := restore.pop(self._taken, None)) is not None:
                     action()
-                if self._between_steps is not None:
+                self._trains = self._training is None or self._training()
+                if self._trains and self._between_steps is not None:
                     self._between_steps()
                 if track_ahead:
                     self._ahead.append(raw_rng())
@@ -494,6 +513,17 @@ class TrackedLoader(LoaderProxy):
             if time.monotonic() - last_log > 10:
                 logger.info("resume: re-read %d/%d batches", i + 1, count)
                 last_log = time.monotonic()
+
+
+def _finished_in(
+    reenter: int | None, where: str, epoch: int, trains: bool, generators: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The pending position of a train loader the consumer had finished in the epoch it re-enters
+    (``reenter``; iterated before another in each epoch, it waits at the start of the next): the end of
+    that epoch, its counter already moved on. None for any other position."""
+    if reenter is None or where != "start" or not trains or epoch <= reenter:
+        return None
+    return {"where": "end", "epoch": reenter, "generators": generators, "counted": True}
 
 
 def _fetched(position: dict[str, Any], lookahead: int) -> int:

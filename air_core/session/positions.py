@@ -40,6 +40,9 @@ class Positions:
         """The MLflow run of the checkpoint this launch resumed from (None: fresh, or none)."""
         self.resumed_run_key: str | None = None
         """The key of that run (``MlflowSink.run_key``): the run, when the checkpoint came before its id."""
+        self.loop_epoch: int | None = None
+        """After ``restore(reenter=True)``: the epoch the training loop was in at the save, which it
+        iterates again (None: it was between two epochs)."""
         self._on_fetch = on_fetch
         self._between_steps = between_steps
         self._loaders: list[TrackedLoader] = []
@@ -78,7 +81,8 @@ class Positions:
             exact_state=exact_state,
             on_reenter=on_reenter,
             layout=layout or layout_of(loader, world_size=self.world_size),
-            between_steps=_only_when(training, self._between_steps),
+            between_steps=self._between_steps,
+            training=training,
         )
         self._loaders.append(tracked)
         if tracked.counters is not None and tracked.counters not in self.records.counters:
@@ -108,13 +112,11 @@ class Positions:
             return
         if "mine" not in pending:  # the saved world size
             if pending["loaders"][index] is not None:
-                tracked.resume(pending["loaders"][index], pending["rng"], reenter=pending["reenter"])
+                tracked.resume(pending["loaders"][index], pending["rng"], reenter=self.loop_epoch)
             return
         positions = pending["loaders"][index]  # every saved rank's
         if all(p is not None for p in positions):
-            tracked.resume_elastic(
-                positions, pending["rng"], mine=pending["mine"], reenter=pending["reenter"]
-            )
+            tracked.resume_elastic(positions, pending["rng"], mine=pending["mine"], reenter=self.loop_epoch)
 
     def state(self, mlflow_run_id: str | None, mlflow_run_key: str | None) -> dict[str, Any]:
         """This rank's part of a checkpoint: RNG (captured once), every loader's position, the MLflow run
@@ -139,8 +141,8 @@ class Positions:
 
     def restore(self, states: Mapping[int, dict[str, Any]], *, what: str, reenter: bool = False) -> None:
         """Continue from the checkpoint ``what``: ``states`` maps saved ranks to their ``rank_state``
-        (the ranks ``ranks_to_load`` names). ``reenter``: the training loop re-enters the epoch of a
-        position at its end (``TrackedLoader.resume``).
+        (the ranks ``ranks_to_load`` names). ``reenter``: the training loop iterates the epoch it was
+        in at the save once more (``loop_epoch``; ``TrackedLoader.resume``).
 
         At the saved world size this rank continues exactly where it was. At another one (with
         ``elastic``) the rest of each interrupted epoch is split over this run's ranks, each sample
@@ -173,7 +175,7 @@ class Positions:
         else:
             self._pending = elastic.pending(ordered, rank=self.rank, world_size=self.world_size, what=what)
         self._pending["rng"] = ResumeRng(self._pending["rng"])  # shared by the fit's loaders
-        self._pending["reenter"] = reenter
+        self.loop_epoch = _loop_epoch(ordered[0]["loaders"]) if reenter else None
         for index, tracked in enumerate(self._loaders):  # none tracked yet: later
             self._resume(tracked, index)
         self.resumed_run = ordered[0].get("mlflow_run_id") or self.resumed_run
@@ -208,15 +210,11 @@ class Positions:
             tracked.settle(epoch)
 
 
-def _only_when(
-    training: Callable[[], bool] | None, between_steps: Callable[[], None] | None
-) -> Callable[[], None] | None:
-    """``between_steps``, called only while ``training`` says so (always, without one)."""
-    if training is None or between_steps is None:
-        return between_steps
-
-    def between() -> None:
-        if training():
-            between_steps()
-
-    return between
+def _loop_epoch(positions: list[Any]) -> int | None:
+    """The epoch the training loop was in at a save, from one rank's loader positions (an elastic resume's
+    ranks are in lockstep): the newest of a train loader inside an epoch or at its end (the second of a
+    ``zip`` is never asked for the batch after its last, so Accelerate's counter of it stays at 0; a
+    position saved before loaders said whether they train counts); None when every one was between two
+    epochs (the loop then goes on with the first loader's next)."""
+    epochs = [p["epoch"] for p in positions if p and p.get("trains", True) and p["where"] != "start"]
+    return max(epochs, default=None)

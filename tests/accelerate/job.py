@@ -191,6 +191,7 @@ def main() -> None:
     p.add_argument("--die", default="", help="STEP[:RANK][:agent]: SIGKILL before that step, once")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps")
     p.add_argument("--zip", action="store_true", help="a second train loader: zip(loader, second)")
+    p.add_argument("--seq", action="store_true", help="a second train loader, after the first each epoch")
     p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps: batches per step")
     args = p.parse_args()
     stalls.arm(args.workdir)
@@ -211,7 +212,7 @@ def main() -> None:
         model, optimizer, loader, evaluation, scheduler
     )
     loaders = [loader]
-    if args.zip:  # a second train loader (sample ids from 1000), iterated in step with the first
+    if args.zip or args.seq:  # a second train loader (sample ids from 1000)
         second = Numbered(augment_from_rng=not args.no_augment, first_id=1000)
         loaders.append(accelerator.prepare(DataLoader(second, batch_size=BATCH, shuffle=True)))
     start_epoch = 0 if args.stock else accelerator.resume()
@@ -227,11 +228,14 @@ def main() -> None:
     # "step" in the records numbers each batch (``sameness``): with --accumulate N, N batches make one
     # optimizer step (``step``), and an epoch's batches are a whole number of steps
     assert len(loader) % args.accumulate == 0, "--accumulate must divide the batches of an epoch"
+    assert not (args.zip and args.seq), "--zip or --seq"
     batch = step * args.accumulate
     for epoch in range(start_epoch, args.epochs):
         model.train()
         # a plain zip, as users write it: it stops at the first loader's end, never asking the second
-        for batches in zip(*loaders, strict=False):
+        together = zip(*loaders, strict=False)
+        one_after_the_other = ((batch,) for dl in loaders for batch in dl)
+        for batches in one_after_the_other if args.seq else together:
             ids, x = (torch.cat(parts) for parts in zip(*batches, strict=True))
             with open(ids_file, "a") as f:
                 record = {"step": batch, "ids": ids.tolist(), "aug": x.double().sum(1).tolist()}

@@ -79,7 +79,7 @@ def training_args(args: tuple[str, ...]) -> tuple[str, ...]:
     options, flags, rest = {}, [], list(args)
     while rest:
         arg = rest.pop(0)
-        if arg in ("--no-augment", "--zip"):
+        if arg in ("--no-augment", "--zip", "--seq"):
             flags.append(arg)
         else:
             options[arg] = rest.pop(0)

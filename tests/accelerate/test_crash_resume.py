@@ -132,6 +132,20 @@ def test_two_train_loaders_zipped_resume_exactly_at_an_epochs_end_and_mid_epoch(
     assert last["restores"][0][0] in ("step-000000024", "step-000000020"), "resumed mid-epoch 1"
 
 
+# Two train loaders one after the other in each epoch (32 steps), a save every 4 steps. Killed in the
+# save of 28, the relaunch resumes from 24, inside the second's loop: the loop re-enters epoch 0, where
+# the first (its counter moved on) gets no batch. Killed again in the save of 36, the third resumes from
+# 32, the second's last batch (or 28): epoch 0 is re-entered for the code after the loops.
+def test_two_train_loaders_one_after_the_other_resume_exactly_inside_the_second(tmp_path, reference):
+    args = ("--seq", "--every", "4")
+    run_job(tmp_path, *args, "--kill", "28:upload_start", expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args, "--kill", "36:serialize_start", expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args)
+    assert_same_run(tmp_path, reference(*args))
+    (last,) = stats(tmp_path)
+    assert last["restores"][0][0] in ("step-000000032", "step-000000028")
+
+
 @pytest.mark.parametrize(
     ("loader", "workers"),
     [

@@ -167,7 +167,7 @@ def test_at_an_epoch_end_resume_gives_an_empty_pass_then_the_next_epoch():
     torch.manual_seed(99)
     epoch[0] = 0
     again = TrackedLoader(_loader(), epoch=lambda: epoch[0], on_reenter=lambda: epoch.__setitem__(0, 1))
-    assert again.resume(position, ResumeRng(rng), reenter=True) == 0
+    assert again.resume(position, ResumeRng(rng), reenter=0) == 0
     assert list(again) == [], "the finished epoch yields nothing"
     assert epoch[0] == 1, "the consumer's counter moved when it re-entered the epoch"
     assert _consume(iter(again), 10) == expected
