@@ -328,10 +328,11 @@ class TrackedLoader(LoaderProxy):
             rng.moved_on = True
         if pending is not None and self._is_over(pending, self._epoch):
             assert rng is not None
+            # Only the first loader of the fit to get here puts the saved RNG back, as at a fetch; the
+            # others find it drawn from already (``zip`` never asked one for the batch after its last).
+            self._resumed_at_fetch(pending["generators"], None)
             if self._reenter and not rng.moved_on:
-                # The consumer re-enters the finished epoch: nothing to fetch or draw. Only the first
-                # loader of the fit to get here puts the saved RNG back, as at a fetch.
-                self._resumed_at_fetch(pending["generators"], None)
+                # The consumer re-enters the finished epoch: nothing to fetch or draw.
                 self._reentered = True
                 if pending.get("counted"):  # the consumer's counter had moved on: it stays
                     self._epoch = pending["epoch"]
@@ -339,10 +340,7 @@ class TrackedLoader(LoaderProxy):
                     self._on_reenter()
                 self._state = "end"
                 return
-            # The next epoch starts fresh, from the saved RNG unless another loader of the fit fetched
-            # since (a loader ``zip`` never asked for the batch after its last: the first stopped it).
-            self._resumed_at_fetch(pending["generators"], None)
-            pending = None
+            pending = None  # the next epoch starts fresh
         restore: dict[int, Callable[[], None]] = {}
         if pending is None:
             iterator = self._start_epoch()
