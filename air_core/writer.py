@@ -125,8 +125,7 @@ class Writer:
         self._queue: queue.Queue[SaveJob | DeleteJob | None] = queue.Queue()
         self._lock = threading.Lock()
         """Guards ``_thread``; held by the training thread only around calls that never wait on the writer
-        thread. Its SIGTERM handler (the preemption flush) may run inside ``submit`` and wait for the saves
-        in flight, so nothing the writer needs to finish one is held there."""
+        thread, and never by the writer thread while a save is under way."""
         self._busy: set[str] = set()
         """Set operations are atomic; no lock (see ``_lock``)."""
         self.kept: frozenset[str] = frozenset()
@@ -156,8 +155,8 @@ class Writer:
     def submit(self, job: SaveJob | DeleteJob | None) -> None:
         """Queue ``job`` (None: let the thread exit once idle) and start the thread if it is not running.
 
-        The thread starts outside ``_lock``: ``Thread.start`` waits for it, and a SIGTERM that arrived
-        meanwhile ran the flush there, waiting for this very save while the lock was held."""
+        The thread starts outside ``_lock``: ``Thread.start`` waits for the new thread to run, which
+        may take the job at once."""
         if isinstance(job, SaveJob):
             self._busy.add(job.name)
             self._training_nice = own_nice()

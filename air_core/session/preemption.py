@@ -1,18 +1,25 @@
 """Preemption: on SIGTERM, commit the saves in flight (bounded), then let the previous handler act.
 
 Schedulers (SLURM, Kubernetes, spot reclaim) send SIGTERM some seconds before SIGKILL. The session
-installs one ``FlushOnSigterm`` on the main thread when training starts; it flushes the checkpointer, logs
-the outcome (never raises from a signal handler) and then runs whatever handler was there before, or the
-default action. Installed when training starts, after the framework's own handler, so that a framework
-which saves and restores the handlers around its run (Lightning's signal connector) restores the one from
-before the run, never ours, and its own SIGTERM handling runs after the flush (Lightning stops the fit
-with ``SIGTERMException``); taken off only while it is still the installed one, so that a handler put in
-after it (or restored by the framework) is never replaced by a stale one.
+installs one ``FlushOnSigterm`` on the main thread when training starts. Installed after the framework's
+own handler, so that a framework which saves and restores the handlers around its run (Lightning's signal
+connector) restores the one from before the run, never ours, and its own SIGTERM handling runs after the
+flush (Lightning stops the fit with ``SIGTERMException``); taken off only while it is still the installed
+one, so that a handler put in after it (or restored by the framework) is never replaced by a stale one.
+
+Two stages, because Python runs a signal handler on the main thread wherever that thread happens to be:
+inside ``logging``'s handler lock, a listener's lock, the buffer pool's condition. A handler that waited
+there for the writer would wait for as long as its bound whenever the writer needs that lock too. So the
+handler only hands the flush to the ``air-sigterm`` thread and returns; the session's training thread
+waits for it at the next point where it holds nothing (``wait``: a step's end, a save's start, ``close``).
+When the flush is done that thread raises SIGTERM again, and the second delivery goes on to the previous
+handler (or the default action: the process dies of SIGTERM), or to whichever handler is installed by then.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import signal
 import threading
 from collections.abc import Callable
@@ -21,6 +28,14 @@ from typing import Any
 from ..checkpointer import AsyncCheckpointer
 
 logger = logging.getLogger(__name__)
+
+
+class _Flushing:
+    """One SIGTERM's flush. ``flushed`` is a plain attribute: the handler reads it and takes no lock."""
+
+    def __init__(self) -> None:
+        self.flushed = False
+        self.done = threading.Event()  # waited on by ``wait`` only; never touched by the handler
 
 
 class FlushOnSigterm:
@@ -47,10 +62,17 @@ class FlushOnSigterm:
         self._log = log
         self._previous: Any = None
         self._installed = False
+        self._asks: queue.SimpleQueue[_Flushing | None] = queue.SimpleQueue()
+        """What the handler hands over: ``SimpleQueue.put`` takes no lock a signal could interrupt."""
+        self._flushing: _Flushing | None = None
+        self._thread: threading.Thread | None = None
 
     def install(self) -> None:
         """Handle SIGTERM from now on (idempotent; only the main thread can install a handler)."""
         if not self._installed and threading.current_thread() is threading.main_thread():
+            serve = threading.Thread(target=self._serve, args=(self._asks,), name="air-sigterm", daemon=True)
+            serve.start()
+            self._thread = serve
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._installed = True
 
@@ -65,8 +87,22 @@ class FlushOnSigterm:
         except Exception as exc:
             self._log.error("%s: flushing on %s failed: %s", self._who, why, exc)
 
+    def wait(self) -> None:
+        """Block while a SIGTERM's flush runs. Called by the training thread where it holds nothing the
+        writer needs; no save starts and no step ends meanwhile, as when the handler itself flushed."""
+        flushing = self._flushing
+        if flushing is not None:
+            flushing.done.wait()
+
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self.flush("SIGTERM")
+        flushing = self._flushing
+        if flushing is None and self._installed:  # the first stage: hand the flush over, return at once
+            self._flushing = _Flushing()
+            self._asks.put(self._flushing)
+            return
+        if flushing is not None and not flushing.flushed:  # another SIGTERM while flushing: that flush
+            return  # answers it
+        self._flushing = None  # the second stage (raised by ``_serve``): what SIGTERM did before us
         previous = self._previous
         if callable(previous):
             previous(signum, frame)
@@ -74,10 +110,26 @@ class FlushOnSigterm:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.raise_signal(signal.SIGTERM)
 
+    def _serve(self, asks: queue.SimpleQueue[_Flushing | None]) -> None:
+        """The ``air-sigterm`` thread: flush for each SIGTERM, then deliver it again (see the module)."""
+        while (flushing := asks.get()) is not None:
+            try:
+                self.flush("SIGTERM")
+            finally:
+                flushing.flushed = True
+                signal.raise_signal(signal.SIGTERM)  # pending before ``wait`` returns: acted on at once
+                flushing.done.set()
+
     def uninstall(self) -> None:
         """Put the previous SIGTERM handler back if this one is still installed (idempotent; main thread
-        only). A handler installed after this one, or one the framework restored, is left in place."""
+        only). A handler installed after this one, or one the framework restored, is left in place. A
+        flush under way is waited for (bounded), and its SIGTERM then reaches the handler put back."""
         if self._installed and threading.current_thread() is threading.main_thread():
             if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
                 signal.signal(signal.SIGTERM, self._previous)
+            self._asks.put(None)
+            self._asks = queue.SimpleQueue()
+            if self._thread is not None:
+                self._thread.join(self._timeout)  # at once, unless a SIGTERM came during ``close``
+            self._thread = self._flushing = None
             self._installed = False

@@ -310,7 +310,7 @@ class TrainingSession:
         ckpt = checkpointer or self._ckpt
         if ckpt is None:
             raise AirError(f"{self.config.owner}: save() before the checkpoint root was opened.")
-        with self.health.saving():
+        with self._saving():
             handle = ckpt.save_files(
                 files, step=step, name=name, in_order=self._buffers(), gated=self._gated()
             )
@@ -331,7 +331,7 @@ class TrainingSession:
         ckpt = checkpointer or self._ckpt
         if ckpt is None:
             raise AirError(f"{self.config.owner}: save_sharded() before the checkpoint root was opened.")
-        with self.health.saving():
+        with self._saving():
             handle = dcp.save(
                 ckpt,
                 folders,
@@ -343,6 +343,12 @@ class TrainingSession:
                 gated=self._gated(),
             )
         return self._saved(handle, ckpt)
+
+    @contextlib.contextmanager
+    def _saving(self) -> Iterator[None]:
+        self._preemption.wait()  # no save starts while a SIGTERM's flush runs
+        with self.health.saving():
+            yield
 
     def _saved(self, handle: SaveHandle, ckpt: AsyncCheckpointer) -> SaveHandle:
         self.last_handle = handle
@@ -425,7 +431,7 @@ class TrainingSession:
             return
         tier = self._local_tier()
         copies = {"in_order": self._buffers(), "gated": self._gated()}
-        with self.health.saving():
+        with self._saving():
             files, folders = self._tier_part()
             if folders:
                 handle = tier.save_sharded(folders, files, step=step, plans=self._tier_plans, **copies)
@@ -559,6 +565,7 @@ class TrainingSession:
             StragglerError: with ``stop_on_straggler``, this window named a straggler; the session
                 committed the saves in flight and closed first (every rank raises at the same step).
         """
+        self._preemption.wait()  # the step ends once a SIGTERM's flush is done
         self.health.step_ended(step)
         self.records.record_step(step)
         k = self.config.local_every_n_steps
@@ -607,6 +614,7 @@ class TrainingSession:
         goodput (rank 0), end the MLflow run the session started. Idempotent."""
         if self._closed:
             return
+        self._preemption.wait()
         self._closed = True
         self.health.close()
         try:

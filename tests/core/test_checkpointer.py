@@ -397,6 +397,43 @@ for _ in range(600):  # short sleeps: a signal another thread took runs its hand
         assert reader.verify(info) == "" and torch.equal(reader.load()["w"], torch.arange(4e6))
 
 
+def test_a_sigterm_while_training_holds_a_lock_the_writer_needs_still_commits_the_save(tmp_path):
+    """Python runs the SIGTERM handler on the main thread wherever it is: here inside a lock that a
+    listener (metrics shared with the training loop) takes on the writer thread. A handler that waited
+    there for the save waited out its whole bound, and the default action then killed the save. The
+    handler hands the flush to a thread and returns; the save commits, then SIGTERM kills the process."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    root = str(tmp_path / "root")
+    body = f"""import logging, os, signal, threading
+from air_core.session.preemption import FlushOnSigterm
+lock, began, go = threading.Lock(), threading.Event(), threading.Event()
+class Shared:
+    def on_event(self, event):
+        if getattr(event, 'phase', '') == 'serialize_start':
+            began.set()
+            go.wait()
+        with lock:
+            pass
+ckpt = AsyncCheckpointer({root!r}, listeners=[Shared()])
+FlushOnSigterm(lambda: ckpt, timeout_seconds=20, who='job', log=logging.getLogger('job')).install()
+ckpt.save({{'w': torch.arange(4e6)}}, step=1)
+began.wait()
+with lock:  # the training loop reads what the listener keeps; the scheduler's SIGTERM lands meanwhile
+    go.set()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+print('LEFT THE LOCK', flush=True)
+for _ in range(600):
+    time.sleep(0.05)"""
+    command = _script(tmp_path / "train.py", body, guarded=True)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == -signal.SIGTERM, done.stderr  # flushed, then the default action
+    assert "LEFT THE LOCK" in done.stdout and "failed" not in done.stderr, done.stderr
+    with AsyncCheckpointer(root, read_only=True) as reader:
+        (info,) = reader.list()
+        assert reader.verify(info) == "" and torch.equal(reader.load()["w"], torch.arange(4e6))
+
+
 def test_closing_a_root_that_holds_nothing_of_ours_leaves_no_lease_behind(tmp_path):
     """A root whose every checkpoint was removed (a Lightning finder's temporary one), or that never got
     one, is left as it was found; one that holds a checkpoint keeps its lease, marked released."""
