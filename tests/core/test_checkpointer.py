@@ -401,7 +401,8 @@ def test_a_sigterm_while_training_holds_a_lock_the_writer_needs_still_commits_th
     """Python runs the SIGTERM handler on the main thread wherever it is: here inside a lock that a
     listener (metrics shared with the training loop) takes on the writer thread. A handler that waited
     there for the save waited out its whole bound, and the default action then killed the save. The
-    handler hands the flush to a thread and returns; the save commits, then SIGTERM kills the process."""
+    handler hands the flush to a thread and returns; the save commits, then SIGTERM kills the process
+    (a second SIGTERM during the flush does not cut it short)."""
     env = {**os.environ, "PYTHONPATH": REPO}
     root = str(tmp_path / "root")
     body = f"""import logging, os, signal, threading
@@ -421,7 +422,9 @@ began.wait()
 with lock:  # the training loop reads what the listener keeps; the scheduler's SIGTERM lands meanwhile
     go.set()
     os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(0.5)
+    time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGTERM)  # a second one during the flush waits for it too
+    time.sleep(0.2)
 print('LEFT THE LOCK', flush=True)
 for _ in range(600):
     time.sleep(0.05)"""
