@@ -41,6 +41,9 @@ class _Flushing:
 class FlushOnSigterm:
     """Flush ``checkpointer()`` (None: nothing to flush yet) on SIGTERM and on ``flush(why)``.
 
+    Whoever installs it calls ``wait`` where the training thread holds nothing (between steps, before a
+    save), so that training pauses for a SIGTERM's flush; without that the loop goes on meanwhile.
+
     Args:
         checkpointer: returns the checkpointer to flush, or None.
         timeout_seconds: bound on the flush.
