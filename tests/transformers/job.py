@@ -1,8 +1,8 @@
 """A small, deterministic transformers ``Trainer`` job for the crash tests (a script, or under torchrun).
 
     python tests/transformers/job.py WORKDIR [--workers N] [--every K] [--steps S] [--ga G]
-        [--kill STEP:PHASE[:RANK][+MS]] [--root URL --endpoint URL] [--stock] [--eval-every K]
-        [--limit N] [--best] [--local-every K --die STEP[:NODE]] [--draw-in HOOK]
+        [--kill STEP:PHASE[:RANK][+MS]] [--sigterm STEP:PHASE[+MS]] [--root URL --endpoint URL] [--stock]
+        [--eval-every K] [--limit N] [--best] [--local-every K --die STEP[:NODE]] [--draw-in HOOK]
 
 Trains a 2-layer GPT-2 (32 dimensions, built from a config: no download; dropout on) on token ids made
 here: sample i is 16 ids drawn from a generator seeded with i, and one of them is replaced by a token
@@ -23,6 +23,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import time
 
 import torch
@@ -124,6 +125,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--ga", type=int, default=1)
     p.add_argument("--kill", default="")
+    p.add_argument("--sigterm", default="", help="STEP:PHASE[+DELAY_MS]: send SIGTERM instead")
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     p.add_argument("--stock", action="store_true")
@@ -187,6 +189,8 @@ def main() -> None:
         air.add_listener(Journal(args.workdir))
         if args.kill:
             air.add_listener(KillAt.parse(args.kill))
+        if args.sigterm:
+            air.add_listener(KillAt.parse(args.sigterm, signal.SIGTERM))
         callbacks = [air, *([DieOnce(args.workdir, args.die)] if args.die else [])]
         if args.draw_in:
             callbacks.append(DrawIn(args.draw_in))

@@ -115,6 +115,16 @@ def test_s3_root_resumes_exactly_from_the_staged_copy(tmp_path, reference, s3_ro
     assert stats(tmp_path)[0]["restores"][0][1] == "cache", "the staged copy served it"
 
 
+def test_sigterm_during_an_upload_commits_the_inflight_save_then_resumes_exactly(tmp_path, reference):
+    """A scheduler's SIGTERM while step 16's save uploads. ``Trainer`` has no SIGTERM handler of its own:
+    the session commits that save, then the default action ends the process; the relaunch resumes from it."""
+    out = run_job(tmp_path, "--sigterm", "16:upload_start", expect_signal=signal.SIGTERM)
+    assert "flushed the in-flight checkpoint (SIGTERM)" in out.stderr, out.stderr[-3000:]
+    run_job(tmp_path)
+    assert stats(tmp_path)[0]["restores"][0][0] == "checkpoint-16", "the save in flight at SIGTERM committed"
+    assert_same_run(tmp_path, reference())
+
+
 def test_two_processes_killed_mid_save_resume_exactly_per_rank(tmp_path, reference):
     """torchrun, gloo: both ranks are killed in the save of step 16 and resume from the newest commit."""
     args = ("--workers", "2")
