@@ -14,11 +14,14 @@ handler only hands the flush to the ``air-sigterm`` thread and returns; the sess
 waits for it at the next point where it holds nothing (``wait``: a step's end, a save's start, ``close``).
 When the flush is done that thread raises SIGTERM again, and the second delivery goes on to the previous
 handler (or the default action: the process dies of SIGTERM), or to whichever handler is installed by then.
+A forked child (a loader worker) inherits the handler but not the thread; there SIGTERM acts at once as
+it did before us.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import threading
@@ -69,13 +72,14 @@ class FlushOnSigterm:
         """What the handler hands over: ``SimpleQueue.put`` takes no lock a signal could interrupt."""
         self._flushing: _Flushing | None = None
         self._thread: threading.Thread | None = None
+        self._pid = 0
 
     def install(self) -> None:
         """Handle SIGTERM from now on (idempotent; only the main thread can install a handler)."""
         if not self._installed and threading.current_thread() is threading.main_thread():
             serve = threading.Thread(target=self._serve, args=(self._asks,), name="air-sigterm", daemon=True)
             serve.start()
-            self._thread = serve
+            self._thread, self._pid = serve, os.getpid()
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._installed = True
 
@@ -99,12 +103,14 @@ class FlushOnSigterm:
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         flushing = self._flushing
-        if flushing is None and self._installed:  # the first stage: hand the flush over, return at once
+        # A forked child (a loader worker) inherits the handler but not the thread, and has no saves.
+        ours = self._installed and os.getpid() == self._pid
+        if flushing is None and ours:  # the first stage: hand the flush over, return at once
             self._flushing = _Flushing()
             self._asks.put(self._flushing)
             return
-        if flushing is not None and not flushing.flushed:  # another SIGTERM while flushing: that flush
-            return  # answers it
+        if flushing is not None and not flushing.flushed and ours:  # another SIGTERM while flushing: the
+            return  # flush under way answers it
         self._flushing = None  # the second stage (raised by ``_serve``): what SIGTERM did before us
         previous = self._previous
         if callable(previous):

@@ -437,6 +437,26 @@ for _ in range(600):
         assert reader.verify(info) == "" and torch.equal(reader.load()["w"], torch.arange(4e6))
 
 
+def test_a_forked_child_that_inherited_the_sigterm_flush_dies_of_sigterm_at_once(tmp_path):
+    """A forked loader worker inherits the handler but not its flushing thread, and has no saves of its
+    own: SIGTERM acts on it as it did before the handler (here the default action), without a flush."""
+    body = """import logging, os, signal
+from air_core.session.preemption import FlushOnSigterm
+FlushOnSigterm(lambda: None, timeout_seconds=60, who='job', log=logging.getLogger('job')).install()
+child = multiprocessing.get_context('fork').Process(target=time.sleep, args=(60,))
+child.start()
+time.sleep(0.5)
+os.kill(child.pid, signal.SIGTERM)
+child.join(20)
+print('child exit', child.exitcode, flush=True)"""
+    command = _script(tmp_path / "train.py", body, guarded=True)
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO}
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["child", "exit", str(-signal.SIGTERM)], done.stdout + done.stderr
+
+
 def test_closing_a_root_that_holds_nothing_of_ours_leaves_no_lease_behind(tmp_path):
     """A root whose every checkpoint was removed (a Lightning finder's temporary one), or that never got
     one, is left as it was found; one that holds a checkpoint keeps its lease, marked released."""
