@@ -31,16 +31,19 @@ class KillAt:
         rank: int | None,
         signum: int = signal.SIGKILL,
         delay_seconds: float = 0.0,
+        group: bool = False,
     ) -> None:
         self.step, self.phase, self.rank, self.signum = step, phase, rank, signum
         self.delay_seconds = delay_seconds
+        self.group = group
         self.started: set[int] = set()
         self.committed: set[int] = set()
         self.fired = False
 
     @classmethod
-    def parse(cls, spec: str, signum: int = signal.SIGKILL) -> KillAt:
-        """``STEP:PHASE[:RANK][+DELAY_MS]``, STEP ``*`` for any step."""
+    def parse(cls, spec: str, signum: int = signal.SIGKILL, *, group: bool = False) -> KillAt:
+        """``STEP:PHASE[:RANK][+DELAY_MS]``, STEP ``*`` for any step; ``group``: to this process's group
+        (its loader workers too, as SLURM and Kubernetes signal a job), which it must lead."""
         spec, _, delay = spec.partition("+")
         step, phase, *rank = spec.split(":")
         return cls(
@@ -49,6 +52,7 @@ class KillAt:
             int(rank[0]) if rank else None,
             signum,
             float(delay or 0) / 1000,
+            group,
         )
 
     def on_event(self, event) -> None:
@@ -68,9 +72,15 @@ class KillAt:
                 break
             time.sleep(0.01)
         if self.delay_seconds:  # the phase goes on; the kill lands somewhere inside it
-            timer = threading.Timer(self.delay_seconds, os.kill, (os.getpid(), self.signum))
+            timer = threading.Timer(self.delay_seconds, self._send)
             timer.daemon = True
             timer.start()
+        else:
+            self._send()
+
+    def _send(self) -> None:
+        if self.group:
+            os.killpg(os.getpgrp(), self.signum)
         else:
             os.kill(os.getpid(), self.signum)
 

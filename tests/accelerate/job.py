@@ -94,7 +94,7 @@ def build(args):
     if args.kill:
         plugin.add_listener(KillAt.parse(args.kill))
     if args.sigterm:
-        plugin.add_listener(KillAt.parse(args.sigterm, signal.SIGTERM))
+        plugin.add_listener(KillAt.parse(args.sigterm, signal.SIGTERM, group=args.sigterm_group))
     if args.fsdp2:
         from tests.accelerate.fsdp_on_cpu import fsdp2_plugin, keep_fsdp_on_cpu
 
@@ -170,6 +170,11 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--kill", default="", help="STEP:PHASE[:RANK][+DELAY_MS], STEP * for any")
     p.add_argument("--sigterm", default="", help="STEP:PHASE[+DELAY_MS]: send SIGTERM instead")
+    p.add_argument(
+        "--sigterm-group",
+        action="store_true",
+        help="--sigterm to the job's process group (loader workers too)",
+    )
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     p.add_argument("--stock", action="store_true")
@@ -194,6 +199,8 @@ def main() -> None:
     p.add_argument("--seq", action="store_true", help="a second train loader, after the first each epoch")
     p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps: batches per step")
     args = p.parse_args()
+    if args.sigterm_group and os.getpgrp() != os.getpid():  # lead a group of our own: the signal's target
+        os.setpgid(0, 0)
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     for name in ("accelerate_air", "air_core"):

@@ -160,9 +160,15 @@ def test_seedable_and_stateful_loaders_resume_exactly_mid_epoch(tmp_path, refere
     assert_same_run(tmp_path, reference(*args))
 
 
-def test_sigterm_during_upload_commits_the_inflight_save_then_resumes_exactly(tmp_path, reference):
-    args = ("--workers", "0", "--every", "5")
-    out = run_job(tmp_path, *args, "--sigterm", "10:upload_start", expect_signal=signal.SIGTERM)
+# Sent to the job alone, and to its process group with loader workers (as SLURM and Kubernetes send it):
+# a forked worker inherits the handler and dies of SIGTERM at once, as in a stock job.
+@pytest.mark.parametrize(("workers", "to"), [("0", "job"), ("2", "group")])
+def test_sigterm_during_upload_commits_the_inflight_save_then_resumes_exactly(
+    tmp_path, reference, workers, to
+):
+    args = ("--workers", workers, "--every", "5")
+    group = ("--sigterm-group",) if to == "group" else ()
+    out = run_job(tmp_path, *args, "--sigterm", "10:upload_start", *group, expect_signal=signal.SIGTERM)
     assert "flushed the in-flight checkpoint (SIGTERM)" in out.stderr
     assert (tmp_path / "ckpts/.air/step-000000010/manifest.json").exists(), "the in-flight save committed"
     run_job(tmp_path, *args)

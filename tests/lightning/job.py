@@ -88,6 +88,11 @@ def main() -> None:
     p.add_argument("--kill", default="", help="STEP:PHASE[:RANK][+DELAY_MS], STEP * for any")
     p.add_argument("--commit-timeout", type=float, default=600.0)
     p.add_argument("--sigterm", default="", help="STEP:PHASE[+DELAY_MS]: send SIGTERM instead")
+    p.add_argument(
+        "--sigterm-group",
+        action="store_true",
+        help="--sigterm to the job's process group (loader workers too)",
+    )
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
@@ -117,6 +122,8 @@ def main() -> None:
         help="STEP[:NODE]: SIGKILL before that step, once (NODE: that node, and its torchrun agent)",
     )
     args = p.parse_args()
+    if args.sigterm_group and os.getpgrp() != os.getpid():  # lead a group of our own: the signal's target
+        os.setpgid(0, 0)
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     for name in ("lightning_air", "air_core"):
@@ -138,7 +145,7 @@ def main() -> None:
     if args.kill:
         plugin.add_listener(KillAt.parse(args.kill))
     if args.sigterm:
-        plugin.add_listener(KillAt.parse(args.sigterm, signal.SIGTERM))
+        plugin.add_listener(KillAt.parse(args.sigterm, signal.SIGTERM, group=args.sigterm_group))
     trainer = pl.Trainer(
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,

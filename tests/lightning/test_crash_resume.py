@@ -331,11 +331,17 @@ def test_stateful_and_unsized_loaders_resume_exactly(tmp_path, reference, loader
     assert_same_run(tmp_path, reference(workers, loader=loader))
 
 
-def test_sigterm_during_an_upload_flushes_and_commits_it_then_resumes_exactly(tmp_path, reference):
+# Sent to the job alone, and to its process group with loader workers (as SLURM and Kubernetes send it):
+# a forked worker inherits the handlers, and Lightning's handler runs there as in a stock fit.
+@pytest.mark.parametrize(("workers", "to"), [("0", "job"), ("2", "group")])
+def test_sigterm_during_an_upload_flushes_and_commits_it_then_resumes_exactly(
+    tmp_path, reference, workers, to
+):
     from lightning_air import latest_checkpoint
 
+    group = ["--sigterm-group"] if to == "group" else []
     out = subprocess.run(
-        [python(), JOB, str(tmp_path), "--sigterm", "10:upload_start"],
+        [python(), JOB, str(tmp_path), "--workers", workers, "--sigterm", "10:upload_start", *group],
         capture_output=True,
         text=True,
         timeout=300,
@@ -350,5 +356,5 @@ def test_sigterm_during_an_upload_flushes_and_commits_it_then_resumes_exactly(tm
     assert newest is not None, "the in-flight save must commit"
     step = int(newest.rsplit("step=", 1)[1].removesuffix(".ckpt"))
     assert step >= 10, f"the save in flight at SIGTERM (step 10) must commit: {newest}"
-    run_job(tmp_path)
-    assert_same_run(tmp_path, reference(0))
+    run_job(tmp_path, "--workers", workers)
+    assert_same_run(tmp_path, reference(int(workers)))
