@@ -155,8 +155,8 @@ class Writer:
     def submit(self, job: SaveJob | DeleteJob | None) -> None:
         """Queue ``job`` (None: let the thread exit once idle) and start the thread if it is not running.
 
-        The thread starts outside ``_lock``: ``Thread.start`` waits for the new thread to run, which
-        may take the job at once."""
+        The thread starts outside ``_lock``, which guards only ``_thread``: ``Thread.start`` waits for
+        the new thread, and nothing is held across that wait."""
         if isinstance(job, SaveJob):
             self._busy.add(job.name)
             self._training_nice = own_nice()

@@ -104,13 +104,13 @@ class FlushOnSigterm:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         flushing = self._flushing
         # A forked child (a loader worker) inherits the handler but not the thread, and has no saves.
-        ours = self._installed and os.getpid() == self._pid
-        if flushing is None and ours:  # the first stage: hand the flush over, return at once
-            self._flushing = _Flushing()
-            self._asks.put(self._flushing)
-            return
-        if flushing is not None and not flushing.flushed and ours:  # another SIGTERM while flushing: the
-            return  # flush under way answers it
+        if self._installed and os.getpid() == self._pid:
+            if flushing is None:  # the first stage: hand the flush over, return at once
+                self._flushing = _Flushing()
+                self._asks.put(self._flushing)
+                return
+            if not flushing.flushed:  # another SIGTERM while flushing: the flush under way answers it
+                return
         self._flushing = None  # the second stage (raised by ``_serve``): what SIGTERM did before us
         previous = self._previous
         if callable(previous):
