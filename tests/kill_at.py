@@ -36,6 +36,8 @@ class KillAt:
         self.step, self.phase, self.rank, self.signum = step, phase, rank, signum
         self.delay_seconds = delay_seconds
         self.group = group
+        if group and os.getpgrp() != os.getpid():  # lead a group of its own, before loader workers fork
+            os.setpgid(0, 0)
         self.started: set[int] = set()
         self.committed: set[int] = set()
         self.fired = False
@@ -43,7 +45,7 @@ class KillAt:
     @classmethod
     def parse(cls, spec: str, signum: int = signal.SIGKILL, *, group: bool = False) -> KillAt:
         """``STEP:PHASE[:RANK][+DELAY_MS]``, STEP ``*`` for any step; ``group``: to this process's group
-        (its loader workers too, as SLURM and Kubernetes signal a job), which it must lead."""
+        (its loader workers too, as SLURM and Kubernetes signal a job), which it leads from then on."""
         spec, _, delay = spec.partition("+")
         step, phase, *rank = spec.split(":")
         return cls(

@@ -199,8 +199,6 @@ def main() -> None:
     p.add_argument("--seq", action="store_true", help="a second train loader, after the first each epoch")
     p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps: batches per step")
     args = p.parse_args()
-    if args.sigterm_group and os.getpgrp() != os.getpid():  # lead a group of our own: the signal's target
-        os.setpgid(0, 0)
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     for name in ("accelerate_air", "air_core"):

@@ -122,8 +122,6 @@ def main() -> None:
         help="STEP[:NODE]: SIGKILL before that step, once (NODE: that node, and its torchrun agent)",
     )
     args = p.parse_args()
-    if args.sigterm_group and os.getpgrp() != os.getpid():  # lead a group of our own: the signal's target
-        os.setpgid(0, 0)
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     for name in ("lightning_air", "air_core"):
