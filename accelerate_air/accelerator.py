@@ -38,7 +38,7 @@ from air_core import (
 from air_core.session import Place, TrainingSession, entry_of_commit
 from air_core.tiers import Resume
 
-from .folders import Folders, retention
+from .folders import CheckpointNotFoundError, Folders, retention
 from .internals import (
     MLFLOW_ACTIVE_RUN,
     MODELS,
@@ -357,6 +357,7 @@ class AirAccelerator(Accelerator):
         what = f"AirAccelerator.load_state: the checkpoint {label}"
         if states:  # every process refuses another world size (without elastic) before any weight is copied
             self.air_session.positions.check_world_size(saved, what=what)
+            self._air_check_loaders(next(iter(states.values())), what=what)
         for i, model in enumerate(models(self)):  # before Accelerate copies any weight
             path = os.path.join(folder, model_file(i))
             if os.path.isfile(path):
@@ -405,10 +406,37 @@ class AirAccelerator(Accelerator):
         if self.air_session.resumed_mlflow_run:
             self._air_continue_mlflow_run(self.air_session.resumed_mlflow_run)
 
+    def _air_check_loaders(self, state: dict[str, Any], *, what: str) -> None:
+        """Refuse a checkpoint whose data positions this process has no prepared loaders for (``resume()``
+        before ``prepare``, or a loader left out), before any weight is copied."""
+        saved = len(state["loaders"])
+        prepared = sum(1 for dl in dataloaders(self) if id(dl) in self._air_tracked)
+        if saved and saved != prepared:  # 0 saved: a checkpoint from before any loader was prepared
+            raise ConfigError(
+                f"{what} holds the position of {saved} prepared data loader(s); this process has prepared "
+                f"{prepared}. Pass the same loaders to prepare(...) before load_state() or resume()."
+            )
+
     def _air_fetch(self, ckpt: AsyncCheckpointer, info: CheckpointInfo | None) -> LocalCheckpoint:
         """Fetch ``info`` (None: the newest committed that verifies) into the local cache (rank 0's files
         and this process's; every process's when an elastic resume needs their rank files). Shards in
-        DCP folders are left to the reader (only what is needed)."""
+        DCP folders are left to the reader (only what is needed).
+
+        Raises:
+            CheckpointNotFoundError: ``info`` is None and nothing is committed (a ``ValueError``, as stock
+                Accelerate raises when it has nothing to load).
+        """
+        try:
+            return self._air_fetch_ranks(ckpt, info)
+        except FileNotFoundError as exc:  # the core's: no committed checkpoint under the root
+            if info is not None:
+                raise
+            raise CheckpointNotFoundError(
+                f"AirAccelerator.load_state(): {exc}; save one first, or call resume(), which starts afresh "
+                "when there is none."
+            ) from exc
+
+    def _air_fetch_ranks(self, ckpt: AsyncCheckpointer, info: CheckpointInfo | None) -> LocalCheckpoint:
         ranks = {0, self.process_index}
         if self._air_sharded:  # one chosen checkpoint: its shards are read later, by the reader
             info = info or ckpt.latest()
@@ -464,10 +492,13 @@ class AirAccelerator(Accelerator):
         """Load the newest committed checkpoint if there is one; return ``start_epoch`` (0 when fresh).
 
         Call after ``prepare``; then ``for epoch in range(accelerator.resume(), num_epochs)``. The
-        prepared loaders continue where the checkpoint left them, mid-epoch included.
+        prepared loaders continue where the checkpoint left them, mid-epoch included. With Accelerate's
+        automatic naming, the next ``save_state()`` writes the folder after every one the root holds.
         """
         latest = self._air.latest()
         resumed = self.air_session.recover(latest.step if latest is not None else None)
+        if self.project_configuration.automatic_checkpoint_naming:
+            self.project_configuration.iteration = self._air_folders.next_iteration(self.save_iteration)
         if resumed is None and latest is None:
             logger.info("AirAccelerator: nothing committed under %s; starting fresh", self.air_plugin.root)
             return 0

@@ -13,16 +13,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from typing import Any
 
-from air_core import AsyncCheckpointer, CheckpointInfo, ConfigError
-from air_core.layout import META_DIR
+from air_core import AsyncCheckpointer, CheckpointInfo, ConfigError, CorruptCheckpointError
+from air_core.layout import META_DIR, TEMP_MARK
 from air_core.session import Owner, Place, TrainingSession
 from air_core.storage import location
 
 from .plugin import AirPlugin
 
 logger = logging.getLogger(__name__)
+_AUTOMATIC = re.compile(r"checkpoint_(\d+)")
+"""A folder of Accelerate's automatic naming."""
 KEEP_ALL = 2**31 - 1
 """Retention that deletes nothing (Accelerate's automatic naming without ``total_limit``)."""
 
@@ -115,6 +118,16 @@ class Folders:
         paths.claim(ckpt, place, Owner(name, step, folder=True))
         return ckpt, place, name
 
+    def next_iteration(self, iteration: int) -> int:
+        """Automatic naming's next ``checkpoint_<i>`` for a resumed job: past every one the root holds,
+        committed or not (a killed save's folder too), so its next save does not meet an existing folder.
+        Stock Accelerate leaves that to the script (``save_iteration`` starts at 0 again)."""
+        names = [info.name for info in self._main.list()]
+        if "://" not in self._root and os.path.isdir(self._root):
+            names += os.listdir(self._root)
+        used = [int(m.group(1)) for n in names if (m := _AUTOMATIC.fullmatch(n))]
+        return max([iteration, *(i + 1 for i in used)])
+
     def load_source(
         self, input_dir: str | None, stack: contextlib.ExitStack
     ) -> tuple[AsyncCheckpointer | None, CheckpointInfo | None, str]:
@@ -135,6 +148,8 @@ class Folders:
             return ckpt, info, place.entry
         target = location(os.fspath(input_dir))
         if "://" not in target and os.path.isdir(target):
+            if ckpt is self._main and not _holds_files(target):
+                raise self._never_committed(what, target)
             logger.info(
                 "AirAccelerator.load_state: %s is not a committed checkpoint: loading it as stock Accelerate "
                 "does, without verifying it",
@@ -151,6 +166,22 @@ class Folders:
             f"root is {self._plugin.root}."
         )
 
+    def _never_committed(self, what: str, folder: str) -> CorruptCheckpointError:
+        """A folder under the root that ``save_state`` made for a save the job never began writing (it was
+        killed first): Accelerate's recipe picks the newest folder, so name the one to load instead."""
+        newest = self._main.latest()
+        fix = (
+            f"load the newest committed one, {newest.name} (load_state() with no folder loads it)"
+            if newest is not None
+            else "nothing under the root is committed: start afresh (resume() does when there is nothing)"
+        )
+        return CorruptCheckpointError(
+            f"{what}: {folder} holds no checkpoint: the save_state() that made it never committed (the job "
+            f"stopped before writing it); {fix}. `air ls {self._plugin.root}` lists the committed ones.",
+            path=folder,
+            reason="never committed",
+        )
+
     def _reader(self, place: Place, stack: contextlib.ExitStack) -> AsyncCheckpointer | None:
         """A checkpointer to read a folder saved as a root of its own: ours if this process saves there,
         else a read-only one (no lease, no probe write); None for a local folder without commit records."""
@@ -160,3 +191,8 @@ class Folders:
         if "://" not in place.root and not os.path.isdir(os.path.join(place.root, META_DIR)):
             return None
         return stack.enter_context(self._session.reader(place.root))
+
+
+def _holds_files(folder: str) -> bool:
+    """Whether ``folder`` (or a folder in it) holds a file other than a temp file of ours."""
+    return any(TEMP_MARK not in f for _, _, files in os.walk(folder) for f in files)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_air import AirAccelerator, AirPlugin
 from air_core import AsyncCheckpointer, ConfigError, CorruptCheckpointError
-from tests.accelerate.test_accelerator import air, setup, train
+from tests.accelerate.test_accelerator import Counter, air, setup, train
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -272,3 +272,76 @@ def test_prepared_loaders_pickle_and_end_training_releases_the_root(tmp_path):
     assert accelerator.air_session.checkpointer is None and accelerator._air.closed
     lease = json.loads((tmp_path / "root" / ".air" / "lease.json").read_text())
     assert lease.get("released"), f"the lease is released at end_training: {lease}"
+
+
+def test_a_folder_save_state_made_but_never_committed_is_refused_naming_the_newest_committed(tmp_path):
+    """A job killed while a ``save_state(folder)`` was still queued leaves the folder the call made, with
+    nothing in it; Accelerate's recipe picks the newest folder. It must hear which one to load instead,
+    not fail inside torch on a missing ``pytorch_model.bin``."""
+    root = tmp_path / "root"
+    accelerator = air(str(root))
+    setup(accelerator)
+    accelerator.save_state(str(root / "step_4"))
+    accelerator.wait_for_checkpoints()
+    (root / "step_8").mkdir()  # what save_state(root / "step_8") leaves when killed before its save began
+    with pytest.raises(CorruptCheckpointError, match=r"step_8.*never committed.*step_4") as refused:
+        accelerator.load_state(str(root / "step_8"))
+    assert refused.value.reason == "never committed"
+    accelerator.end_training()
+
+
+def test_load_state_with_nothing_committed_raises_what_stock_raises(tmp_path):
+    """Stock Accelerate raises ``ValueError`` for ``load_state()`` with nothing to load; a script's ``except
+    ValueError`` must catch ours too."""
+    accelerator = air(str(tmp_path / "root"))
+    setup(accelerator)
+    with pytest.raises(ValueError, match=r"no committed checkpoint under .*root.*resume\(\)"):
+        accelerator.load_state()
+    accelerator.end_training()
+
+
+def test_resume_before_the_loader_is_prepared_is_refused_before_any_weight_is_loaded(tmp_path):
+    first = air(str(tmp_path / "root"))
+    model, optimizer, loader, scheduler, counter = setup(first)
+    train(first, model, optimizer, loader, scheduler, counter, steps=2)
+    first.save_state()
+    first.end_training()
+    resumed = air(str(tmp_path / "root"))
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    fresh = weights(model)
+    resumed.register_for_checkpointing(Counter())
+    model = resumed.prepare(model)  # the loader forgotten
+    with pytest.raises(ConfigError, match=r"1 prepared data loader.*prepared 0.*prepare\("):
+        resumed.resume()
+    assert same(model, fresh), "refused before Accelerate copied any weight"
+    resumed.end_training()
+
+
+def test_resume_with_automatic_naming_saves_after_every_folder_already_there(tmp_path):
+    """Stock ``load_state`` leaves ``save_iteration`` at 0, so a resumed job's next save meets
+    ``checkpoint_0`` (stock says to set it by hand); ``resume()`` restores everything, the next name too,
+    past a folder a killed save left (here ``checkpoint_2``, never committed)."""
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+
+    def accelerator() -> AirAccelerator:
+        return AirAccelerator(
+            air_plugin=AirPlugin(str(tmp_path / "checkpoints")), project_config=config, cpu=True
+        )
+
+    first = accelerator()
+    model, optimizer, loader, scheduler, counter = setup(first)
+    for _ in range(2):
+        train(first, model, optimizer, loader, scheduler, counter, steps=1)
+        first.save_state()
+    first.end_training()
+    (tmp_path / "checkpoints" / "checkpoint_2").mkdir()
+    config.iteration = 0  # a new launch's configuration
+    resumed = accelerator()
+    model, optimizer, loader, scheduler, counter = setup(resumed)
+    resumed.resume()
+    assert resumed.completed_steps == 2
+    train(resumed, model, optimizer, loader, scheduler, counter, steps=1)
+    assert resumed.save_state() == str(tmp_path / "checkpoints" / "checkpoint_3")
+    resumed.end_training()
+    assert sorted(committed_names(str(tmp_path / "checkpoints"))) == ["checkpoint_1", "checkpoint_3"]
