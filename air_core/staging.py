@@ -25,7 +25,7 @@ from typing import Literal, Protocol
 from . import layout
 from .catalog import read_catalog
 from .checksum import file_crc32
-from .commit import keep_newest
+from .commit import delete_checkpoint, keep_newest
 from .config import CheckpointerConfig
 from .errors import ConfigError, CorruptCheckpointError
 from .leftovers import from_before_this_process
@@ -82,6 +82,10 @@ class Destination(Protocol):
 
     def trim(self, keep_last: int) -> None: ...
 
+    def forget(self, name: str) -> None:
+        """Drop the local copy of checkpoint ``name``, deleted from the root (rank 0, after the delete)."""
+        ...
+
     def disk_full_fix(self, exc: OSError) -> str: ...
 
     def fetch(
@@ -124,6 +128,9 @@ class Direct:
 
     def trim(self, keep_last: int) -> None:
         pass
+
+    def forget(self, name: str) -> None:
+        pass  # the root's files were the only ones
 
     def disk_full_fix(self, exc: OSError) -> str:
         return fix_for(exc)
@@ -215,7 +222,7 @@ class Staged:
         after its files were placed here and before the cache recorded its manifest leaves them named by
         nothing, and the cache goes by manifests: a file's worth of disk per such kill, for good.
         """
-        cached = Storage(self.cache_dir, storage_options={}, retries=0, retry_backoff_seconds=0.0)
+        cached = self._cache()
         catalog = read_catalog(cached)
         keep_newest(cached, catalog, keep_last)
         held = [i for i in catalog.infos if i.manifest is not None]
@@ -230,11 +237,24 @@ class Staged:
                     os.unlink(path)
                     logger.info("removed %s from the cache: a killed save's, named by no manifest", path)
 
+    def forget(self, name: str) -> None:
+        """Drop the cache's copy of ``name`` with the root's: deletes asked for by name (Lightning's
+        ``save_top_k``, with retention by count off) would otherwise free nothing on this disk, the staged
+        files being links to the root's blocks or copies of them."""
+        cached = self._cache()
+        catalog = read_catalog(cached)
+        for info in catalog.infos:
+            if info.name == name and info.manifest is not None:
+                delete_checkpoint(cached, info, catalog)
+
+    def _cache(self) -> Storage:
+        return Storage(self.cache_dir, storage_options={}, retries=0, retry_backoff_seconds=0.0)
+
     def disk_full_fix(self, exc: OSError) -> str:
         return (
             f"The staging disk is full: free space under staging_dir ({self._staging_arg or self.cache_dir}),"
-            " point staging_dir at a larger disk, or lower keep_last (the local cache keeps that many"
-            " checkpoints)."
+            " point staging_dir at a larger disk, or keep fewer checkpoints at the root (the local cache"
+            " keeps a copy of each, up to keep_last)."
         )
 
     def fetch(

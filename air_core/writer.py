@@ -456,6 +456,7 @@ class Writer:
         self._emit(PhaseEvent("retention_start", info.name, info.step, self._config.rank))
         nbytes = catalog.bytes_of(info)
         catalog = commit.delete_checkpoint(self._storage, info, catalog, recycle=self._config.recycle_files)
+        self._dest.forget(info.name)
         self._emit(PhaseEvent("retention_deleted", info.name, info.step, self._config.rank))
         self._emit(DeleteRecord(info.name, info.step, nbytes))
         return catalog

@@ -125,3 +125,19 @@ def test_a_link_or_rename_that_fails_halfway_loses_nothing(tmp_path, monkeypatch
         again = _save(ckpt, 2).result(timeout=60)  # the same save, once the filesystem allows it
         _check_loads(ckpt, again, 2)
         assert ckpt.latest().name == again.name
+
+
+def test_a_checkpoint_deleted_from_the_root_leaves_the_cache_too(tmp_path):
+    """Lightning's ``save_top_k`` deletes through ``delete()`` with retention by count off: the cache's copy
+    (a link to the same blocks here) must go as well, or the root's deletes free no disk."""
+    root, stage = str(tmp_path / "root"), str(tmp_path / "stage")
+    with AsyncCheckpointer(root, staging_dir=stage, keep_last=1 << 30) as ckpt:
+        first = _save(ckpt, 1).result(timeout=60)
+        _save(ckpt, 2).result(timeout=60)
+        assert ckpt.delete(first.name).wait(60)
+        assert [i.step for i in ckpt.list()] == [2]
+        cache = ckpt._cache_dir
+        cached = [os.path.relpath(os.path.join(d, f), cache) for d, _, fs in os.walk(cache) for f in fs]
+    assert [p for p in cached if p.startswith("ck2/")], "the kept one's copy stays"
+    assert not [p for p in cached if p.startswith("ck1/") or first.name in p], cached
+    assert all(os.stat(os.path.join(root, f)).st_nlink == 2 for f in ("ck2/a.pt", "ck2/b.pt")), "the kept one"

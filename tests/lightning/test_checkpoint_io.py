@@ -134,6 +134,18 @@ def test_a_removal_whose_replacement_failed_keeps_the_newest_committed_checkpoin
     assert files() == []
 
 
+def test_save_top_k_frees_the_staging_disk_too(tmp_path):
+    """The staged files are links to the root's (one disk): a copy the cache kept of a checkpoint
+    ``save_top_k`` removed held its blocks, so the removal freed nothing."""
+    stage, dirpath = tmp_path / "nvme", str(tmp_path / "ckpts")
+    mc = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=1)
+    plugin = AirCheckpointIO(staging_dir=str(stage))
+    _trainer(tmp_path, plugin, callbacks=[AirCallback(mlflow=False), mc]).fit(Model(str(tmp_path), 0))
+    (kept,) = _ckpt_files(dirpath)
+    staged = [f for _, _, files in os.walk(stage) for f in files if f.endswith(".ckpt")]
+    assert staged == [kept], "only the checkpoint the root keeps"
+
+
 def test_removing_the_fits_last_save_deletes_it_as_lightning_does(tmp_path):
     """``BatchSizeFinder`` and ``LearningRateFinder`` save a temporary file, load it back and remove it,
     all during the fit: no later save replaces it, so it goes as stock Lightning removes it (once its save
