@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Literal
 
 from torch.utils.data import DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
@@ -69,7 +70,7 @@ class AirPlugin:
 
     def __init__(
         self,
-        root: str,
+        root: str | os.PathLike[str],
         *,
         staging_dir: str | None = None,
         host_budget_bytes: int | None = None,
@@ -97,19 +98,21 @@ class AirPlugin:
         local_dir: str | None = None,
         replication_factor: int = 2,
     ) -> None:
+        root = os.fspath(root) if isinstance(root, os.PathLike) else root
         if not isinstance(root, str) or not root.strip():
             raise ConfigError(
                 f"AirPlugin(root={root!r}): pass the checkpoints' folder or URL, e.g. 's3://bucket/run1'."
             )
+        self.session = settings_of(SessionConfig, locals(), owner="AirPlugin")
+        """The training session's settings (validated now: ``flush_timeout_seconds`` by its own name)."""
         self.checkpointer = settings_of(
             CheckpointerConfig,
             locals(),
             keep_last=2 if keep_last is None else keep_last,
             close_timeout_seconds=flush_timeout_seconds,
+            owner="AirPlugin",
         )
         """The checkpointer's settings (validated now)."""
-        self.session = settings_of(SessionConfig, locals(), owner="AirPlugin")
-        """The training session's settings (validated now)."""
         self.root = root
         self.keep_last_given = keep_last
         """``keep_last`` as the user passed it (None: not given), checked against ``total_limit``."""

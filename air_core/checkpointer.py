@@ -160,8 +160,9 @@ class AsyncCheckpointer:
     def from_config(
         cls, config: CheckpointerConfig, *, listeners: Iterable[Listener] = ()
     ) -> AsyncCheckpointer:
-        """An ``AsyncCheckpointer`` of ``config`` (a settings object built once and passed on)."""
-        settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        """An ``AsyncCheckpointer`` of ``config`` (a settings object built once and passed on; its
+        ``owner`` named the adapter in the errors of that build)."""
+        settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "owner"}
         return cls(**settings, listeners=listeners)
 
     # -- saving ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ reachable) run when the checkpointer is built (``staging.py``, ``storage.py``).
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from collections.abc import Mapping
@@ -80,10 +81,21 @@ class CheckpointerConfig:
     read_only: bool = False
     """Open the root to list, verify and load only: no probe write, no lease, ``save`` refused.
     For tools that look at a root while a job may be writing it."""
+    owner: str = field(default="AsyncCheckpointer", compare=False, repr=False)
+    """The class the user configured (named in errors): an adapter's, which passes these settings on."""
 
     def __post_init__(self) -> None:
         def bad(arg: str, value: object, why: str) -> ConfigError:
-            return ConfigError(f"AsyncCheckpointer({arg}={value!r}): {why}")
+            return ConfigError(f"{self.owner}({arg}={value!r}): {why}")
+
+        def check_int(arg: str, minimum: int, *, optional: bool = False) -> None:
+            value = getattr(self, arg)
+            if not (optional and value is None) and (not _is_int(value) or value < minimum):
+                raise bad(arg, value, f"{arg} must be an integer >= {minimum}.")
+
+        def check_choice(arg: str, allowed: tuple[str, ...]) -> None:
+            if getattr(self, arg) not in allowed:
+                raise bad(arg, getattr(self, arg), f"{arg} must be one of {', '.join(allowed)}.")
 
         if not isinstance(self.root, str) or (self.root and not self.root.strip()):
             raise bad("root", self.root, "root must be a non-empty path or URL, e.g. 's3://bucket/run1'.")
@@ -101,7 +113,7 @@ class CheckpointerConfig:
                 self.staging_dir,
                 "staging_dir must be on a local disk (NVMe); pass a local folder, e.g. '/local_nvme/air'.",
             )
-        _check_int("host_budget_bytes", self.host_budget_bytes, 1, optional=True)
+        check_int("host_budget_bytes", 1, optional=True)
         if self.host_budget_bytes is not None and self.host_budget_bytes < _MIN_BUDGET:
             raise bad(
                 "host_budget_bytes",
@@ -113,18 +125,18 @@ class CheckpointerConfig:
             raise bad(
                 "keep_last",
                 self.keep_last,
-                "keep_last must be at least 1, because the newest committed checkpoint is never "
+                "keep_last must be an integer >= 1, because the newest committed checkpoint is never "
                 "deleted. Pass keep_last=1 or more.",
             )
-        _check_int("max_in_flight", self.max_in_flight, 1)
-        _check_choice("on_busy", self.on_busy, ("wait", "skip"))
-        _check_choice("writer", self.writer, ("thread", "process"))
+        check_int("max_in_flight", 1)
+        check_choice("on_busy", ("wait", "skip"))
+        check_choice("writer", ("thread", "process"))
         if self.storage_options is None:
             object.__setattr__(self, "storage_options", {})
         if not isinstance(self.storage_options, dict):
             raise bad("storage_options", "<hidden>", "storage_options must be a dict (or None).")
-        _check_int("world_size", self.world_size, 1)
-        _check_int("rank", self.rank, 0)
+        check_int("world_size", 1)
+        check_int("rank", 0)
         if self.rank >= self.world_size:
             raise bad("rank", self.rank, f"rank must be below world_size={self.world_size}.")
         if self.world_size > 1 and not self.launch_id:
@@ -136,8 +148,8 @@ class CheckpointerConfig:
             )
         if not self.launch_id:
             object.__setattr__(self, "launch_id", uuid.uuid4().hex)
-        _check_int("max_transfers", self.max_transfers, 1)
-        _check_int("retries", self.retries, 0)
+        check_int("max_transfers", 1)
+        check_int("retries", 0)
         if not isinstance(self.recycle_files, bool):
             raise bad("recycle_files", self.recycle_files, "recycle_files must be True or False.")
         if self.recycle_files and (
@@ -170,11 +182,13 @@ class CheckpointerConfig:
 
 
 def settings_of(cls: type[T], arguments: Mapping[str, Any], **fixed: Any) -> T:
-    """A ``cls`` (a settings dataclass) from the entries of ``arguments`` that name its fields, and
-    ``fixed``: how an adapter turns its explicit keyword arguments (its ``locals()``; LightningCLI needs
-    them explicit) into settings objects, in one place. Raises ``ConfigError`` as ``cls`` does."""
+    """A ``cls`` (a settings dataclass) from the entries of ``arguments`` that name its fields (a
+    ``pathlib.Path`` as its string), and ``fixed``: how an adapter turns its explicit keyword arguments
+    (its ``locals()``; LightningCLI needs them explicit) into settings objects, in one place. Raises
+    ``ConfigError`` as ``cls`` does."""
     names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    return cls(**{k: v for k, v in arguments.items() if k in names and k not in fixed}, **fixed)
+    given = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in arguments.items()}
+    return cls(**{k: v for k, v in given.items() if k in names and k not in fixed}, **fixed)
 
 
 def check_name(name: str, *, what: str = "name") -> str:
@@ -210,15 +224,3 @@ def check_filename(path: str, *, call: str) -> str:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_int(arg: str, value: object, minimum: int, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not _is_int(value) or value < minimum:  # type: ignore[operator]
-        raise ConfigError(f"AsyncCheckpointer({arg}={value!r}): {arg} must be an integer >= {minimum}.")
-
-
-def _check_choice(arg: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"AsyncCheckpointer({arg}={value!r}): {arg} must be one of {', '.join(allowed)}.")

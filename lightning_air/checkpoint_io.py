@@ -71,7 +71,9 @@ class AirCheckpointIO(CheckpointIO):
         close_timeout_seconds: float = 600.0,
     ) -> None:
         super().__init__()
-        self.config = settings_of(CheckpointerConfig, locals(), keep_last=_NEVER_BY_COUNT)
+        self.config = settings_of(
+            CheckpointerConfig, locals(), keep_last=_NEVER_BY_COUNT, owner="AirCheckpointIO"
+        )
         """The checkpointer's settings (validated now; the root is each save's folder)."""
         self.listeners: list[Listener] = []
         """Receivers of the core's events (``add_listener``)."""

@@ -80,7 +80,7 @@ class AirTrainerCallback(TrainerCallback):
 
     def __init__(
         self,
-        root: str | None = None,
+        root: str | os.PathLike[str] | None = None,
         *,
         staging_dir: str | None = None,
         host_budget_bytes: int | None = None,
@@ -105,20 +105,22 @@ class AirTrainerCallback(TrainerCallback):
         local_dir: str | None = None,
         replication_factor: int = 2,
     ) -> None:
+        root = os.fspath(root) if isinstance(root, os.PathLike) else root
         if root is not None and (not isinstance(root, str) or not root.strip()):
             raise ConfigError(
                 f"AirTrainerCallback(root={root!r}): pass a folder or URL, or None for args.output_dir."
             )
         self.root = root
+        self.session_config = settings_of(SessionConfig, locals(), owner="AirTrainerCallback")
+        """The training session's settings (validated now: ``flush_timeout_seconds`` by its own name)."""
         self.checkpointer = settings_of(
             CheckpointerConfig,
             locals(),
             root=root or "output_dir",  # replaced at train(): args.output_dir
             close_timeout_seconds=flush_timeout_seconds,
+            owner="AirTrainerCallback",
         )
         """The checkpointer's settings (validated now; root and retention come at ``train()``)."""
-        self.session_config = settings_of(SessionConfig, locals(), owner="AirTrainerCallback")
-        """The training session's settings (validated now)."""
         self.listeners: list[Listener] = []
         self.session: TrainingSession | None = None
         """This process's session during ``train()`` (``session.records``: fetch times, saves, restores)."""

@@ -147,12 +147,18 @@ def test_partial_checkpoint_is_never_loaded_and_a_corrupt_one_is_skipped(tmp_pat
 
 
 def test_bad_configuration_fails_at_construction_naming_the_argument(tmp_path):
-    with pytest.raises(ConfigError, match="keep_last"):
+    with pytest.raises(ConfigError, match=r"^AirPlugin\(keep_last=0\)"):  # the class the user built
         AirPlugin(str(tmp_path), keep_last=0)
+    with pytest.raises(ConfigError, match=r"^AirPlugin\(keep_last='2'\): keep_last must be an integer"):
+        AirPlugin(str(tmp_path), keep_last="2")
+    with pytest.raises(ConfigError, match=r"^AirPlugin\(max_in_flight=0\)"):
+        AirPlugin(str(tmp_path), max_in_flight=0)
     with pytest.raises(ConfigError, match="root"):
         AirPlugin("")
-    with pytest.raises(ConfigError, match="flush_timeout_seconds"):
-        AirPlugin(str(tmp_path), flush_timeout_seconds=0)
+    for seconds in (0, -1):  # by the name the user passed, not the checkpointer's close_timeout_seconds
+        with pytest.raises(ConfigError, match=rf"^AirPlugin\(flush_timeout_seconds={seconds}\)"):
+            AirPlugin(str(tmp_path), flush_timeout_seconds=seconds)
+    assert AirPlugin(tmp_path / "ckpts", staging_dir=tmp_path / "nvme").root == str(tmp_path / "ckpts")
     with pytest.raises(ConfigError, match="air_plugin"):
         AirAccelerator(air_plugin=str(tmp_path), cpu=True)
     blocker = tmp_path / "a-file"

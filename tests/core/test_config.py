@@ -10,7 +10,7 @@ from air_core import AsyncCheckpointer, ConfigError
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        ({"keep_last": 0}, "keep_last must be at least 1"),
+        ({"keep_last": 0}, "keep_last must be an integer >= 1"),
         ({"keep_last": "3"}, "keep_last"),
         ({"max_in_flight": 0}, "max_in_flight must be an integer >= 1"),
         ({"host_budget_bytes": 0}, "host_budget_bytes must be an integer >= 1"),

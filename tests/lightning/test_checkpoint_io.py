@@ -184,9 +184,9 @@ def test_save_last_rewrites_last_ckpt_and_it_stays_committed(tmp_path, top_k):
 
 
 def test_bad_settings_fail_at_construction_naming_the_argument():
-    with pytest.raises(ConfigError, match="on_busy"):
+    with pytest.raises(ConfigError, match=r"^AirCheckpointIO\(on_busy='drop'\)"):  # the class the user built
         AirCheckpointIO(on_busy="drop")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="host_budget_bytes"):
+    with pytest.raises(ConfigError, match=r"^AirCheckpointIO\(host_budget_bytes=0\)"):
         AirCheckpointIO(host_budget_bytes=0)
     with pytest.raises(ConfigError, match="log_every_n_steps"):
         AirCallback(log_every_n_steps="7")  # type: ignore[arg-type]
