@@ -10,9 +10,12 @@
 
 ROOT is any fsspec URL or path; ``--storage-options '{"client_kwargs": {...}}'`` passes options to
 fsspec (credentials are better left to the environment). Exit status: 0 fine, 1 a checkpoint failed
-verification, 2 bad usage or an unreachable root. ``air preflight``: 0 ok, 1 warn, 2 bad node (do not
-reschedule the job here), 64 bad usage; ``torchrun --nproc-per-node N -m air_core.cli preflight ROOT``
-checks the links and clocks between ranks too.
+verification, 2 bad usage or a root that cannot be read or is not there. "Not there" is what the
+filesystem can tell: a local folder that does not exist, or a bucket (container) the object store says
+does not exist; a prefix with nothing under it cannot be told from an empty root, so it is one (exit 0).
+``air preflight``: 0 ok, 1 warn, 2 bad node (do not reschedule the job here), 64 bad usage;
+``torchrun --nproc-per-node N -m air_core.cli preflight ROOT`` checks the links and clocks between
+ranks too.
 """
 
 from __future__ import annotations
@@ -308,6 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "preflight":
             return cmd_preflight(args, options)
         storage = Storage(args.root, storage_options=options, retries=3, retry_backoff_seconds=0.2)
+        missing = storage.missing()
+        if missing:  # a typo in ROOT would otherwise read as an empty root: exit 0, nothing found
+            print(f"air {args.command}: {missing}; ROOT is the folder or URL a job saved to", file=sys.stderr)
+            return 2
         command = {"ls": cmd_ls, "verify": cmd_verify, "report": cmd_report}[args.command]
         return command(storage, args)
     except (AirError, OSError, ValueError) as exc:

@@ -340,6 +340,26 @@ class Storage:
         """Whether an upload can start while its file is still being written (``upload.follows``)."""
         return not self.is_local and upload.follows(self.fs)
 
+    def missing(self) -> str | None:
+        """What the filesystem can tell is not there, for a reader that must not take a typo for an empty
+        root: ``"no such folder: PATH"`` (a local root), ``"no such bucket: URL"`` (an object store's bucket
+        or container, one HEAD), else ``None``. A prefix with nothing under it is an empty root to an
+        object store, so it is never missing; nor is a bucket the backend cannot answer for (the listing
+        that follows reports that error)."""
+        if self.is_local:
+            return None if os.path.isdir(self.base) else f"no such folder: {self.base}"
+        scheme = self.url.split("://", 1)[0]
+        if scheme not in _EXTRAS:
+            return None
+        bucket = self.base.split("/", 1)[0]
+        try:
+            self.call("check", "", lambda: self.fs.info(bucket))
+        except FileNotFoundError:
+            return f"no such bucket: {scheme}://{bucket}"
+        except StorageError:  # denied or unanswered: not known missing
+            pass
+        return None
+
     def check_writable(self) -> None:
         """Write and delete a probe under the root, so a bad URL or credential fails before training."""
         rel = probe_path(uuid.uuid4().hex[:12])

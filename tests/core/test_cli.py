@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import uuid
 
 import torch
 
 from air_core import AsyncCheckpointer, RestoreRecord, commit
+from air_core.cli import main
 from air_core.manifest import FailureRecord
 from air_core.session import GoodputLog
 from air_core.storage import Storage
@@ -93,3 +96,22 @@ def test_report_says_which_tier_each_restore_came_from_and_the_steps_it_lost(tmp
     out = air("report", root)
     assert out.returncode == 0, out.stderr
     assert "restore: step 8 from the replica tier (local copy) in 0.20 s; 3 step(s) lost" in out.stdout
+
+
+def test_a_root_that_does_not_exist_is_exit_2_naming_it_not_an_empty_root(tmp_path, capsys):
+    typo = str(tmp_path / "runs-typo")
+    for argv in (["ls", typo], ["verify", typo], ["report", typo], ["report", typo, "--json"]):
+        assert main(argv) == 2, f"air {' '.join(argv)}: a missing folder is not an empty root"
+        out = capsys.readouterr()
+        assert out.out == "", f"air {' '.join(argv)} prints nothing a script could take for a result"
+        assert f"air {argv[0]}: no such folder: {typo}; ROOT is the folder or URL a job saved to" in out.err
+    assert not os.path.exists(typo), "looking does not create the folder"
+
+
+def test_a_missing_bucket_is_exit_2_and_an_empty_prefix_is_an_empty_root(s3_root, capsys):
+    options = ["--storage-options", json.dumps(s3_root.storage_options)]
+    missing = f"s3://air-no-such-{uuid.uuid4().hex[:8]}/run"
+    assert main([*options, "ls", missing]) == 2
+    assert f"no such bucket: {missing.rsplit('/', 1)[0]}" in capsys.readouterr().err
+    assert main([*options, "ls", s3_root.url]) == 0, "nothing under a prefix: an object store cannot tell"
+    assert f"no checkpoints under {s3_root.url}" in capsys.readouterr().out
