@@ -57,6 +57,10 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
 def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     infos = {i.name: i for i in scan(storage)}
     names = args.names or [n for n, i in infos.items() if i.status == "committed"]
+    if not names:  # silence with exit 0 would read as "all verified"
+        others = f" ({len(infos)} partial or corrupt: air ls says why)" if infos else ""
+        print(f"nothing committed under {storage.display()}{others}")
+        return 0
     unknown = [n for n in names if n not in infos]
     if unknown:
         print(

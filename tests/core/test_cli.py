@@ -115,3 +115,16 @@ def test_a_missing_bucket_is_exit_2_and_an_empty_prefix_is_an_empty_root(s3_root
     assert f"no such bucket: {missing.rsplit('/', 1)[0]}" in capsys.readouterr().err
     assert main([*options, "ls", s3_root.url]) == 0, "nothing under a prefix: an object store cannot tell"
     assert f"no checkpoints under {s3_root.url}" in capsys.readouterr().out
+
+
+def test_verify_of_a_root_with_nothing_committed_says_so(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["verify", str(empty)]) == 0
+    assert capsys.readouterr().out == f"nothing committed under {empty}\n"
+    root = _root_with_committed_partial_and_corrupt(tmp_path)
+    for name in ("step-000000001", "step-000000002", "step-000000004"):
+        os.remove(f"{root}/.air/{name}/manifest.json")  # partial now, as step 3 is
+    assert main(["verify", root]) == 0
+    out = capsys.readouterr().out
+    assert out == f"nothing committed under {root} (4 partial or corrupt: air ls says why)\n", out
