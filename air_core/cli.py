@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -204,11 +205,12 @@ def _plot(path: str, launches: list[list[dict[str, Any]]], result: Any) -> None:
 
 
 def _price(text: str) -> float:
+    """A price a cost line can use: ``float`` also takes ``nan`` and ``inf``, which would print as costs."""
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if value < 0:
+    if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"{text!r} is not a price: pass a number >= 0, e.g. 2.5")
     return value
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import uuid
 
+import pytest
 import torch
 
 from air_core import AsyncCheckpointer, RestoreRecord, commit
@@ -128,3 +129,13 @@ def test_verify_of_a_root_with_nothing_committed_says_so(tmp_path, capsys):
     assert main(["verify", root]) == 0
     out = capsys.readouterr().out
     assert out == f"nothing committed under {root} (4 partial or corrupt: air ls says why)\n", out
+
+
+def test_a_price_that_is_not_a_finite_number_is_refused_naming_the_flag(tmp_path, capsys):
+    for flag in ("--gpu-hour-price", "--storage-gb-month-price", "--egress-gb-price"):
+        for text in ("nan", "inf", "-inf", "-1", "abc"):
+            with pytest.raises(SystemExit) as exited:
+                main(["report", str(tmp_path), f"{flag}={text}"])  # "=": argparse takes -inf for a flag
+            err = capsys.readouterr().err
+            assert exited.value.code == 2, f"{flag} {text} is bad usage"
+            assert f"{flag}: {text!r} is not a price: pass a number >= 0, e.g. 2.5" in err, err
