@@ -215,6 +215,19 @@ def _price(text: str) -> float:
     return value
 
 
+def _bytes(text: str) -> int:
+    """A size in bytes for ``air preflight``: ``int`` also takes ``-5``, which the checks judged as -0 MiB."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: pass a whole number of bytes >= 0, e.g. 4000000000"
+        )
+    return value
+
+
 USAGE = 64
 """``air preflight``'s exit status for bad usage (``EX_USAGE``): its 2 means a bad node."""
 
@@ -299,8 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pre = sub.add_parser("preflight", help="check this node before a job (exit 0 ok, 1 warn, 2 bad node)")
     pre.add_argument("root", nargs="?", default=None, help="checkpoint root to put a canary object under")
     pre.add_argument("--staging-dir", default=None, help="local staging folder (default: the temp folder)")
-    pre.add_argument("--expected-bytes", type=int, default=None, help="one rank's checkpoint size, bytes")
-    pre.add_argument("--host-budget-bytes", type=int, default=None, help="the job's host_budget_bytes")
+    pre.add_argument("--expected-bytes", type=_bytes, default=None, help="one rank's checkpoint size, bytes")
+    pre.add_argument("--host-budget-bytes", type=_bytes, default=None, help="the job's host_budget_bytes")
     pre.add_argument("--checks", default="", help="comma-separated subset (default: all)")
     pre.add_argument("--timeout", type=float, default=30.0, help="storage check timeout, seconds")
     pre.add_argument("--json", default=None, help="write the report as JSON to this file (rank 0)")

@@ -139,3 +139,14 @@ def test_a_price_that_is_not_a_finite_number_is_refused_naming_the_flag(tmp_path
             err = capsys.readouterr().err
             assert exited.value.code == 2, f"{flag} {text} is bad usage"
             assert f"{flag}: {text!r} is not a price: pass a number >= 0, e.g. 2.5" in err, err
+
+
+def test_preflight_refuses_a_negative_size_as_bad_usage_64_not_a_node_verdict(tmp_path, capsys):
+    for flag in ("--expected-bytes", "--host-budget-bytes"):
+        for text in ("-5", "abc", "1.5"):
+            with pytest.raises(SystemExit) as exited:
+                main(["preflight", str(tmp_path), "--checks", "staging", f"{flag}={text}"])
+            err = capsys.readouterr().err
+            assert exited.value.code == 64, f"{flag} {text} is bad usage"
+            assert f"{flag}: {text!r} is not a size: pass a whole number of bytes >= 0" in err, err
+    assert main(["preflight", str(tmp_path), "--checks", "staging", "--expected-bytes", "0"]) == 0
