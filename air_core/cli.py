@@ -228,6 +228,17 @@ def _bytes(text: str) -> int:
     return value
 
 
+def _timeout(text: str) -> float:
+    """The storage check's bound: 0 or less would judge the node bad, ``inf`` would not bound it."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a timeout: pass seconds > 0, e.g. 30")
+    return value
+
+
 USAGE = 64
 """``air preflight``'s exit status for bad usage (``EX_USAGE``): its 2 means a bad node."""
 
@@ -315,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pre.add_argument("--expected-bytes", type=_bytes, default=None, help="one rank's checkpoint size, bytes")
     pre.add_argument("--host-budget-bytes", type=_bytes, default=None, help="the job's host_budget_bytes")
     pre.add_argument("--checks", default="", help="comma-separated subset (default: all)")
-    pre.add_argument("--timeout", type=float, default=30.0, help="storage check timeout, seconds")
+    pre.add_argument("--timeout", type=_timeout, default=30.0, help="storage check timeout, seconds")
     pre.add_argument("--json", default=None, help="write the report as JSON to this file (rank 0)")
     pre.error = _usage_error(pre)  # type: ignore[method-assign]  # 2 means "bad node" here
     args, extra = p.parse_known_args(argv)

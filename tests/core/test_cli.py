@@ -150,3 +150,13 @@ def test_preflight_refuses_a_negative_size_as_bad_usage_64_not_a_node_verdict(tm
             assert exited.value.code == 64, f"{flag} {text} is bad usage"
             assert f"{flag}: {text!r} is not a size: pass a whole number of bytes >= 0" in err, err
     assert main(["preflight", str(tmp_path), "--checks", "staging", "--expected-bytes", "0"]) == 0
+
+
+def test_preflight_refuses_a_timeout_that_is_not_positive_as_bad_usage_64_not_a_bad_node(tmp_path, capsys):
+    for text in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit) as exited:
+            main(["preflight", str(tmp_path), "--checks", "storage", f"--timeout={text}"])
+        err = capsys.readouterr().err
+        assert exited.value.code == 64, f"--timeout {text} is bad usage, not a bad node (2)"
+        assert f"--timeout: {text!r} is not a timeout: pass seconds > 0, e.g. 30" in err, err
+    assert main(["preflight", str(tmp_path), "--checks", "storage", "--timeout", "0.5"]) == 0
