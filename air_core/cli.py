@@ -337,6 +337,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = json.loads(args.storage_options)
     except ValueError as exc:
         usage.error(f"--storage-options is not JSON ({exc}); pass an object, e.g. '{{\"anon\": true}}'")
+    if not isinstance(options, dict):
+        usage.error(
+            f"--storage-options {args.storage_options} is not a JSON object (fsspec takes keyword "
+            "options); pass an object, e.g. '{\"anon\": true}'"
+        )
     try:
         if args.command == "preflight":
             return cmd_preflight(args, options)

@@ -160,3 +160,13 @@ def test_preflight_refuses_a_timeout_that_is_not_positive_as_bad_usage_64_not_a_
         assert exited.value.code == 64, f"--timeout {text} is bad usage, not a bad node (2)"
         assert f"--timeout: {text!r} is not a timeout: pass seconds > 0, e.g. 30" in err, err
     assert main(["preflight", str(tmp_path), "--checks", "storage", "--timeout", "0.5"]) == 0
+
+
+def test_storage_options_that_are_not_a_json_object_are_bad_usage_naming_the_flag(tmp_path, capsys):
+    for command, usage in (("ls", 2), ("preflight", 64)):
+        for text in ("[1]", "null", '"anon"', "{bad json"):
+            with pytest.raises(SystemExit) as exited:
+                main(["--storage-options", text, command, str(tmp_path)])
+            err = capsys.readouterr().err
+            assert exited.value.code == usage, f"air {command}: --storage-options {text} is bad usage"
+            assert "--storage-options" in err and "pass an object, e.g. '{\"anon\": true}'" in err, err
