@@ -8,11 +8,12 @@
     air preflight [ROOT] [--json F]  check this node (storage, staging disk, memory, GPUs; under
                                      torchrun also links and clocks between ranks) before a job
 
-ROOT is any fsspec URL or path; ``--storage-options '{"client_kwargs": {...}}'`` passes options to
-fsspec (credentials are better left to the environment). Exit status: 0 fine, 1 a checkpoint failed
-verification, 2 bad usage or a root that cannot be read or is not there. "Not there" is what the
-filesystem can tell: a local folder that does not exist, or a bucket (container) the object store says
-does not exist; a prefix with nothing under it cannot be told from an empty root, so it is one (exit 0).
+ROOT is any fsspec URL or path; ``--storage-options '{"client_kwargs": {...}}'``, before or after the
+command, passes options to fsspec (credentials are better left to the environment). Exit status: 0 fine,
+1 a checkpoint failed verification, 2 bad usage or a root that cannot be read or is not there. "Not
+there" is what the filesystem can tell: a local folder that does not exist, or a bucket (container) the
+object store says does not exist; a prefix with nothing under it cannot be told from an empty root, so
+it is one (exit 0).
 ``air preflight``: 0 ok, 1 warn, 2 bad node (do not reschedule the job here), 64 bad usage;
 ``torchrun --nproc-per-node N -m air_core.cli preflight ROOT`` checks the links and clocks between
 ranks too.
@@ -298,17 +299,22 @@ def cmd_preflight(args: argparse.Namespace, storage_options: dict[str, Any]) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    common = argparse.ArgumentParser(add_help=False)  # before or after the subcommand
+    # SUPPRESS: a subcommand's default would overwrite the value given before it.
+    common.add_argument("--storage-options", default=argparse.SUPPRESS, help="JSON object passed to fsspec")
     p = argparse.ArgumentParser(
-        prog="air", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="air",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common],
     )
-    p.add_argument("--storage-options", default="{}", help="JSON passed to fsspec")
     sub = p.add_subparsers(dest="command", required=True)
-    ls = sub.add_parser("ls", help="list checkpoints with step, time, size and status")
+    ls = sub.add_parser("ls", parents=[common], help="list checkpoints with step, time, size and status")
     ls.add_argument("root")
-    verify = sub.add_parser("verify", help="re-check sizes and checksums")
+    verify = sub.add_parser("verify", parents=[common], help="re-check sizes and checksums")
     verify.add_argument("root")
     verify.add_argument("names", nargs="*", help="checkpoints to verify (default: every committed one)")
-    report = sub.add_parser("report", help="latency, fetch and goodput summary")
+    report = sub.add_parser("report", parents=[common], help="latency, fetch and goodput summary")
     report.add_argument("root")
     report.add_argument("--plot", default=None, help="also draw it to this PNG file")
     report.add_argument(
@@ -320,7 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("--egress-gb-price", "price of downloading a GB from the root"),
     ):
         report.add_argument(flag, type=_price, default=None, help=what)
-    pre = sub.add_parser("preflight", help="check this node before a job (exit 0 ok, 1 warn, 2 bad node)")
+    pre = sub.add_parser(
+        "preflight", parents=[common], help="check this node before a job (exit 0 ok, 1 warn, 2 bad node)"
+    )
     pre.add_argument("root", nargs="?", default=None, help="checkpoint root to put a canary object under")
     pre.add_argument("--staging-dir", default=None, help="local staging folder (default: the temp folder)")
     pre.add_argument("--expected-bytes", type=_bytes, default=None, help="one rank's checkpoint size, bytes")
@@ -333,13 +341,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     usage = pre if args.command == "preflight" else p  # the top parser would exit 2 for preflight's
     if extra:
         usage.error(f"unrecognized arguments: {' '.join(extra)}")
+    text = getattr(args, "storage_options", "{}")
     try:
-        options = json.loads(args.storage_options)
+        options = json.loads(text)
     except ValueError as exc:
         usage.error(f"--storage-options is not JSON ({exc}); pass an object, e.g. '{{\"anon\": true}}'")
     if not isinstance(options, dict):
         usage.error(
-            f"--storage-options {args.storage_options} is not a JSON object (fsspec takes keyword "
+            f"--storage-options {text} is not a JSON object (fsspec takes keyword "
             "options); pass an object, e.g. '{\"anon\": true}'"
         )
     try:

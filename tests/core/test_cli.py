@@ -170,3 +170,18 @@ def test_storage_options_that_are_not_a_json_object_are_bad_usage_naming_the_fla
             err = capsys.readouterr().err
             assert exited.value.code == usage, f"air {command}: --storage-options {text} is bad usage"
             assert "--storage-options" in err and "pass an object, e.g. '{\"anon\": true}'" in err, err
+
+
+def test_storage_options_work_before_or_after_the_subcommand(s3_root, tmp_path, capsys):
+    options = json.dumps(s3_root.storage_options)  # the endpoint: without it nothing is listed
+    for argv, printed in (
+        (["--storage-options", options, "ls", s3_root.url], f"no checkpoints under {s3_root.url}"),
+        (["ls", s3_root.url, "--storage-options", options], f"no checkpoints under {s3_root.url}"),
+        (["verify", "--storage-options", options, s3_root.url], f"nothing committed under {s3_root.url}"),
+        (["report", s3_root.url, "--json", "--storage-options", options], '{"goodput": {'),
+    ):
+        assert main(argv) == 0, f"air {' '.join(argv)}: the options reach fsspec"
+        assert printed in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        main(["preflight", str(tmp_path), "--storage-options", "[1]"])
+    assert exited.value.code == 64 and "--storage-options [1] is not a JSON object" in capsys.readouterr().err
