@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 KEEP_ALL = 2**31 - 1
-"""Retention that deletes nothing (``save_total_limit=None``)."""
+"""Retention that deletes nothing (``save_total_limit`` None or at most 0, as stock rotation)."""
 
 
 class AirTrainerCallback(TrainerCallback):
@@ -180,7 +180,7 @@ class AirTrainerCallback(TrainerCallback):
             checkpointer=replace(
                 self.checkpointer,
                 root=self.root_of(args),
-                keep_last=KEEP_ALL if not limit else max(int(limit), 1),
+                keep_last=KEEP_ALL if limit is None or limit <= 0 else int(limit),
             ),
             rank=args.process_index,
             world_size=args.world_size,

@@ -340,3 +340,13 @@ def test_preflight_runs_before_the_first_step(tmp_path):
     (staging,) = [r for r in health.report.results if r.check == "staging"]
     weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     assert staging.data["expected_bytes"] == 3 * weights, "the disk is checked against a checkpoint's size"
+
+
+def test_a_negative_save_total_limit_keeps_every_checkpoint_as_stock(tmp_path):
+    """Stock rotation deletes nothing for ``save_total_limit <= 0``; -1 kept only the newest here."""
+    kept = {}
+    for name, cls, extra in (("air", AirTrainer, {"callbacks": [quiet()]}), ("stock", Trainer, {})):
+        args = arguments(tmp_path / name, max_steps=9, save_total_limit=-1)
+        cls(tiny_gpt2(), args, train_dataset=Plain(), **extra).train()
+        kept[name] = sorted(p.name for p in (tmp_path / name).glob("checkpoint-*"))
+    assert kept["air"] == kept["stock"] == ["checkpoint-3", "checkpoint-6", "checkpoint-9"], kept
