@@ -476,14 +476,23 @@ def _bytes(data: bytes) -> Any:
     return Bundle([data])
 
 
+def check_arguments(args: TrainingArguments | None) -> None:
+    """Raise ``ConfigError`` for ``TrainingArguments`` that ``AirTrainer`` refuses, before
+    ``Trainer.__init__`` acts on them (with ``push_to_hub`` it creates the Hub repository)."""
+    if args is not None and args.push_to_hub:
+        raise ConfigError(
+            "AirTrainer(args=TrainingArguments(push_to_hub=True)): pushing checkpoints to the Hub is not "
+            "done by air-plugins yet (single-process and DDP runs are checkpointed); set push_to_hub=False, "
+            "or use transformers' Trainer for this run."
+        )
+
+
 def check_supported(trainer: Trainer) -> None:
     """Raise ``ConfigError`` for what ``AirTrainer`` does not checkpoint (yet), naming the way out."""
-    args = trainer.args
     unsupported = [
         (trainer.is_deepspeed_enabled, "DeepSpeed"),
         (trainer.is_fsdp_enabled, "FSDP"),
         (getattr(trainer, "is_fsdp_xla_enabled", False), "FSDP on XLA"),
-        (args.push_to_hub, "push_to_hub"),
     ]
     for on, what in unsupported:
         if on:

@@ -30,7 +30,7 @@ from transformers import Trainer
 from air_core import ConfigError
 from air_core.tiers import NEWEST
 
-from .callback import AirTrainerCallback
+from .callback import AirTrainerCallback, check_arguments
 from .internals import SKIP_FIRST_BATCHES, SORT_CHECKPOINTS, check_methods, module_function
 from .resume import fetch_folder
 
@@ -45,6 +45,7 @@ class AirTrainerMixin(_Base):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_methods(Trainer)
+        check_arguments(kwargs["args"] if "args" in kwargs else args[1] if len(args) > 1 else None)
         callbacks = list(kwargs.pop("callbacks", None) or [])
         ours = [c for c in callbacks if isinstance(c, AirTrainerCallback)]
         if len(ours) > 1:

@@ -350,3 +350,14 @@ def test_a_negative_save_total_limit_keeps_every_checkpoint_as_stock(tmp_path):
         cls(tiny_gpt2(), args, train_dataset=Plain(), **extra).train()
         kept[name] = sorted(p.name for p in (tmp_path / name).glob("checkpoint-*"))
     assert kept["air"] == kept["stock"] == ["checkpoint-3", "checkpoint-6", "checkpoint-9"], kept
+
+
+def test_push_to_hub_is_refused_before_trainer_reaches_the_hub(tmp_path, monkeypatch):
+    """Trainer's ``__init__`` creates the Hub repo (``init_hf_repo``); the refusal must come first."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    reached = []
+    monkeypatch.setattr(Trainer, "init_hf_repo", lambda self, *a, **k: reached.append("init_hf_repo"))
+    args = arguments(tmp_path, push_to_hub=True, hub_model_id="me/tiny")
+    with pytest.raises(ConfigError, match="push_to_hub"):
+        AirTrainer(tiny_gpt2(), args, train_dataset=Plain(), callbacks=[quiet()])
+    assert reached == [], "nothing hub-related ran before the refusal"
