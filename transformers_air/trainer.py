@@ -46,7 +46,10 @@ class AirTrainerMixin(_Base):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         check_methods(Trainer)
         check_arguments(kwargs["args"] if "args" in kwargs else args[1] if len(args) > 1 else None)
-        callbacks = list(kwargs.pop("callbacks", None) or [])
+        callbacks = [  # Trainer builds a callback given as a class; ours is built here, to be found
+            c() if isinstance(c, type) and issubclass(c, AirTrainerCallback) else c
+            for c in kwargs.pop("callbacks", None) or []
+        ]
         ours = [c for c in callbacks if isinstance(c, AirTrainerCallback)]
         if len(ours) > 1:
             raise ConfigError("AirTrainer: pass at most one AirTrainerCallback in callbacks=[...].")
@@ -131,9 +134,9 @@ class AirTrainerMixin(_Base):
 class AirTrainer(AirTrainerMixin, Trainer):
     """transformers' ``Trainer`` with asynchronous, committed checkpoints and an exact resume.
 
-    Same arguments as ``Trainer``; ``callbacks`` may hold one ``AirTrainerCallback`` (its settings),
-    else a default one is added. Resume with ``trainer.train(resume_from_checkpoint=True)`` or
-    ``latest_checkpoint(args.output_dir)``.
+    Same arguments as ``Trainer``; ``callbacks`` may hold one ``AirTrainerCallback`` (its settings; the
+    class: its defaults), else a default one is added. Resume with
+    ``trainer.train(resume_from_checkpoint=True)`` or ``latest_checkpoint(args.output_dir)``.
     """
 
 

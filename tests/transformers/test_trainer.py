@@ -361,3 +361,19 @@ def test_push_to_hub_is_refused_before_trainer_reaches_the_hub(tmp_path, monkeyp
     with pytest.raises(ConfigError, match="push_to_hub"):
         AirTrainer(tiny_gpt2(), args, train_dataset=Plain(), callbacks=[quiet()])
     assert reached == [], "nothing hub-related ran before the refusal"
+
+
+class QuietCallback(AirTrainerCallback):
+    """``quiet()`` as a class: Trainer's ``callbacks`` take a class and build it with no arguments."""
+
+    def __init__(self) -> None:
+        super().__init__(mlflow=False, preflight=False)
+
+
+def test_the_callback_given_as_a_class_is_built_once_and_checkpoints(tmp_path):
+    trainer = AirTrainer(tiny_gpt2(), arguments(tmp_path), train_dataset=Plain(), callbacks=[QuietCallback])
+    ours = [c for c in trainer.callback_handler.callbacks if isinstance(c, AirTrainerCallback)]
+    assert len(ours) == 1 and type(ours[0]) is QuietCallback and trainer.air_callback is ours[0], ours
+    trainer.train()
+    with AsyncCheckpointer(str(tmp_path), read_only=True) as ckpt:
+        assert [i.name for i in ckpt.list() if i.status == "committed"] == ["checkpoint-3", "checkpoint-6"]
