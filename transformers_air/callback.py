@@ -56,8 +56,9 @@ class AirTrainerCallback(TrainerCallback):
     one, ``AirTrainer`` adds ``AirTrainerCallback()``. Settings that ``TrainingArguments`` has stay
     there: ``output_dir`` is the root (any fsspec URL), ``save_total_limit`` the retention (applied once a
     newer checkpoint commits; the best checkpoint is kept as Trainer keeps it), ``logging_steps`` the
-    metrics window, ``save_steps``/``save_strategy`` when to save. The arguments here are those it has
-    not; they mean what ``accelerate_air.AirPlugin``'s do (README, "Settings").
+    metrics window (as Trainer resolves it: a ratio too), ``save_steps``/``save_strategy`` when to save.
+    The arguments here are those it has not; they mean what ``accelerate_air.AirPlugin``'s do (README,
+    "Settings").
 
     Args:
         root: where checkpoints go instead of ``args.output_dir`` (None: ``output_dir``).
@@ -176,7 +177,7 @@ class AirTrainerCallback(TrainerCallback):
         args = trainer.args
         limit = args.save_total_limit
         self.session = session = TrainingSession(
-            replace(self.session_config, log_every_n_steps=max(int(args.logging_steps or 50), 1)),
+            self.session_config,  # the metrics window comes at on_train_begin
             checkpointer=replace(
                 self.checkpointer,
                 root=self.root_of(args),
@@ -331,6 +332,8 @@ class AirTrainerCallback(TrainerCallback):
                 "synchronously in a method no callback can replace; use transformers_air.AirTrainer (or "
                 "AirTrainerMixin with your Trainer subclass)."
             )
+        # the metrics window is Trainer's logging interval, resolved by now (a ratio of max_steps included)
+        session.log_every(max(int(state.logging_steps), 1))
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
         if model is not None:
             session.track_model(model)

@@ -554,6 +554,16 @@ class TrainingSession:
         """Progress that is no training step (an evaluation batch): the hang watchdog's limit restarts."""
         self.health.progress()
 
+    def log_every(self, steps: int) -> None:
+        """Close a metrics window every ``steps`` steps from the next step on: a framework may resolve its
+        logging interval only once training starts (transformers' ``logging_steps`` given as a ratio).
+
+        Raises:
+            ConfigError: ``steps`` is not an integer >= 1.
+        """
+        self.config = dataclasses.replace(self.config, log_every_n_steps=steps)
+        self.records.log_every_n_steps = steps
+
     def record_step(self, step: int) -> None:
         """A training step ended, after which ``step`` optimizer steps are applied (every rank; a window
         end gathers over ranks). The hang watchdog (armed at ``start``) gets its beat. A step that only

@@ -377,3 +377,17 @@ def test_the_callback_given_as_a_class_is_built_once_and_checkpoints(tmp_path):
     trainer.train()
     with AsyncCheckpointer(str(tmp_path), read_only=True) as ckpt:
         assert [i.name for i in ckpt.list() if i.status == "committed"] == ["checkpoint-3", "checkpoint-6"]
+
+
+def test_a_logging_steps_ratio_is_the_metrics_window_trainer_logs_by(tmp_path):
+    """``logging_steps=0.5`` of 8 steps: Trainer logs every 4 steps (``state.logging_steps``)."""
+    trainer = AirTrainer(
+        tiny_gpt2(),
+        arguments(tmp_path, max_steps=8, logging_steps=0.5),
+        train_dataset=Plain(),
+        callbacks=[quiet()],
+    )
+    trainer.train()
+    session = trainer.air_callback.last_session
+    assert trainer.state.logging_steps == 4
+    assert session.config.log_every_n_steps == session.records.log_every_n_steps == 4, "Trainer's window"
