@@ -22,8 +22,9 @@ Checked by reading the source of transformers 5.24.0 and by ``tests/transformers
   the position counts them) and calls the original for any other loader.
 - ``transformers.trainer.sort_checkpoints``: at the end of training with ``save_total_limit=1`` and a
   best checkpoint, Trainer lists the checkpoint folders through it and ``shutil.rmtree`` s all but the
-  best. Replaced during ``train()`` by one that, for our root, does that clean-up through the core once
-  every save committed, and lists nothing for Trainer to delete.
+  best. Replaced during ``train()`` by one that does that clean-up through the core under the root
+  (``output_dir``, or ``AirTrainerCallback(root=...)``) once every save committed, and lists nothing for
+  Trainer to delete.
 - ``MLflowCallback._log_artifacts``: whether its ``on_save`` uploads the checkpoint folder (set from
   ``HF_MLFLOW_LOG_ARTIFACTS`` at its setup). A callback that reads the folder in ``on_save`` makes each
   save wait for its commit; this one only when it reads, so ``report_to=["mlflow"]`` stays asynchronous.

@@ -162,20 +162,16 @@ def _skip_replaced(air: AirTrainerCallback) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _cleanup_replaced(trainer: AirTrainerMixin) -> Iterator[None]:
-    """During ``train()``: Trainer's end-of-training listing of the checkpoints to delete
-    (``save_total_limit=1`` with a best checkpoint) is empty for our root, whose clean-up the callback
-    does through the core (``AirTrainerCallback.keep_only_best``)."""
-    from air_core.storage import location
-
+    """During ``train()``: Trainer's end-of-training clean-up (``save_total_limit=1`` with a best
+    checkpoint) is the callback's, through the core under the root (``AirTrainerCallback.keep_only_best``),
+    and Trainer's listing of the folders to delete is empty. Trainer lists its run folder, which is not
+    the root when ``AirTrainerCallback(root=...)`` names another: none of our checkpoints are there."""
     module, name = module_function(SORT_CHECKPOINTS)
     original = getattr(module, name)
 
     @functools.wraps(original)
     def sort_checkpoints(output_dir: str, *args: Any, **kwargs: Any) -> list[str]:
-        air = trainer.air_callback
-        if location(output_dir) != location(air.root_of(trainer.args)):
-            return original(output_dir, *args, **kwargs)
-        air.keep_only_best(trainer)
+        trainer.air_callback.keep_only_best(trainer)
         return []
 
     setattr(module, name, sort_checkpoints)

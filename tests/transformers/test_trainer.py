@@ -391,3 +391,31 @@ def test_a_logging_steps_ratio_is_the_metrics_window_trainer_logs_by(tmp_path):
     session = trainer.air_callback.last_session
     assert trainer.state.logging_steps == 4
     assert session.config.log_every_n_steps == session.records.log_every_n_steps == 4, "Trainer's window"
+
+
+def test_save_total_limit_1_keeps_only_the_best_under_a_root_apart_from_output_dir(tmp_path):
+    """At the end of training with ``save_total_limit=1`` and a best checkpoint, stock keeps the best
+    alone; under ``AirTrainerCallback(root=...)`` the same folders survive as under stock's output_dir."""
+    best = dict(
+        max_steps=8,
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_total_limit=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
+    )
+    root = tmp_path / "root"
+    air = AirTrainerCallback(root=str(root), mlflow=False, preflight=False)
+    for cls, out, extra in (
+        (AirTrainer, tmp_path / "out", {"callbacks": [air]}),
+        (Trainer, tmp_path / "stock", {}),
+    ):
+        args = arguments(out, **best)
+        cls(tiny_gpt2(), args, train_dataset=Plain(), eval_dataset=Plain(8), **extra).train()
+    stock = sorted(p.name for p in (tmp_path / "stock").glob("checkpoint-*"))
+    assert stock == ["checkpoint-2"], stock
+    assert sorted(p.name for p in root.glob("checkpoint-*")) == stock, "the same folders survive"
+    with AsyncCheckpointer(str(root), read_only=True) as ckpt:
+        assert [i.name for i in ckpt.list() if i.status == "committed"] == stock
