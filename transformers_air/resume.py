@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import shutil
 import tempfile
 from typing import Any
@@ -22,9 +23,10 @@ from air_core.recovery import link_files
 from air_core.session import TrainingSession, entry_of_commit
 from air_core.storage import location
 
-from .layout import air_file
+from .layout import TRAINER_STATE_NAME, air_file
 
 logger = logging.getLogger(__name__)
+_CHECKPOINT = re.compile(r"checkpoint-([0-9]+)")
 _views: list[str] = []
 fetched: dict[str, tuple[str, RestoreRecord]] = {}
 """Each folder ``latest_checkpoint`` returned -> the root's location and how its fetch went: a
@@ -112,6 +114,19 @@ def fetch_folder(ckpt: AsyncCheckpointer, name: str, *, rank: int) -> str:
         )
     local = ckpt.fetch(info, ranks={0, rank})
     return _view(local.paths, entry_of_commit(local.info))
+
+
+def stock_checkpoint(root: str) -> str | None:
+    """The newest ``checkpoint-<step>`` folder of the local ``root`` that holds a checkpoint stock
+    ``Trainer`` finished writing (``trainer_state.json``, which it writes last), or None."""
+    if "://" in root or not os.path.isdir(root):
+        return None
+    steps = {int(m[1]): m[0] for m in map(_CHECKPOINT.fullmatch, os.listdir(root)) if m is not None}
+    for step in sorted(steps, reverse=True):
+        folder = os.path.join(root, steps[step])
+        if os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
+            return folder
+    return None
 
 
 def rank_states(folder: str, session: TrainingSession, *, what: str) -> dict[int, dict[str, Any]]:

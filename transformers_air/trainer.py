@@ -32,7 +32,7 @@ from air_core.tiers import NEWEST
 
 from .callback import AirTrainerCallback, check_arguments
 from .internals import SKIP_FIRST_BATCHES, SORT_CHECKPOINTS, check_methods, module_function
-from .resume import fetch_folder
+from .resume import fetch_folder, stock_checkpoint
 
 if TYPE_CHECKING:  # what the mixin is mixed into, for the type checker
     _Base = Trainer
@@ -76,9 +76,7 @@ class AirTrainerMixin(_Base):
             if resume_from_checkpoint is True or resume_from_checkpoint == NEWEST:
                 newest = air.newest()
                 if newest is None and resume_from_checkpoint is True:
-                    raise ValueError(
-                        f"No valid checkpoint found in output directory ({air.root_of(self.args)})"
-                    )
+                    raise ValueError(_nothing_committed(air.root_of(self.args)))
                 resume_from_checkpoint = newest
             air.resume_from(self, resume_from_checkpoint or None)
             with _skip_replaced(air), _cleanup_replaced(self):
@@ -138,6 +136,20 @@ class AirTrainer(AirTrainerMixin, Trainer):
     class: its defaults), else a default one is added. Resume with
     ``trainer.train(resume_from_checkpoint=True)`` or ``latest_checkpoint(args.output_dir)``.
     """
+
+
+def _nothing_committed(root: str) -> str:
+    """Stock's message for ``train(resume_from_checkpoint=True)`` with nothing to resume, and where stock
+    ``Trainer`` left checkpoints in the root (a project switching to ``AirTrainer``), how to resume them."""
+    message = f"No valid checkpoint found in output directory ({root})"
+    stock = stock_checkpoint(root)
+    if stock is None:
+        return message
+    return (
+        f"{message}: AirTrainer committed no checkpoint there, and resume_from_checkpoint=True resumes "
+        f"committed ones only. The checkpoints there were written by stock Trainer (the newest: {stock}); "
+        f"to continue from it, pass its path: train(resume_from_checkpoint={stock!r})."
+    )
 
 
 @contextlib.contextmanager
