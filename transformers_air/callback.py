@@ -22,9 +22,9 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 
-from air_core import AsyncCheckpointer, CheckpointerConfig, ConfigError, Listener
+from air_core import AsyncCheckpointer, CheckpointerConfig, ConfigError, CorruptCheckpointError, Listener
 from air_core.config import settings_of
-from air_core.session import Owner, Place, SessionConfig, TrainingSession
+from air_core.session import Owner, Place, SessionConfig, TrainingSession, entry_of_commit
 from air_core.session.session import LocalPart
 from air_core.storage import location
 
@@ -231,6 +231,7 @@ class AirTrainerCallback(TrainerCallback):
         if folder is None:
             return
         args = trainer.args
+        self._check_committed(folder)
         root_key, record = fetched.get(folder, ("", None))
         if record is not None and root_key == location(self.root_of(args)):  # that fetch, Trainer's loads
             self._restore.enter_context(ckpt.restoring(before=record.seconds, done=[record]))
@@ -242,6 +243,42 @@ class AirTrainerCallback(TrainerCallback):
         if run and "MLFLOW_RUN_ID" not in os.environ and _reports_to_mlflow(args):
             # transformers' MLflowCallback starts its run from this (read in its on_train_begin)
             os.environ["MLFLOW_RUN_ID"] = self._mlflow_env = run
+
+    def _check_committed(self, folder: str) -> None:
+        """Raise for a checkpoint folder under the root that no commit holds and where stock Trainer
+        finished no checkpoint either: a save the job stopped while writing, which transformers'
+        ``get_last_checkpoint(output_dir)`` picks as the highest-numbered folder. Stock's error for it
+        ("Can't find a valid checkpoint") says neither why nor what to resume instead."""
+        session, ckpt = self.session, self._ckpt
+        assert session is not None and ckpt is not None  # begin() ran
+        root = ckpt.config.root
+        head, entry = os.path.split(folder.rstrip("/"))
+        if location(head) != location(root):
+            return
+        what = f"AirTrainer.train(resume_from_checkpoint={folder!r})"
+        try:
+            committed = session.paths.committed(ckpt, Place(root, entry), what=what)
+        except CorruptCheckpointError as error:  # a save of ours was writing it: same answer, ours
+            broken: CorruptCheckpointError | None = error
+        else:
+            if committed is not None or os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
+                return
+            broken = None
+        newest = ckpt.latest()
+        fix = (
+            "Pass resume_from_checkpoint=transformers_air.NEWEST (or True), which resumes the newest "
+            f"committed checkpoint, {entry_of_commit(newest)}."
+            if newest is not None
+            else f"Nothing under {root} is committed yet: pass "
+            "resume_from_checkpoint=transformers_air.NEWEST, which then starts fresh."
+        )
+        raise CorruptCheckpointError(
+            f"{what}: the save of {entry} never committed (the job stopped while writing it), so the folder "
+            "holds no checkpoint; transformers' get_last_checkpoint(output_dir) picks such a folder, being "
+            f"the highest-numbered. {fix}",
+            path=folder,
+            reason="not committed",
+        ) from broken
 
     def track_loader(self, prepared: Any) -> None:
         """The train loader Trainer iterates (``get_train_dataloader``): its position goes in each save."""

@@ -429,3 +429,24 @@ def test_resume_true_over_stock_checkpoints_says_they_are_there_and_how_to_resum
         trainer.train(resume_from_checkpoint=True)
     message = str(error.value)
     assert "stock" in message and f"resume_from_checkpoint={str(out / 'checkpoint-3')!r}" in message, message
+
+
+def test_an_explicit_path_to_a_save_that_never_committed_names_newest_and_the_newest_commit(tmp_path):
+    """``get_last_checkpoint(output_dir)`` (transformers' example scripts) picks the highest-numbered
+    folder; after a kill during a save that is one no commit names, holding only temp files."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from air_core import CorruptCheckpointError
+
+    out = tmp_path / "run"
+    AirTrainer(tiny_gpt2(), arguments(out), train_dataset=Plain(), callbacks=[quiet()]).train()
+    torn = out / "checkpoint-9"  # as a SIGKILL during the save of step 9 leaves it
+    torn.mkdir()
+    (torn / ".model.safetensors.air-tmp-0a1b2c").write_bytes(b"\0" * 64)
+    assert get_last_checkpoint(str(out)) == str(torn)
+    trainer = AirTrainer(tiny_gpt2(), arguments(out, max_steps=9), train_dataset=Plain(), callbacks=[quiet()])
+    with pytest.raises(CorruptCheckpointError, match="never committed") as error:
+        trainer.train(resume_from_checkpoint=get_last_checkpoint(str(out)))
+    message = str(error.value)
+    assert "transformers_air.NEWEST" in message and "checkpoint-6" in message, message
+    assert trainer.state.global_step == 0
