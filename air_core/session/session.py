@@ -52,6 +52,10 @@ from .positions import Positions
 from .preemption import FlushOnSigterm
 
 logger = logging.getLogger(__name__)
+_SINK_CLOSE_SECONDS = 60.0
+"""How long ``close`` lets MLflow take the last metrics and end the run (bounded by the flush timeout):
+a sqlite store's first use migrates its schema, which took over 10 s on a loaded 2-core host, and a run
+given up on stays RUNNING."""
 
 LocalPart = tuple[Mapping[str, Any], Mapping[str, dict[str, Any]]]
 """A rank's part of a local-tier checkpoint (``TrainingSession.local_files``): files (path -> state) and
@@ -638,7 +642,10 @@ class TrainingSession:
                 self._goodput_log.close()
                 self._report(self._goodput_log.storage, step)
             if self._sink is not None:
-                self._sink.close(status="FAILED" if self._failed is not None else "FINISHED")
+                self._sink.close(
+                    min(self.config.flush_timeout_seconds, _SINK_CLOSE_SECONDS),
+                    status="FAILED" if self._failed is not None else "FINISHED",
+                )
 
     def _report(self, storage: Storage, step: int) -> None:
         """Rank 0 at the end: the goodput and accounting of every launch so far, logged and to MLflow."""
