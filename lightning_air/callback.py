@@ -35,6 +35,7 @@ from air_core.tiers import tier_name
 
 from .checkpoint_io import AIR_KEY, AirCheckpointIO
 from .internals import (
+    CHECKPOINT_SETUP,
     FILE_EXISTS,
     METADATA_FILENAME,
     MLFLOW_RUN_ID,
@@ -173,11 +174,6 @@ class AirCallback(Callback):
             listeners=plugin.listeners,
         )
         plugin.use(self.session, pl_module)
-        root = getattr(trainer.checkpoint_callback, "dirpath", None)
-        self.session.preflight(
-            str(root) if root else None,
-            parameter_bytes=sum(p.numel() * p.element_size() for p in pl_module.parameters()),
-        )
         self.session.track_model(pl_module)
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
@@ -186,14 +182,31 @@ class AirCallback(Callback):
         replace(strategy, PROCESS_DATALOADER, tracking)
         replace(trainer.fit_loop, SETUP_DATA, _NewBuild(trainer, tracking))
         replace(strategy, TRAIN_START, _SettleResumes(trainer, self))
+        if trainer.checkpoint_callbacks:  # they set up after this one: the root is known once they did
+            last = trainer.checkpoint_callbacks[-1]
+            replace(last, CHECKPOINT_SETUP, _OpenRootAfterSetup(last, self))
+        else:
+            self._open_root(trainer, pl_module)
+
+    def _open_root(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Check this node and open the job's root: the first ``ModelCheckpoint``'s ``dirpath``, as its
+        ``setup`` resolved it (``<log_dir>/checkpoints`` when none was given); hand the local tier its
+        files."""
+        assert self.session is not None
+        root = getattr(trainer.checkpoint_callback, "dirpath", None)
+        if self.config.local_every_n_steps and not root:
+            raise ConfigError(
+                "AirCallback(local_every_n_steps=...) needs a ModelCheckpoint: its dirpath is the job's "
+                "root, which a NEWEST resume compares the local tier with. Add ModelCheckpoint(...) to "
+                "Trainer(callbacks=[...])."
+            )
+        self.session.preflight(
+            str(root) if root else None,
+            parameter_bytes=sum(p.numel() * p.element_size() for p in pl_module.parameters()),
+        )
         if root:
             self.session.open(str(root))
         if self.config.local_every_n_steps:
-            if not root:
-                raise ConfigError(
-                    "AirCallback(local_every_n_steps=...) needs a ModelCheckpoint with a dirpath (the job's "
-                    "root)."
-                )
             self.session.local_files(lambda: self._local_part(trainer))
 
     def _local_part(self, trainer: pl.Trainer) -> LocalPart:
@@ -403,6 +416,7 @@ class AirCallback(Callback):
         self._quiet.close()
         for callback in trainer.checkpoint_callbacks:
             restore(callback, FILE_EXISTS, _WaitForSaves)
+            restore(callback, CHECKPOINT_SETUP, _OpenRootAfterSetup)
         restore(trainer.strategy, PROCESS_DATALOADER, _TrackTrainLoaders)
         restore(trainer.fit_loop, SETUP_DATA, _NewBuild)
         restore(trainer.strategy, TRAIN_START, _SettleResumes)
@@ -481,6 +495,22 @@ class _WaitForSaves:
         if trainer.is_global_zero:
             self.plugin.wait_for(str(filepath))
         return type(self.callback).file_exists(self.callback, filepath, trainer)
+
+
+class _OpenRootAfterSetup:
+    """The ``setup`` of the fit's last checkpoint callback during a fit with ``AirCallback``, once: Lightning
+    runs checkpoint callbacks last, and ``ModelCheckpoint`` resolves its default ``dirpath`` (the logger's
+    or ``default_root_dir``'s ``checkpoints``) only in its ``setup``. The root is opened once every one of
+    them has resolved and checked its folder, so ours (``.air``) is not in it yet when ``ModelCheckpoint``
+    warns that a folder "exists and is not empty", as with stock. Picklable, like ``_WaitForSaves``."""
+
+    def __init__(self, callback: Any, air: AirCallback) -> None:
+        self.callback, self.air = callback, air
+
+    def __call__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        restore(self.callback, CHECKPOINT_SETUP, _OpenRootAfterSetup)  # its own setup from here on
+        self.callback.setup(trainer, pl_module, stage)
+        self.air._open_root(trainer, pl_module)
 
 
 class _TrackTrainLoaders:

@@ -18,8 +18,12 @@ hooks); these have none:
 - ``lightning.fabric.utilities.load._METADATA_FILENAME``: the name of a sharded folder's ``meta.pt``.
 - ``FSDPStrategy._configure_launcher`` (overridden): the first call where a CPU accelerator is known.
 
-Four methods are replaced on live objects, since no hook runs at that point (``replace`` and
+Five methods are replaced on live objects, since no hook runs at that point (``replace`` and
 ``restore`` below; ``AirCallback`` puts them back at the fit's end):
+
+- ``ModelCheckpoint.setup`` (the last checkpoint callback's, once): it resolves a default ``dirpath``
+  (``<log_dir>/checkpoints``), after every other callback's ``setup`` and before a resume loads; the
+  job's root is opened right after it.
 
 - ``ModelCheckpoint.file_exists``: it picks version suffixes and rerun names by asking whether a file
   exists; a save in flight must count as written, as a finished ``torch.save`` would.
@@ -80,6 +84,11 @@ METADATA_FILENAME = _lightning(
 CONFIGURE_LAUNCHER = _lightning(
     "FSDPStrategy._configure_launcher",
     "it is the first call at which a subclass of FSDPStrategy sees the Trainer's accelerator",
+)
+CHECKPOINT_SETUP = _lightning(
+    "ModelCheckpoint.setup",
+    "ModelCheckpoint resolves its default dirpath there, after every other callback's setup, and no hook "
+    "runs after it before a resume loads",
 )
 FILE_EXISTS = _lightning(
     "ModelCheckpoint.file_exists",

@@ -67,12 +67,13 @@ def test_fsdp_strategy_still_configures_its_launcher_in_the_method_we_override()
 @pytest.mark.parametrize(
     ("touch", "owner", "parameters"),
     [
+        (internals.CHECKPOINT_SETUP, ModelCheckpoint, ["self", "trainer", "pl_module", "stage"]),
         (internals.FILE_EXISTS, ModelCheckpoint, ["self", "filepath", "trainer"]),
         (internals.PROCESS_DATALOADER, Strategy, ["self", "dataloader"]),
         (internals.TRAIN_START, Strategy, ["self"]),
         (internals.SETUP_DATA, _FitLoop, ["self"]),
     ],
-    ids=["file_exists", "process_dataloader", "on_train_start", "setup_data"],
+    ids=["setup", "file_exists", "process_dataloader", "on_train_start", "setup_data"],
 )
 def test_methods_replaced_on_live_objects_keep_their_signature(tmp_path, touch, owner, parameters):
     assert list(inspect.signature(touch.get(owner)).parameters) == parameters

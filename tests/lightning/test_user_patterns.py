@@ -354,3 +354,23 @@ def test_a_users_own_filter_of_lightnings_resume_warning_outlives_the_resume():
         with _continued_epoch_is_resumable():
             pass
         assert warnings.filters == before, "the user's filters, in their order"
+
+
+@pytest.mark.parametrize("dirpath", ["new", None], ids=["new-dirpath", "default-dirpath"])
+def test_model_checkpoint_warns_of_a_folder_not_empty_exactly_when_stock_does(tmp_path, dirpath):
+    """A first fit into a folder that does not exist yet gets no "exists and is not empty" warning, a second
+    fit into it gets one, as stock: our own folders (``.air``) are not made before ModelCheckpoint looks."""
+    seen = {}
+    for kind in ("stock", "ours"):
+        plugin = TorchCheckpointIO() if kind == "stock" else AirCheckpointIO()
+        callbacks = [] if kind == "stock" else [AirCallback(mlflow=False)]
+        warned = []
+        for _ in range(2):
+            mc = ModelCheckpoint(dirpath=str(tmp_path / kind / dirpath) if dirpath else None)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _trainer(tmp_path / kind, plugin, [*callbacks, mc]).fit(BoringModel())
+            warned.append(any("exists and is not empty" in str(w.message) for w in caught))
+        seen[kind] = warned
+    assert seen["stock"] == [False, True], "the test's premise: stock warns at the second fit only"
+    assert seen["ours"] == seen["stock"]

@@ -1,0 +1,65 @@
+"""What a resume picks: ``fit(ckpt_path=NEWEST)`` and ``latest_checkpoint`` in a real Trainer, the way a
+relaunch of the same command meets them (one process; the job's crash tests are in test_crash_resume)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_air import NEWEST, AirCallback, AirCheckpointIO
+
+
+class _StartedAt(pl.Callback):
+    """The step a fit's training started from."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.step = trainer.global_step
+
+
+def _fit(root, steps: int, *callbacks: pl.Callback, ckpt_path: str | None = None) -> int | None:
+    """One launch with ``default_root_dir=root``; returns the step its training started from."""
+    started = _StartedAt()
+    trainer = pl.Trainer(
+        max_steps=steps,
+        limit_val_batches=0,
+        accelerator="cpu",
+        plugins=[AirCheckpointIO()],
+        callbacks=[*callbacks, started],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+    )
+    trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+    return started.step
+
+
+def test_newest_resumes_from_model_checkpoints_default_dirpath(tmp_path):
+    """No ``dirpath``: Lightning saves into ``<default_root_dir>/checkpoints``, and NEWEST resumes there."""
+
+    def launch(steps: int) -> int | None:
+        air = AirCallback(mlflow=False, preflight=False)
+        return _fit(
+            tmp_path, steps, air, ModelCheckpoint(every_n_train_steps=2, save_top_k=-1), ckpt_path=NEWEST
+        )
+
+    assert launch(4) == 0
+    assert (tmp_path / "checkpoints" / "epoch=0-step=4.ckpt").exists(), "Lightning's default folder"
+    assert launch(6) == 4, "the relaunch resumes from the newest commit, not from scratch"
+
+
+def test_the_local_tier_runs_and_resumes_with_model_checkpoints_default_dirpath(tmp_path):
+    def launch(steps: int) -> int | None:
+        air = AirCallback(
+            mlflow=False, preflight=False, local_every_n_steps=2, local_dir=str(tmp_path / "local")
+        )
+        return _fit(
+            tmp_path, steps, air, ModelCheckpoint(every_n_train_steps=4, save_top_k=-1), ckpt_path=NEWEST
+        )
+
+    assert launch(7) == 0
+    assert launch(9) == 6, "resumed from the local tier's step 6, newer than the root's step 4"
