@@ -261,8 +261,20 @@ class AirCheckpointIO(CheckpointIO):
 
     def newest(self) -> tuple[str | None, Resume | None]:
         """Every rank: where the newest complete state across the tiers is (``NEWEST``), and the local
-        tier's assembly when it is one; (None, None) when nothing was saved anywhere."""
+        tier's assembly when it is one; (None, None) when nothing was saved anywhere.
+
+        Raises:
+            ConfigError: no fit of ``AirCallback`` runs, so neither the root nor the tier is known.
+        """
         session = self.session
+        if session.synchronous:  # the plugin's own session: a CheckpointIO never sees ModelCheckpoint
+            raise ConfigError(
+                f"AirCheckpointIO.load_checkpoint({NEWEST!r}): lightning_air.NEWEST is resolved by "
+                "AirCallback during a fit (it knows ModelCheckpoint's dirpath and the local tier), and this "
+                "Trainer runs none; starting from scratch could lose the checkpoints there. Add "
+                "lightning_air.AirCallback() to Trainer(callbacks=[...]), or pass "
+                "ckpt_path=lightning_air.latest_checkpoint(dirpath)."
+            )
         root = session.checkpointer.config.root if session.checkpointer is not None else None
         remote = self.latest_checkpoint(root) if root else None
         info = self.commit_of(remote) if remote else None

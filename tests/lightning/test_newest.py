@@ -4,9 +4,11 @@ relaunch of the same command meets them (one process; the job's crash tests are 
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
+from air_core import ConfigError
 from lightning_air import NEWEST, AirCallback, AirCheckpointIO
 
 
@@ -20,7 +22,9 @@ class _StartedAt(pl.Callback):
         self.step = trainer.global_step
 
 
-def _fit(root, steps: int, *callbacks: pl.Callback, ckpt_path: str | None = None) -> int | None:
+def _fit(
+    root, steps: int, *callbacks: pl.Callback, ckpt_path: str | None = None, model: BoringModel | None = None
+) -> int | None:
     """One launch with ``default_root_dir=root``; returns the step its training started from."""
     started = _StartedAt()
     trainer = pl.Trainer(
@@ -34,7 +38,7 @@ def _fit(root, steps: int, *callbacks: pl.Callback, ckpt_path: str | None = None
         enable_model_summary=False,
         default_root_dir=str(root),
     )
-    trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+    trainer.fit(model or BoringModel(), ckpt_path=ckpt_path)
     return started.step
 
 
@@ -63,3 +67,19 @@ def test_the_local_tier_runs_and_resumes_with_model_checkpoints_default_dirpath(
 
     assert launch(7) == 0
     assert launch(9) == 6, "resumed from the local tier's step 6, newer than the root's step 4"
+
+
+@pytest.mark.parametrize("strict_loading", [True, False])
+def test_newest_without_air_callback_is_refused_before_any_step_naming_the_fix(tmp_path, strict_loading):
+    """The plugin alone never learns ModelCheckpoint's dirpath: NEWEST cannot find the checkpoints there,
+    and must not start from scratch beside them (``strict_loading=False`` would let it)."""
+
+    def checkpoints() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=2, save_top_k=-1)
+
+    _fit(tmp_path, 4, checkpoints())
+    model, started = BoringModel(), _StartedAt()
+    model.strict_loading = strict_loading
+    with pytest.raises(ConfigError, match=r"NEWEST.*Add lightning_air\.AirCallback\(\).*latest_checkpoint"):
+        _fit(tmp_path, 6, checkpoints(), started, ckpt_path=NEWEST, model=model)
+    assert started.step is None, "no training may start"
