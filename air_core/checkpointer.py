@@ -214,6 +214,7 @@ class AsyncCheckpointer:
         finalize: Finalize | None = None,
         in_order: Iterable[torch.Tensor] = (),
         gated: Iterable[torch.Tensor] = (),
+        metadata: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """Like ``save`` (``in_order``, ``gated`` as there), for a rank that writes several files into one
         checkpoint.
@@ -222,7 +223,9 @@ class AsyncCheckpointer:
         ``torch.save`` format (a ``Bundle``: its items one after another) and they commit together.
         Adapters use it to keep a framework's own folder layout (one file per model, optimizer, ...).
         ``finalize`` (read on rank 0): files made from every rank's part record before the commit
-        (``air_core.dcp`` writes its ``.metadata`` so).
+        (``air_core.dcp`` writes its ``.metadata`` so). ``metadata`` (read on rank 0; JSON values): kept
+        in the manifest (``info.manifest.metadata``), so a reader can choose among commits without
+        reading their files.
         """
         self._check_open("save", write=True)
         self._raise_failed()
@@ -263,7 +266,18 @@ class AsyncCheckpointer:
         self._emit(PhaseEvent("snapshot_done", name, step, self.config.rank))
         self._handles = [h for h in self._handles if not h.done() or h.unreported_error() is not None]
         self._handles.append(handle)
-        job = SaveJob(name, step, tuple(files), snap, called, waited, blocking, handle._finish, finalize)
+        job = SaveJob(
+            name,
+            step,
+            tuple(files),
+            snap,
+            called,
+            waited,
+            blocking,
+            handle._finish,
+            finalize,
+            dict(metadata or {}),
+        )
         self._writer.submit(job)
         return handle
 

@@ -19,6 +19,7 @@ import time
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import commit, spares
 from .catalog import Catalog, read_catalog
@@ -51,6 +52,8 @@ class SaveJob:
     finish: Callable[[CheckpointInfo | None, SaveError | None], None]
     finalize: Finalize | None = None
     """Rank 0: small files made from every rank's part record, written before the manifest."""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    """Rank 0: recorded in the manifest (``Manifest.metadata``), for a caller choosing among commits."""
     released: bool = False
 
 
@@ -332,6 +335,7 @@ class Writer:
                 launch_id=cfg.launch_id,
                 files=(*(f for p in parts for f in p.files), *extra),
                 versions=library_versions(),
+                metadata=dict(job.metadata),
             )
             self._fence(f"committing checkpoint {job.name!r}")
             commit.write_manifest(storage, manifest)

@@ -41,6 +41,15 @@ logger = logging.getLogger(__name__)
 AIR_KEY = "air"
 """Key of the plugin's entry in a Lightning checkpoint dict: {"name": ..., "rank_state": ...}."""
 _NEVER_BY_COUNT = 1 << 30  # ModelCheckpoint decides retention; the core only cleans partial saves
+WEIGHTS_ONLY = "weights_only"
+"""Key of a commit's manifest metadata: True for a checkpoint without the training state (Lightning's
+``weights_only`` save), which a fit cannot resume from; ``latest_checkpoint`` skips it unread."""
+
+
+def _metadata(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What a commit records of Lightning's ``checkpoint``: a weights-only dump lacks the schedulers' list
+    (Lightning refuses to resume without it), which a sharded save's rest keeps, unlike the optimizers'."""
+    return {WEIGHTS_ONLY: "lr_schedulers" not in checkpoint}
 
 
 def commit_name(filename: str, step: int, unique: str = "") -> str:
@@ -152,7 +161,9 @@ class AirCheckpointIO(CheckpointIO):
         session = self.session
         ckpt = session.paths.writer(place)
         session.paths.claim(ckpt, place, Owner(name, step, folder=False))
-        session.save({place.entry: checkpoint}, step=step, name=name, checkpointer=ckpt)
+        session.save(
+            {place.entry: checkpoint}, step=step, name=name, checkpointer=ckpt, metadata=_metadata(checkpoint)
+        )
 
     def save_sharded(
         self, sharded: dict[str, Any], checkpoint: dict[str, Any], path: str, *, meta_file: str
@@ -179,7 +190,14 @@ class AirCheckpointIO(CheckpointIO):
             files[place.join(meta_file)] = checkpoint
         elif "rank_state" in air:
             files[session.state_file(name)] = air["rank_state"]
-        session.save_sharded({place.entry: sharded}, step=step, name=name, files=files, checkpointer=ckpt)
+        session.save_sharded(
+            {place.entry: sharded},
+            step=step,
+            name=name,
+            files=files,
+            checkpointer=ckpt,
+            metadata=_metadata(checkpoint),
+        )
 
     def wait_for(self, path: str) -> None:
         """Rank 0: wait for a save of ``path`` still in flight, so that an existence check sees it."""
@@ -388,9 +406,12 @@ class AirCheckpointIO(CheckpointIO):
 def latest_checkpoint(
     dirpath: str, storage_options: dict[str, Any] | None = None, staging_dir: str | None = None
 ) -> str | None:
-    """The path of the newest committed, verified checkpoint under ``dirpath``, or None to start fresh.
+    """The path of the newest committed, verified checkpoint under ``dirpath`` that a fit can resume from,
+    or None to start fresh.
 
-    Pass it as ``Trainer.fit(ckpt_path=...)`` so that relaunching the same command resumes. Verifying a
+    Pass it as ``Trainer.fit(ckpt_path=...)`` so that relaunching the same command resumes. A weights-only
+    save (``trainer.save_checkpoint(path, weights_only=True)``, ``ModelCheckpoint(save_weights_only=True)``)
+    holds no optimizer or loop state: it is skipped, with a log line, without reading it. Verifying a
     remote checkpoint downloads it into the local cache under ``staging_dir``: pass the
     ``AirCheckpointIO``'s (or call ``plugin.latest_checkpoint``) so the resume reads that verified copy
     instead of downloading it again.
@@ -404,9 +425,17 @@ def latest_checkpoint(
             rank0 = info.manifest.files_of(0) if info.status == "committed" and info.manifest else []
             if not rank0:
                 continue
+            path = f"{dirpath.rstrip('/')}/{entry_of(rank0[0].path)}"
+            if info.manifest is not None and info.manifest.metadata.get(WEIGHTS_ONLY):
+                logger.warning(
+                    "skipping checkpoint %s (%s): saved with weights only, no training state to resume from",
+                    info.name,
+                    path,
+                )
+                continue
             problem = ckpt.verify(info)
             if not problem:  # the .ckpt file, or the folder of a sharded checkpoint
-                return f"{dirpath.rstrip('/')}/{entry_of(rank0[0].path)}"
+                return path
             logger.warning("skipping checkpoint %s: %s", info.name, problem)
     return None
 

@@ -41,13 +41,14 @@ def save(
     in_order: Iterable[torch.Tensor] = (),
     gated: Iterable[torch.Tensor] = (),
     rank: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
 ) -> SaveHandle:
     """``dcp.save`` of each state dict (DTensors, sharded or plain tensors, objects) into its folder
     (path under the root), all in one commit ``name`` with this rank's ``files``. Every rank calls it,
     as ``dcp.save`` (DCP's collectives run here, on the calling thread). ``plans``: the job's
     ``SavePlans``, to skip planning a save that repeats the last one (only with the default planner).
     ``in_order``, ``gated``: as in ``AsyncCheckpointer.save`` (the model's buffers; its parameters and the
-    optimizer's state).
+    optimizer's state); ``metadata``: as in ``AsyncCheckpointer.save_files``.
 
     ``rank``: this process's rank in DCP's group when ``checkpointer`` commits this rank's part alone (the
     local tier's one-rank checkpointer): each folder then gets ``part_metadata(rank)`` instead of rank 0's
@@ -76,7 +77,13 @@ def save(
     bundles = {path: bundle for w in writers for path, bundle in w.files.items()}
     finalize = Finalize(tuple(w.metadata_file for w in writers), make)
     return checkpointer.save_files(
-        {**bundles, **(files or {})}, step=step, name=name, finalize=finalize, in_order=in_order, gated=gated
+        {**bundles, **(files or {})},
+        step=step,
+        name=name,
+        finalize=finalize,
+        in_order=in_order,
+        gated=gated,
+        metadata=metadata,
     )
 
 

@@ -308,15 +308,17 @@ class TrainingSession:
         step: int,
         name: str,
         checkpointer: AsyncCheckpointer | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """Snapshot this rank's ``files`` (path under the root -> state) into checkpoint ``name``
-        (through ``checkpointer``, one of ``open_another``'s; default: the main one)."""
+        (through ``checkpointer``, one of ``open_another``'s; default: the main one), ``metadata`` into
+        its manifest (``AsyncCheckpointer.save_files``)."""
         ckpt = checkpointer or self._ckpt
         if ckpt is None:
             raise AirError(f"{self.config.owner}: save() before the checkpoint root was opened.")
         with self._saving():
             handle = ckpt.save_files(
-                files, step=step, name=name, in_order=self._buffers(), gated=self._gated()
+                files, step=step, name=name, in_order=self._buffers(), gated=self._gated(), metadata=metadata
             )
         return self._saved(handle, ckpt)
 
@@ -328,10 +330,11 @@ class TrainingSession:
         name: str,
         files: Mapping[str, Any],
         checkpointer: AsyncCheckpointer | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """Every rank: ``torch.distributed.checkpoint`` save of each state dict (DTensors, shards) into its
         folder of checkpoint ``name``, with this rank's ``files``; returns after the snapshot
-        (``air_core.dcp``; through ``checkpointer`` as in ``save``)."""
+        (``air_core.dcp``; through ``checkpointer`` and with ``metadata`` as in ``save``)."""
         ckpt = checkpointer or self._ckpt
         if ckpt is None:
             raise AirError(f"{self.config.owner}: save_sharded() before the checkpoint root was opened.")
@@ -345,6 +348,7 @@ class TrainingSession:
                 plans=self._plans,
                 in_order=self._buffers(),
                 gated=self._gated(),
+                metadata=metadata,
             )
         return self._saved(handle, ckpt)
 

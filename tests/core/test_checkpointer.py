@@ -628,6 +628,14 @@ def test_save_files_commits_several_files_per_rank_and_fetch_returns_verified_co
             ckpt.save_files({"../escape.pt": {}}, step=2)
 
 
+def test_save_files_metadata_is_in_the_listed_manifest_of_a_later_reader(tmp_path):
+    with AsyncCheckpointer(str(tmp_path)) as ckpt:
+        ckpt.save_files({"a.pt": _state(1)}, step=1, name="a", metadata={"weights_only": True}).result()
+        ckpt.save_files({"b.pt": _state(2)}, step=2, name="b").result()
+    with AsyncCheckpointer(str(tmp_path), read_only=True) as reader:
+        assert [i.manifest.metadata for i in reader.list()] == [{"weights_only": True}, {}]
+
+
 @pytest.mark.parametrize("call", ["save", "save_files"])
 def test_bad_filename_argument_is_a_config_error_not_a_corrupt_checkpoint(tmp_path, call):
     with AsyncCheckpointer(str(tmp_path / "root")) as ckpt:

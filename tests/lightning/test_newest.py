@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from air_core import ConfigError
-from lightning_air import NEWEST, AirCallback, AirCheckpointIO
+from lightning_air import NEWEST, AirCallback, AirCheckpointIO, latest_checkpoint
 
 
 class _StartedAt(pl.Callback):
@@ -22,23 +22,26 @@ class _StartedAt(pl.Callback):
         self.step = trainer.global_step
 
 
-def _fit(
-    root, steps: int, *callbacks: pl.Callback, ckpt_path: str | None = None, model: BoringModel | None = None
-) -> int | None:
-    """One launch with ``default_root_dir=root``; returns the step its training started from."""
-    started = _StartedAt()
-    trainer = pl.Trainer(
+def _trainer(root, steps: int, *callbacks: pl.Callback) -> pl.Trainer:
+    return pl.Trainer(
         max_steps=steps,
         limit_val_batches=0,
         accelerator="cpu",
         plugins=[AirCheckpointIO()],
-        callbacks=[*callbacks, started],
+        callbacks=list(callbacks),
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(root),
     )
-    trainer.fit(model or BoringModel(), ckpt_path=ckpt_path)
+
+
+def _fit(
+    root, steps: int, *callbacks: pl.Callback, ckpt_path: str | None = None, model: BoringModel | None = None
+) -> int | None:
+    """One launch with ``default_root_dir=root``; returns the step its training started from."""
+    started = _StartedAt()
+    _trainer(root, steps, *callbacks, started).fit(model or BoringModel(), ckpt_path=ckpt_path)
     return started.step
 
 
@@ -83,3 +86,22 @@ def test_newest_without_air_callback_is_refused_before_any_step_naming_the_fix(t
     with pytest.raises(ConfigError, match=r"NEWEST.*Add lightning_air\.AirCallback\(\).*latest_checkpoint"):
         _fit(tmp_path, 6, checkpoints(), started, ckpt_path=NEWEST, model=model)
     assert started.step is None, "no training may start"
+
+
+def test_a_weights_only_export_is_skipped_by_newest_and_latest_checkpoint(tmp_path, caplog):
+    """A notebook's ``save_checkpoint(..., weights_only=True)`` into the root after the fit holds no
+    optimizer or loop state: a relaunch resumes from the newest checkpoint that has them, and says why."""
+    root = tmp_path / "ckpts"
+
+    def launch(steps: int, ckpt_path: str | None) -> tuple[pl.Trainer, int | None]:
+        air, started = AirCallback(mlflow=False, preflight=False), _StartedAt()
+        mc = ModelCheckpoint(dirpath=str(root), every_n_train_steps=2, save_top_k=-1)
+        trainer = _trainer(tmp_path, steps, air, mc, started)
+        trainer.fit(BoringModel(), ckpt_path=ckpt_path)
+        return trainer, started.step
+
+    launch(4, None)[0].save_checkpoint(str(root / "export.ckpt"), weights_only=True)
+    with caplog.at_level("WARNING", logger="lightning_air"):
+        assert latest_checkpoint(str(root)) == str(root / "epoch=0-step=4.ckpt")
+    assert "export.ckpt): saved with weights only" in caplog.text, "the skip is logged"
+    assert launch(6, NEWEST)[1] == 4, "NEWEST resumed from the newest full checkpoint"
