@@ -149,6 +149,13 @@ class AirCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        ours = sum(isinstance(c, AirCallback) for c in callbacks)
+        if ours > 1:  # one fit, one session: its saves, data positions and SIGTERM flush
+            raise ConfigError(
+                f"Trainer(callbacks=[...]) holds {ours} AirCallbacks; a fit runs with one (it owns the fit's "
+                "saves, data positions and SIGTERM flush). Keep one AirCallback(...), with all its settings."
+            )
         plugin = trainer.strategy.checkpoint_io
         if not isinstance(plugin, AirCheckpointIO):
             raise ConfigError(

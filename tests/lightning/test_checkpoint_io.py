@@ -210,6 +210,13 @@ def test_callback_without_the_plugin_fails_before_any_step(tmp_path):
     assert not (tmp_path / "ids-rank0.jsonl").exists(), "no training step may run"
 
 
+def test_two_air_callbacks_are_refused_before_any_step_naming_the_fix(tmp_path):
+    trainer = _trainer(tmp_path, callbacks=[AirCallback(mlflow=False), AirCallback(mlflow=False)])
+    with pytest.raises(ConfigError, match=r"holds 2 AirCallbacks.*Keep one AirCallback"):
+        trainer.fit(Model(str(tmp_path), 0))
+    assert not (tmp_path / "ids-rank0.jsonl").exists(), "no training step may run"
+
+
 def test_overlapped_copies_are_refused_beside_a_callback_that_swaps_weights_in(tmp_path):
     from lightning.pytorch.callbacks import WeightAveraging
 
