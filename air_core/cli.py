@@ -58,9 +58,11 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
 
 def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     infos = {i.name: i for i in scan(storage)}
-    names = args.names or [n for n, i in infos.items() if i.status == "committed"]
+    # a checkpoint the listing already finds corrupt (a file missing or cut short) failed verification too;
+    # a partial one never committed, so there is nothing to verify
+    names = args.names or [n for n, i in infos.items() if i.status in ("committed", "corrupt")]
     if not names:  # silence with exit 0 would read as "all verified"
-        others = f" ({len(infos)} partial or corrupt: air ls says why)" if infos else ""
+        others = f" ({len(infos)} partial: air ls says why)" if infos else ""
         print(f"nothing committed under {storage.display()}{others}")
         return 0
     unknown = [n for n in names if n not in infos]
@@ -79,7 +81,7 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
 
 def _verify_one(storage: Storage, info: CheckpointInfo) -> str:
     """Re-read every file through ``recovery.fetch`` (remote ones into a temp folder), with progress."""
-    if info.manifest is None:
+    if info.manifest is None or info.status == "corrupt":
         return info.reason or info.status
     import tempfile
 

@@ -20,8 +20,9 @@ from tests.conftest import REPO
 
 
 def air(*args: str) -> subprocess.CompletedProcess:
-    script = os.path.join(os.path.dirname(sys.executable), "air")
-    return subprocess.run([script, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+    script = os.path.join(os.path.dirname(sys.executable), "air")  # the installed entry point
+    env = {**os.environ, "PYTHONPATH": REPO}  # running this tree's code, as every test job does
+    return subprocess.run([script, *args], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
 
 
 def _root_with_committed_partial_and_corrupt(tmp_path) -> str:
@@ -63,6 +64,10 @@ def test_verify_finds_the_changed_byte_and_exits_1(tmp_path):
     assert out.returncode == 1
     assert "step-000000001: OK" in out.stdout
     assert "step-000000002: FAILED" in out.stdout and "CRC-32 differs" in out.stdout
+    assert "step-000000004: FAILED: file step-000000004/rank-00000.pt has 100 bytes" in out.stdout, (
+        "a checkpoint the listing finds corrupt failed verification too"
+    )
+    assert "step-000000003" not in out.stdout, "a partial one never committed: nothing to verify"
     assert "files, 100%" in out.stderr, "progress is shown"
     assert air("verify", root, "step-000000001").returncode == 0
     missing = air("verify", root, "nope")
@@ -128,7 +133,16 @@ def test_verify_of_a_root_with_nothing_committed_says_so(tmp_path, capsys):
         os.remove(f"{root}/.air/{name}/manifest.json")  # partial now, as step 3 is
     assert main(["verify", root]) == 0
     out = capsys.readouterr().out
-    assert out == f"nothing committed under {root} (4 partial or corrupt: air ls says why)\n", out
+    assert out == f"nothing committed under {root} (4 partial: air ls says why)\n", out
+
+
+def test_verify_of_a_root_whose_every_checkpoint_is_corrupt_exits_1(tmp_path, capsys):
+    root = str(tmp_path / "root")
+    with AsyncCheckpointer(root, keep_last=5) as ckpt:
+        ckpt.save({"w": torch.full((1000,), 1.0)}, step=1).result()
+    os.truncate(f"{root}/step-000000001/rank-00000.pt", 100)
+    assert main(["verify", root]) == 1
+    assert "step-000000001: FAILED" in capsys.readouterr().out
 
 
 def test_a_price_that_is_not_a_finite_number_is_refused_naming_the_flag(tmp_path, capsys):
