@@ -155,25 +155,30 @@ def test_a_price_that_is_not_a_finite_number_is_refused_naming_the_flag(tmp_path
             assert f"{flag}: {text!r} is not a price: pass a number >= 0, e.g. 2.5" in err, err
 
 
-def test_preflight_refuses_a_negative_size_as_bad_usage_64_not_a_node_verdict(tmp_path, capsys):
-    for flag in ("--expected-bytes", "--host-budget-bytes"):
-        for text in ("-5", "abc", "1.5"):
-            with pytest.raises(SystemExit) as exited:
-                main(["preflight", str(tmp_path), "--checks", "staging", f"{flag}={text}"])
-            err = capsys.readouterr().err
-            assert exited.value.code == 64, f"{flag} {text} is bad usage"
-            assert f"{flag}: {text!r} is not a size: pass a whole number of bytes >= 0" in err, err
-    assert main(["preflight", str(tmp_path), "--checks", "staging", "--expected-bytes", "0"]) == 0
+_SIZE = "is not a size: pass a whole number of bytes >= 0"
+_TIMEOUT = "is not a timeout: pass seconds > 0, e.g. 30"
 
 
-def test_preflight_refuses_a_timeout_that_is_not_positive_as_bad_usage_64_not_a_bad_node(tmp_path, capsys):
-    for text in ("0", "-1", "nan", "inf", "soon"):
+@pytest.mark.parametrize(
+    ("check", "flag", "texts", "why", "fine"),
+    [
+        ("staging", "--expected-bytes", ("-5", "abc", "1.5"), _SIZE, "0"),
+        ("staging", "--host-budget-bytes", ("-5", "abc", "1.5"), _SIZE, None),
+        ("storage", "--timeout", ("0", "-1", "nan", "inf", "soon"), _TIMEOUT, "0.5"),
+    ],
+)
+def test_preflight_refuses_a_bad_size_or_timeout_as_bad_usage_64_not_a_node_verdict(
+    tmp_path, capsys, check, flag, texts, why, fine
+):
+    """A negative size was judged ("x -0 MiB"), a timeout of 0 judged the node bad (2)."""
+    for text in texts:
         with pytest.raises(SystemExit) as exited:
-            main(["preflight", str(tmp_path), "--checks", "storage", f"--timeout={text}"])
+            main(["preflight", str(tmp_path), "--checks", check, f"{flag}={text}"])
         err = capsys.readouterr().err
-        assert exited.value.code == 64, f"--timeout {text} is bad usage, not a bad node (2)"
-        assert f"--timeout: {text!r} is not a timeout: pass seconds > 0, e.g. 30" in err, err
-    assert main(["preflight", str(tmp_path), "--checks", "storage", "--timeout", "0.5"]) == 0
+        assert exited.value.code == 64, f"{flag} {text} is bad usage"
+        assert f"{flag}: {text!r} {why}" in err, err
+    if fine is not None:
+        assert main(["preflight", str(tmp_path), "--checks", check, flag, fine]) == 0
 
 
 def test_storage_options_that_are_not_a_json_object_are_bad_usage_naming_the_flag(tmp_path, capsys):

@@ -147,18 +147,24 @@ def test_another_thread_s_safetensors_write_during_a_capture_is_written(tmp_path
     assert "model.safetensors" in files
 
 
-def test_save_total_limit_keeps_the_folders_stock_keeps_and_the_best_model_loads_at_the_end(tmp_path):
-    """The eval loss rises as training goes on (greater is better), so the best is the first save."""
-    best = dict(
+def _keeping_the_best(save_total_limit: int) -> dict:
+    """Trainer's arguments for 8 steps saved and evaluated every 2, the best model loaded at the end; the
+    eval loss rises as training goes on (greater is better), so the best is the first save."""
+    return dict(
         max_steps=8,
         save_steps=2,
         eval_strategy="steps",
         eval_steps=2,
-        save_total_limit=2,
+        save_total_limit=save_total_limit,
         load_best_model_at_end=True,
         metric_for_best_model="eval_loss",
         greater_is_better=True,
     )
+
+
+def test_save_total_limit_keeps_the_folders_stock_keeps_and_the_best_model_loads_at_the_end(tmp_path):
+    """The eval loss rises as training goes on (greater is better), so the best is the first save."""
+    best = _keeping_the_best(save_total_limit=2)
     runs = {}
     for name, cls, extra in (("air", AirTrainer, {"callbacks": [quiet()]}), ("stock", Trainer, {})):
         trainer = cls(
@@ -396,16 +402,7 @@ def test_a_logging_steps_ratio_is_the_metrics_window_trainer_logs_by(tmp_path):
 def test_save_total_limit_1_keeps_only_the_best_under_a_root_apart_from_output_dir(tmp_path):
     """At the end of training with ``save_total_limit=1`` and a best checkpoint, stock keeps the best
     alone; under ``AirTrainerCallback(root=...)`` the same folders survive as under stock's output_dir."""
-    best = dict(
-        max_steps=8,
-        save_steps=2,
-        eval_strategy="steps",
-        eval_steps=2,
-        save_total_limit=1,
-        load_best_model_at_end=True,
-        metric_for_best_model="eval_loss",
-        greater_is_better=True,
-    )
+    best = _keeping_the_best(save_total_limit=1)
     root = tmp_path / "root"
     air = AirTrainerCallback(root=str(root), mlflow=False, preflight=False)
     for cls, out, extra in (
