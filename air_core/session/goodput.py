@@ -246,10 +246,17 @@ class Journal:
             return False
 
     def close(self, *, remove: bool) -> None:
+        """Close it; with ``remove``, delete it, then its folder and the node's folder of this root above
+        it where they are left empty (each launch of a root made them: one pair per root on the node
+        for good, thousands in a test run's temp folder)."""
         Journal._live.discard(self.path)
         if remove:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
+            folder = os.path.dirname(self.path)
+            with contextlib.suppress(OSError):  # not empty: another launch's journal, a cache, spill files
+                os.rmdir(folder)
+                os.rmdir(os.path.dirname(folder))
         os.close(self._fd)
 
 

@@ -145,7 +145,16 @@ def test_a_killed_launch_s_events_come_back_from_its_node_local_journal(tmp_path
     shutil.rmtree(tmp_path / "root")
     log = GoodputLog(storage, "d" * 32, flush_every_seconds=600, journal_dir=str(journal))
     log.close()
-    assert len(read_events(storage)) == 1 and os.listdir(journal) == []
+    assert len(read_events(storage)) == 1
+    assert not journal.exists() and tmp_path.exists(), "its emptied folder goes, a parent holding more stays"
+
+
+def test_a_closed_launch_leaves_no_empty_folder_of_this_root_on_the_node(tmp_path):
+    node_folder = tmp_path / "air-spill" / "0123456789abcdef"  # as a root written in place has it
+    storage = Storage(str(tmp_path / "root"), storage_options={}, retries=0, retry_backoff_seconds=0.0)
+    log = GoodputLog(storage, "e" * 32, journal_dir=str(node_folder / ".air-journal"))
+    log.close()
+    assert read_events(log.storage) and not node_folder.exists() and (tmp_path / "air-spill").exists()
 
 
 def _wait_unlocked(path, timeout: float = 30.0) -> None:
