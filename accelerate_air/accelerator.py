@@ -90,7 +90,7 @@ class AirAccelerator(Accelerator):
             raise ConfigError(
                 f"AirAccelerator: launched as {launched} processes (WORLD_SIZE) but Accelerate runs this one "
                 f"as {self.num_processes} of {self.num_processes}, so every process would write the same "
-                "checkpoints. On a machine without GPUs pass Accelerator(cpu=True) or set "
+                "checkpoints. On a machine without GPUs pass AirAccelerator(cpu=True, ...) or set "
                 "ACCELERATE_USE_CPU=true for a multi-CPU (gloo) run."
             )
         self._air_sharded = fsdp2_sharded(self)
@@ -252,6 +252,12 @@ class AirAccelerator(Accelerator):
         the copy finishes by the next optimizer step.
         """
         self._air_check_live("save_state")
+        if self.air_session.closed:
+            raise AirError(
+                "AirAccelerator.save_state: end_training() ended this accelerator's checkpointing (it "
+                "committed what was in flight and released the root); build a new AirAccelerator to save "
+                "again."
+            )
         ckpt, place, name = self._air_folders.save_target(
             output_dir,
             automatic=self.project_configuration.automatic_checkpoint_naming,

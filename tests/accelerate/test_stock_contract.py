@@ -17,7 +17,7 @@ from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_air import AirAccelerator, AirPlugin
-from air_core import AsyncCheckpointer, ConfigError, CorruptCheckpointError
+from air_core import AirError, AsyncCheckpointer, ConfigError, CorruptCheckpointError
 from tests.accelerate.test_accelerator import Counter, air, setup, train
 
 
@@ -345,3 +345,11 @@ def test_resume_with_automatic_naming_saves_after_every_folder_already_there(tmp
     assert resumed.save_state() == str(tmp_path / "checkpoints" / "checkpoint_3")
     resumed.end_training()
     assert sorted(committed_names(str(tmp_path / "checkpoints"))) == ["checkpoint_1", "checkpoint_3"]
+
+
+def test_save_state_after_end_training_says_why_and_the_fix(tmp_path):
+    accelerator = air(str(tmp_path / "root"))
+    setup(accelerator)
+    accelerator.end_training()
+    with pytest.raises(AirError, match=r"end_training\(\) ended .* build a new AirAccelerator"):
+        accelerator.save_state()
