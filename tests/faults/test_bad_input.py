@@ -20,7 +20,7 @@ from tests.zygote import python
     [
         ({"root": "nosuch://bucket/run"}, r"root='nosuch://bucket/run'.*scheme fsspec knows"),
         ({"root": "/tmp/x", "keep_last": 0}, r"keep_last=0.*Pass keep_last=1 or more"),
-        ({"root": "/tmp/x", "keep_last": "2"}, r"keep_last='2'.*at least 1"),  # a string from YAML
+        ({"root": "/tmp/x", "keep_last": "2"}, r"keep_last='2'.*an integer >= 1"),  # a string from YAML
         (
             {"root": "/tmp/x", "host_budget_bytes": 16},
             r"host_budget_bytes=16.*the unit is bytes.*16 \* 2\*\*30",

@@ -120,8 +120,11 @@ def test_sigterm_during_an_upload_commits_the_inflight_save_then_resumes_exactly
     the session commits that save, then the default action ends the process; the relaunch resumes from it."""
     out = run_job(tmp_path, "--sigterm", "16:upload_start", expect_signal=signal.SIGTERM)
     assert "flushed the in-flight checkpoint (SIGTERM)" in out.stderr, out.stderr[-3000:]
+    assert (tmp_path / "ckpts/.air/checkpoint-16/manifest.json").exists(), "the save in flight committed"
     run_job(tmp_path)
-    assert stats(tmp_path)[0]["restores"][0][0] == "checkpoint-16", "the save in flight at SIGTERM committed"
+    # Step 20's save too when the loop, fast on a tiny model, was already in it (waiting for step 16's
+    # buffer) as SIGTERM came: every save begun commits.
+    assert stats(tmp_path)[0]["restores"][0][0] in ("checkpoint-16", "checkpoint-20")
     assert_same_run(tmp_path, reference())
 
 
