@@ -335,6 +335,20 @@ class Storage:
                 break
             parent = os.path.dirname(parent)
 
+    def remove_if_empty(self, made: str) -> None:
+        """A local root holding nothing but empty record folders goes, with the folders above it up to
+        ``made`` (the outermost one its job made) that it leaves empty; an object store has no folders."""
+        if not self.is_local:
+            return
+        with contextlib.suppress(OSError):  # not empty: something is kept
+            for folder in RESERVED_DIRS:
+                if os.path.isdir(os.path.join(self.base, folder)):
+                    os.rmdir(os.path.join(self.base, folder))
+            folder = self.base
+            while folder == made or folder.startswith(made.rstrip(os.sep) + os.sep):
+                os.rmdir(folder)
+                folder = os.path.dirname(folder)
+
     @property
     def follows(self) -> bool:
         """Whether an upload can start while its file is still being written (``upload.follows``)."""

@@ -156,6 +156,12 @@ class GoodputLog:
         self._append({"e": "end", "t": time.time()})
         self._finish(timeout_seconds)
 
+    def discard(self, timeout_seconds: float = 30.0) -> None:
+        """End without a trace: this launch's segments are removed (``TrainingSession`` for a launch that
+        did nothing with its root)."""
+        self._finish(timeout_seconds)
+        self._storage.remove(self._dir)
+
     def _finish(self, timeout_seconds: float) -> None:
         self._closing.set()
         self._wake.set()

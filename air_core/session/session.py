@@ -143,6 +143,8 @@ class TrainingSession:
         self._tier_plans = dcp.SavePlans()  # the local tier's own: its folders are other paths
         self._tier_due: int | None = None
         self._steps_done = 0  # optimizer steps applied when the last step ended (``record_step``)
+        self._stepped = False  # a step of this launch ended
+        self._made: str | None = None  # the outermost local folder the root's first touch made
         self._tier_unsettled: int | None = None
         self._tier_group: Any = None
         self._resumed: Resume | None = None  # the last ``recover``'s
@@ -196,9 +198,20 @@ class TrainingSession:
         Raises:
             HealthCheckError: on every rank, when any rank's node is bad (one line per failed check).
         """
+        if root is not None:  # its storage check writes a probe there, which makes the folder
+            self._note_root(root)
         return self.health.preflight(
             root, checkpointer=self.checkpointer_config, parameter_bytes=parameter_bytes
         )
+
+    def _note_root(self, root: str) -> None:
+        """At the first touch of the job's root: the outermost folder of a local root that is not there
+        yet, which that touch makes (None: an object store, or the folder exists)."""
+        folder = location(str(root))
+        if self._made is not None or "://" in folder:
+            return
+        while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+            self._made, folder = folder, os.path.dirname(folder)
 
     @property
     def stragglers(self) -> Stragglers | None:
@@ -215,6 +228,7 @@ class TrainingSession:
         if self._ckpt is not None and self._ckpt.closed:  # a newer writer of its root took it over
             self._ckpt = None
         if self._ckpt is None:
+            self._note_root(root)
             self._ckpt = self._checkpointer(root)
             if self.rank == 0 and self._measure and self._goodput_log is None:
                 self._goodput_log = GoodputLog(
@@ -584,6 +598,7 @@ class TrainingSession:
                 committed the saves in flight and closed first (every rank raises at the same step).
         """
         self._preemption.wait()  # the step ends once a SIGTERM's flush is done
+        self._stepped = True
         self.health.step_ended(step)
         self.records.record_step(step)
         k = self.config.local_every_n_steps
@@ -642,7 +657,11 @@ class TrainingSession:
             if self._failed is None:
                 self.records.close_window(step, reduce=False)
             self.records.log_summary()
-            if self._goodput_log is not None:
+            if self._goodput_log is not None and self._left_nothing():
+                self._goodput_log.discard()
+                if self._made is not None:
+                    self._goodput_log.storage.remove_if_empty(self._made)
+            elif self._goodput_log is not None:
                 self._goodput_log.close()
                 self._report(self._goodput_log.storage, step)
             if self._sink is not None:
@@ -650,6 +669,12 @@ class TrainingSession:
                     min(self.config.flush_timeout_seconds, _SINK_CLOSE_SECONDS),
                     status="FAILED" if self._failed is not None else "FINISHED",
                 )
+
+    def _left_nothing(self) -> bool:
+        """This launch took no step, saved and restored nothing: a fit that failed at once (a ``ckpt_path``
+        that does not exist). Its goodput log goes with it, and a root it made goes too, so that it leaves
+        the folder as stock leaves it (Lightning makes ``ModelCheckpoint``'s folder at its first save)."""
+        return not (self._stepped or self.records.saves or self.records.restores)
 
     def _report(self, storage: Storage, step: int) -> None:
         """Rank 0 at the end: the goodput and accounting of every launch so far, logged and to MLflow."""

@@ -98,6 +98,21 @@ def test_a_missing_ckpt_path_raises_file_not_found_naming_it(tmp_path):
             _trainer(tmp_path, plugin).fit(BoringModel(), ckpt_path=missing)
 
 
+@pytest.mark.parametrize("dirpath", ["default", "given"])
+def test_a_fit_that_fails_at_once_leaves_no_folder_where_stock_leaves_none(tmp_path, dirpath):
+    """A typo in ``ckpt_path``: stock makes ``ModelCheckpoint``'s folder at its first save, so none is left;
+    ours opened the root (lease, goodput log) before the resume failed."""
+    root = tmp_path / "run"
+    given = [ModelCheckpoint(dirpath=str(root / "ckpts"))] if dirpath == "given" else []
+    trainer = _trainer(root, AirCheckpointIO(), callbacks=[AirCallback(mlflow=False), *given])
+    with pytest.raises(FileNotFoundError):
+        trainer.fit(BoringModel(), ckpt_path=str(tmp_path / "typo.ckpt"))
+    assert not root.exists(), sorted(str(p.relative_to(tmp_path)) for p in root.rglob("*"))
+    _trainer(root, AirCheckpointIO(), callbacks=[AirCallback(mlflow=False), *given]).fit(BoringModel())
+    events = (root / "ckpts" if given else root / "checkpoints") / ".air-events"
+    assert len(list(events.iterdir())) == 1, "a launch that trained keeps its goodput log"
+
+
 def test_a_damaged_file_inside_a_managed_folder_is_still_refused(tmp_path):
     mc = ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), filename="only")
     _trainer(tmp_path, AirCheckpointIO(), [mc]).fit(BoringModel())
