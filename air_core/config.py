@@ -99,7 +99,9 @@ class CheckpointerConfig:
 
         if not isinstance(self.root, str) or (self.root and not self.root.strip()):
             raise bad("root", self.root, "root must be a non-empty path or URL, e.g. 's3://bucket/run1'.")
-        if self.staging_dir is not None and not isinstance(self.staging_dir, str):
+        if self.staging_dir is not None and (
+            not isinstance(self.staging_dir, str) or not self.staging_dir.strip()
+        ):
             raise bad(
                 "staging_dir", self.staging_dir, "staging_dir must be a local folder path (str) or None."
             )
@@ -162,15 +164,19 @@ class CheckpointerConfig:
             )
         if not isinstance(self.read_only, bool):
             raise bad("read_only", self.read_only, "read_only must be True or False.")
-        for name in (
-            "retry_backoff_seconds",
-            "commit_timeout_seconds",
-            "close_timeout_seconds",
-            "lease_seconds",
+        for name, least in (
+            ("retry_backoff_seconds", ">= 0"),
+            ("commit_timeout_seconds", "> 0"),  # 0: every multi-rank commit times out at once
+            ("close_timeout_seconds", ">= 0"),
+            ("lease_seconds", "> 0"),
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise bad(name, value, f"{name} must be a number of seconds >= 0.")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (value >= 0 if least == ">= 0" else value > 0)
+            ):
+                raise bad(name, value, f"{name} must be a number of seconds {least}.")
 
     def for_root(
         self, root: str, *, rank: int, world_size: int, launch_id: str, read_only: bool = False
