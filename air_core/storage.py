@@ -380,10 +380,12 @@ class Storage:
         try:
             self.write_bytes(rel, b"probe")
         except FileNotFoundError as exc:  # object stores: the bucket (container) is not there
-            raise StorageError(
-                f"cannot write under {self.display()}: {exc}. Check that the bucket exists and the URL is "
-                "spelled right."
-            ) from exc
+            fix = (
+                "Pass a folder on a disk this process can write (a system folder such as /proc holds none)"
+                if self.is_local
+                else "Check that the bucket exists and the URL is spelled right"
+            )
+            raise StorageError(f"cannot write under {self.display()}: {exc}. {fix}.") from exc
         self.remove(rel)
 
 

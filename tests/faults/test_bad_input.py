@@ -44,6 +44,12 @@ def test_staging_dir_that_is_a_file_or_unwritable_fails_at_construction(tmp_path
             AsyncCheckpointer("memory://air-bad-input/run", staging_dir=staging)
 
 
+def test_a_local_root_that_cannot_be_made_names_a_folder_not_a_bucket():
+    with pytest.raises(StorageError, match=r"/proc/air-root.*Pass a folder on a disk") as refused:
+        AsyncCheckpointer("/proc/air-root", retries=0)
+    assert "bucket" not in str(refused.value)
+
+
 def test_missing_bucket_fails_at_construction(s3_root):
     url = s3_root.url.replace("air-", "missing-air-")
     with pytest.raises(StorageError, match="Check that the bucket exists"):
