@@ -671,10 +671,12 @@ class TrainingSession:
                 )
 
     def _left_nothing(self) -> bool:
-        """This launch took no step, saved and restored nothing: a fit that failed at once (a ``ckpt_path``
-        that does not exist). Its goodput log goes with it, and a root it made goes too, so that it leaves
-        the folder as stock leaves it (Lightning makes ``ModelCheckpoint``'s folder at its first save)."""
-        return not (self._stepped or self.records.saves or self.records.restores)
+        """This launch saved and restored nothing, and took no step (a fit that failed at once: a
+        ``ckpt_path`` that does not exist) or made the root itself (a run that saves nothing: Lightning's
+        ``fast_dev_run``). Its goodput log goes with it, and a root it made goes too, so that it leaves the
+        folder as stock leaves it (Lightning makes ``ModelCheckpoint``'s folder at its first save)."""
+        quiet = not (self.records.saves or self.records.restores)
+        return quiet and (not self._stepped or self._made is not None)
 
     def _report(self, storage: Storage, step: int) -> None:
         """Rank 0 at the end: the goodput and accounting of every launch so far, logged and to MLflow."""

@@ -113,6 +113,15 @@ def test_a_fit_that_fails_at_once_leaves_no_folder_where_stock_leaves_none(tmp_p
     assert len(list(events.iterdir())) == 1, "a launch that trained keeps its goodput log"
 
 
+def test_a_fast_dev_run_leaves_no_folder_where_stock_leaves_none(tmp_path):
+    """``fast_dev_run`` saves no checkpoint, so stock never makes ``ModelCheckpoint``'s default folder."""
+    root = tmp_path / "run"
+    _trainer(root, AirCheckpointIO(), callbacks=[AirCallback(mlflow=False)], fast_dev_run=True).fit(
+        BoringModel()
+    )
+    assert not root.exists(), sorted(str(p.relative_to(tmp_path)) for p in root.rglob("*"))
+
+
 def test_a_damaged_file_inside_a_managed_folder_is_still_refused(tmp_path):
     mc = ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), filename="only")
     _trainer(tmp_path, AirCheckpointIO(), [mc]).fit(BoringModel())
