@@ -674,8 +674,10 @@ class TrainingSession:
         """This launch saved and restored nothing, and took no step (a fit that failed at once: a
         ``ckpt_path`` that does not exist) or made the root itself (a run that saves nothing: Lightning's
         ``fast_dev_run``). Its goodput log goes with it, and a root it made goes too, so that it leaves the
-        folder as stock leaves it (Lightning makes ``ModelCheckpoint``'s folder at its first save)."""
-        quiet = not (self.records.saves or self.records.restores)
+        folder as stock leaves it (Lightning makes ``ModelCheckpoint``'s folder at its first save). A
+        launch with the local tier on may have saved there only (its saves are no root's records), and
+        the next launch resumes from it: its log stays."""
+        quiet = not (self.records.saves or self.records.restores or self.config.local_every_n_steps)
         return quiet and (not self._stepped or self._made is not None)
 
     def _report(self, storage: Storage, step: int) -> None:

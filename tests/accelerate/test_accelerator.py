@@ -285,3 +285,13 @@ def test_every_prepared_optimizer_waits_for_the_overlapped_copies(tmp_path, slow
     for i, name in enumerate(["pytorch_model.bin", "pytorch_model_1.bin"]):
         got = torch.load(f"{url}/{name}", weights_only=True)
         assert all(torch.equal(got[k], v) for k, v in want[i].items()), f"{name} holds another step's weights"
+
+
+def test_a_run_saving_to_the_local_tier_only_keeps_its_goodput_log_at_the_root(tmp_path):
+    """Its saves are the tier's, no root's records; the next launch resumes from them and counts this one."""
+    root = tmp_path / "ckpts"
+    accelerator = air(str(root), local_every_n_steps=2, local_dir=str(tmp_path / "local"))
+    model, optimizer, loader, scheduler, counter = setup(accelerator)
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=4)
+    accelerator.end_training()
+    assert len(list((root / ".air-events").iterdir())) == 1
