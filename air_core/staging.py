@@ -36,6 +36,13 @@ from .upload import Growing
 logger = logging.getLogger(__name__)
 Source = Literal["local", "cache", "remote"]
 
+CACHE_KEEP = 2
+"""Committed checkpoints a node's cache keeps at most, whatever the root keeps: the newest, which a restart
+reads, and the one before, which it falls back to when the newest is damaged. Older ones are read from the
+root. A cache that mirrored the root's retention filled the staging disk under a keep-all root
+(Lightning's ``save_top_k=-1`` to S3) and kept, on every node but rank 0's, each checkpoint deleted from
+the root by name (Lightning's ``save_top_k``): only rank 0 deletes, and other nodes hear of no delete."""
+
 
 class Destination(Protocol):
     """How one save's files get to the root. Called on the writer thread, in this order, per save:
@@ -214,17 +221,18 @@ class Staged:
         os.replace(tmp, path)
 
     def trim(self, keep_last: int) -> None:
-        """Keep the newest ``keep_last`` checkpoints the cache holds a manifest of, and drop what killed
-        saves left: files that no cached manifest names, written before this process (``leftovers.py``).
+        """Keep the newest ``keep_last`` (at most ``CACHE_KEEP``) checkpoints the cache holds a manifest of,
+        and drop what killed saves left: files that no cached manifest names, written before this process
+        (``leftovers.py``).
 
         A node's cache holds only its own ranks' files (and rank 0's after a load), so a cached
         checkpoint may look incomplete here; it is trimmed by its manifest all the same. A save killed
         after its files were placed here and before the cache recorded its manifest leaves them named by
-        nothing, and the cache goes by manifests: a file's worth of disk per such kill, for good.
+        nothing: they go once no process that could still be writing them runs.
         """
         cached = self._cache()
         catalog = read_catalog(cached)
-        keep_newest(cached, catalog, keep_last)
+        keep_newest(cached, catalog, min(keep_last, CACHE_KEEP))
         held = [i for i in catalog.infos if i.manifest is not None]
         named = {path for i in held for path in (*catalog.files_of(i), layout.manifest_path(i.name))}
         others = (f"{layout.JOURNAL_DIR}/", f"{os.path.basename(self.spill_dir)}/")  # not checkpoint files
@@ -253,8 +261,8 @@ class Staged:
     def disk_full_fix(self, exc: OSError) -> str:
         return (
             f"The staging disk is full: free space under staging_dir ({self._staging_arg or self.cache_dir}),"
-            " point staging_dir at a larger disk, or keep fewer checkpoints at the root (the local cache"
-            " keeps a copy of each, up to keep_last)."
+            f" or point staging_dir at a larger disk (the local cache keeps a copy of the newest {CACHE_KEEP}"
+            " checkpoints)."
         )
 
     def fetch(

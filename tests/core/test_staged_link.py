@@ -141,3 +141,52 @@ def test_a_checkpoint_deleted_from_the_root_leaves_the_cache_too(tmp_path):
     assert [p for p in cached if p.startswith("ck2/")], "the kept one's copy stays"
     assert not [p for p in cached if p.startswith("ck1/") or first.name in p], cached
     assert all(os.stat(os.path.join(root, f)).st_nlink == 2 for f in ("ck2/a.pt", "ck2/b.pt")), "the kept one"
+
+
+def _cached_steps(cache_dir: str) -> list[int]:
+    """The steps of the checkpoints a cache holds files of (``ck<step>/``)."""
+    held = [d for d in os.listdir(cache_dir) if d.startswith("ck") and os.listdir(os.path.join(cache_dir, d))]
+    return sorted(int(d[2:]) for d in held)
+
+
+def test_the_cache_keeps_the_newest_two_whatever_the_root_keeps(tmp_path):
+    """A keep-all root (Lightning's ``save_top_k=-1``, retention by count off) to a disk apart from the
+    staging one: the root keeps every checkpoint, the cache only the newest two, and the older ones still
+    load, from the root."""
+    root, stage = f"memory://keepall-{tmp_path.name}", str(tmp_path / "stage")
+    with AsyncCheckpointer(root, staging_dir=stage, keep_last=1 << 30) as ckpt:
+        infos = [_save(ckpt, step).result(timeout=60) for step in (1, 2, 3, 4)]
+    assert _cached_steps(ckpt._cache_dir) == [3, 4], "trimmed after the last commit, by close at the latest"
+    with AsyncCheckpointer(root, staging_dir=stage) as ckpt:
+        assert [i.step for i in ckpt.list()] == [1, 2, 3, 4]
+        _check_loads(ckpt, infos[0], 1)
+
+
+def test_a_node_apart_from_rank_0s_keeps_no_more_than_two_of_the_checkpoints_deleted_by_name(tmp_path):
+    """Two ranks as two nodes (a staging folder each). Rank 0 deletes by name (Lightning's ``save_top_k``),
+    and only its node's cache hears of it; the other node's cache still holds at most the newest two."""
+    root = f"memory://nodes-{tmp_path.name}"
+    ranks = [
+        AsyncCheckpointer(
+            root,
+            staging_dir=str(tmp_path / f"node{r}"),
+            rank=r,
+            world_size=2,
+            launch_id="L",
+            keep_last=1 << 30,
+        )
+        for r in range(2)
+    ]
+    previous = None
+    for step in range(1, 7):
+        handles = [ckpt.save({"w": torch.full((64,), float(step))}, step=step) for ckpt in ranks]
+        infos = [h.result(timeout=60) for h in handles]
+        if previous is not None:
+            assert ranks[0].delete(previous.name).wait(60)
+        previous = infos[0]
+    for ckpt in reversed(ranks):
+        ckpt.close()
+    with AsyncCheckpointer(root, read_only=True) as reader:
+        assert [i.step for i in reader.list()] == [6]
+    cached = [sorted(d for d in os.listdir(ckpt._cache_dir) if not d.startswith(".")) for ckpt in ranks]
+    assert len(cached[0]) == 1 and len(cached[1]) == 2, cached
