@@ -248,7 +248,9 @@ class AirTrainerCallback(TrainerCallback):
         """Raise for a checkpoint folder under the root that no commit holds and where stock Trainer
         finished no checkpoint either: a save the job stopped while writing, which transformers'
         ``get_last_checkpoint(output_dir)`` picks as the highest-numbered folder. Stock's error for it
-        ("Can't find a valid checkpoint") says neither why nor what to resume instead."""
+        ("Can't find a valid checkpoint") says neither why nor what to resume instead. A committed folder
+        whose files changed since (re-sharded, as transformers' own resume tests do) is loaded as it is
+        now, the way stock loads it, with a warning; without its ``trainer_state.json`` it is refused."""
         session, ckpt = self.session, self._ckpt
         assert session is not None and ckpt is not None  # begin() ran
         root = ckpt.config.root
@@ -256,14 +258,30 @@ class AirTrainerCallback(TrainerCallback):
         if location(head) != location(root):
             return
         what = f"AirTrainer.train(resume_from_checkpoint={folder!r})"
+        finished = os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME))  # Trainer writes it last
         try:
             committed = session.paths.committed(ckpt, Place(root, entry), what=what)
-        except CorruptCheckpointError as error:  # a save of ours was writing it: same answer, ours
+        except CorruptCheckpointError as error:  # a save of ours was writing it, or its files changed since
             broken: CorruptCheckpointError | None = error
+            changed = [
+                i
+                for i in ckpt.catalog().infos
+                if i.status == "corrupt" and i.manifest is not None and entry_of_commit(i) == entry
+            ]
+            if changed and finished:  # re-sharded or edited after the commit: stock loads it as it is now
+                logger.warning(
+                    "%s: %s was committed, but its files changed since (%s); Trainer loads the folder as it "
+                    "is now, unchecked",
+                    what,
+                    entry,
+                    changed[-1].reason,
+                )
+                return
         else:
-            if committed is not None or os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
+            if committed is not None or finished:
                 return
             broken = None
+            changed = []
         newest = ckpt.latest()
         fix = (
             "Pass resume_from_checkpoint=transformers_air.NEWEST (or True), which resumes the newest "
@@ -272,6 +290,13 @@ class AirTrainerCallback(TrainerCallback):
             else f"Nothing under {root} is committed yet: pass "
             "resume_from_checkpoint=transformers_air.NEWEST, which then starts fresh."
         )
+        if changed:
+            raise CorruptCheckpointError(
+                f"{what}: {entry} was committed, but its files were changed or damaged since "
+                f"({changed[-1].reason}), and it holds no {TRAINER_STATE_NAME}. {fix}",
+                path=folder,
+                reason=changed[-1].reason,
+            ) from broken
         raise CorruptCheckpointError(
             f"{what}: the save of {entry} never committed (the job stopped while writing it), so the folder "
             "holds no checkpoint; transformers' get_last_checkpoint(output_dir) picks such a folder, being "

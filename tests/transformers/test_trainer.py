@@ -447,3 +447,54 @@ def test_an_explicit_path_to_a_save_that_never_committed_names_newest_and_the_ne
     message = str(error.value)
     assert "transformers_air.NEWEST" in message and "checkpoint-6" in message, message
     assert trainer.state.global_step == 0
+
+
+def _reshard(folder) -> None:
+    """``model.safetensors`` -> one shard per tensor and an index, as transformers' own
+    ``test_resume_training_with_shard_checkpoint`` rewrites a checkpoint before resuming it."""
+    weights = safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
+    os.remove(os.path.join(folder, "model.safetensors"))
+    names = {key: f"model-{i + 1:05d}-of-{len(weights):05d}.safetensors" for i, key in enumerate(weights)}
+    for key, value in weights.items():
+        safetensors.torch.save_file(
+            {key: value.contiguous()}, os.path.join(folder, names[key]), {"format": "pt"}
+        )
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": names}, f)
+
+
+def test_a_committed_folder_resharded_since_resumes_as_stock_resumes_it(tmp_path, caplog):
+    """Stock resumes the re-sharded folder; so do we, exactly (bitwise the uninterrupted run), warning
+    that the folder is no longer what was committed."""
+    steps = {}
+    for kind, make in (
+        ("stock", lambda out: Trainer(tiny_gpt2(), arguments(out), train_dataset=Plain())),
+        (
+            "air",
+            lambda out: AirTrainer(tiny_gpt2(), arguments(out), train_dataset=Plain(), callbacks=[quiet()]),
+        ),
+    ):
+        out = tmp_path / kind
+        uninterrupted = make(out)
+        uninterrupted.train()
+        _reshard(out / "checkpoint-3")
+        resumed = make(out)
+        resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+        steps[kind] = resumed.state.global_step
+    assert steps == {"stock": 6, "air": 6}
+    expected = weights(uninterrupted.model)
+    assert all(torch.equal(v, expected[k]) for k, v in weights(resumed.model).items()), "exact"
+    assert "checkpoint-3 was committed, but its files changed since" in caplog.text
+
+
+def test_a_committed_folder_damaged_without_its_trainer_state_is_refused_saying_so(tmp_path):
+    from air_core import CorruptCheckpointError
+
+    out = tmp_path / "run"
+    AirTrainer(tiny_gpt2(), arguments(out), train_dataset=Plain(), callbacks=[quiet()]).train()
+    _reshard(out / "checkpoint-3")
+    os.remove(out / "checkpoint-3" / "trainer_state.json")
+    trainer = AirTrainer(tiny_gpt2(), arguments(out), train_dataset=Plain(), callbacks=[quiet()])
+    with pytest.raises(CorruptCheckpointError, match="was committed, but its files were changed or damaged"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    assert trainer.state.global_step == 0
