@@ -7,6 +7,7 @@ with the fix, and the caller (``preflight.py``) decides for every rank together.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -119,7 +120,7 @@ def check_staging(
         expected_bytes=expected_bytes,
         rank=rank,
         probe_bytes=probe_bytes,
-        unwritable="Free space on the staging disk, or set staging_dir to a writable local (NVMe) folder.",
+        unwritable="Set staging_dir to a writable folder on a local (NVMe) disk.",
         too_small="Free space on the staging disk or point staging_dir at a larger local disk.",
         tight="Free space: a save in flight and the cached newest commit need two.",
     )
@@ -173,14 +174,15 @@ def _check_disk(
                 os.remove(path)
         write_seconds = time.perf_counter() - t0
     except OSError as exc:
-        return CheckResult(
-            check,
-            "bad",
-            f"cannot write {probe_bytes >> 20} MiB to {folder}: {exc}.",
-            unwritable,
-            seconds=time.perf_counter() - started,
-            rank=rank,
-        )
+        if exc.errno in (errno.EEXIST, errno.ENOTDIR):  # makedirs: a file where the folder goes
+            message, fix = f"{folder} is not a folder: {exc}.", unwritable
+        else:
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+            message, fix = (
+                f"cannot write {probe_bytes >> 20} MiB to {folder}: {exc}.",
+                too_small if full else unwritable,
+            )
+        return CheckResult(check, "bad", message, fix, seconds=time.perf_counter() - started, rank=rank)
     rate = probe_bytes / max(write_seconds, 1e-9) / (1 << 20)
     data = {"free_bytes": free, "expected_bytes": expected_bytes, "write_mib_per_s": round(rate, 1)}
     seconds = time.perf_counter() - started

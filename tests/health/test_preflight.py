@@ -133,6 +133,25 @@ print(r.status, r.message)
     assert done.stdout.startswith("bad cannot write 16 MiB"), done.stdout
 
 
+def test_a_staging_dir_that_is_a_file_says_so_and_a_full_disk_says_to_free_space(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_bytes(b"x")
+    for folder in (a_file, a_file / "below"):
+        result = check_staging(str(folder), expected_bytes=None)
+        assert result.status == "bad" and result.message.startswith(f"{folder} is not a folder"), result
+        assert "Free space" not in result.fix and "staging_dir" in result.fix, result.fix
+    code = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+from air_core.health.checks import check_staging
+print(check_staging(sys.argv[1], expected_bytes=None).fix)
+"""
+    done = run_python(code, str(tmp_path / "stage"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Free space on the staging disk"), done.stdout
+
+
 # nvidia-smi --query-gpu=... --format=csv,noheader,nounits, as printed on real nodes
 HEALTHY = """0, NVIDIA H200, 00000000:18:00.0, 0, [N/A], No, No, 0x0000000000000000
 1, NVIDIA H200, 00000000:2A:00.0, 0, [N/A], No, No, 0x0000000000000001
