@@ -1,7 +1,9 @@
 """The ``air`` command: look at a checkpoint root from a shell.
 
     air ls ROOT                      every checkpoint: step, time, size, status (committed/partial/corrupt)
-    air verify ROOT [NAME ...]       re-read committed checkpoints and check sizes and CRC-32 checksums
+                                     and the file or folder it holds (Lightning's epoch=0-step=10.ckpt)
+    air verify ROOT [NAME ...]       re-read committed checkpoints and check sizes and CRC-32 checksums;
+                                     NAME is a checkpoint's name or the file or folder it holds
     air report ROOT [--plot F.png]   checkpoint latencies, fetch_seconds, stragglers, goodput, bytes
                                      moved and work repeated of every launch; --json for one object,
                                      --gpu-hour-price etc. for cost lines
@@ -37,6 +39,7 @@ from .recovery import fetch
 from .session.accounting import Prices, account, human_bytes, lines
 from .session.goodput import analyze, read_events, restores
 from .session.metrics import summarize
+from .session.paths import entry_of_commit
 from .storage import Storage
 
 
@@ -49,18 +52,26 @@ def cmd_ls(storage: Storage, args: argparse.Namespace) -> int:
     if not infos:
         print(f"no checkpoints under {storage.display()}")
         return 0
-    print(f"{'name':32} {'step':>9} {'time':19} {'size':>10}  status")
+    print(f"{'name':32} {'step':>9} {'time':19} {'size':>10}  {'holds':24}  status")
     for i in infos:
         status = i.status if i.status == "committed" else f"{i.status}: {i.reason}"
-        print(f"{i.name:32} {i.step:9d} {_when(i):19} {human_bytes(i.total_bytes):>10}  {status}")
+        size = human_bytes(i.total_bytes)
+        print(f"{i.name:32} {i.step:9d} {_when(i):19} {size:>10}  {_holds(i):24}  {status}")
     return 0
+
+
+def _holds(info: CheckpointInfo) -> str:
+    """The file or folder under the root a commit holds (the name the framework gave it), else ``-``."""
+    return entry_of_commit(info) if info.manifest is not None else "-"
 
 
 def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     infos = {i.name: i for i in scan(storage)}
     # a checkpoint the listing already finds corrupt (a file missing or cut short) failed verification too;
     # a partial one never committed, so there is nothing to verify
-    names = args.names or [n for n, i in infos.items() if i.status in ("committed", "corrupt")]
+    held = [i for i in infos.values() if i.status in ("committed", "corrupt")]
+    by_entry = {_holds(i): i.name for i in held}  # a file or folder saved again: its newest commit
+    names = [n if n in infos else by_entry.get(n, n) for n in args.names] or [i.name for i in held]
     if not names:  # silence with exit 0 would read as "all verified"
         others = f" ({len(infos)} partial: air ls says why)" if infos else ""
         print(f"nothing committed under {storage.display()}{others}")
@@ -75,7 +86,9 @@ def cmd_verify(storage: Storage, args: argparse.Namespace) -> int:
     for name in names:
         problem = _verify_one(storage, infos[name])
         failed += bool(problem)
-        print(f"{name}: {'OK' if not problem else 'FAILED: ' + problem}")
+        holds = _holds(infos[name])
+        label = name if holds in ("-", name) else f"{holds} ({name})"
+        print(f"{label}: {'OK' if not problem else 'FAILED: ' + problem}")
     return 1 if failed else 0
 
 
@@ -315,7 +328,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ls.add_argument("root")
     verify = sub.add_parser("verify", parents=[common], help="re-check sizes and checksums")
     verify.add_argument("root")
-    verify.add_argument("names", nargs="*", help="checkpoints to verify (default: every committed one)")
+    verify.add_argument(
+        "names",
+        nargs="*",
+        help="checkpoints, or files or folders they hold, to verify (default: every committed one)",
+    )
     report = sub.add_parser("report", parents=[common], help="latency, fetch and goodput summary")
     report.add_argument("root")
     report.add_argument("--plot", default=None, help="also draw it to this PNG file")

@@ -74,6 +74,35 @@ def test_verify_finds_the_changed_byte_and_exits_1(tmp_path):
     assert missing.returncode == 2 and "no checkpoint named nope" in missing.stderr
 
 
+def test_ls_names_the_file_each_checkpoint_holds_and_verify_takes_that_name(tmp_path):
+    """A framework's saves are committed under names of ours; ``ls`` shows the file each holds (Lightning's
+    ``epoch=0-step=5.ckpt``), and ``verify`` takes it: the newest commit holding it."""
+    root = str(tmp_path / "root")
+    with AsyncCheckpointer(root, keep_last=5) as ckpt:
+        for step in (5, 10):
+            ckpt.save_files(
+                {f"epoch=0-step={step}.ckpt": {"w": torch.ones(8)}}, step=step, name=f"ckpt-{step}"
+            )
+        ckpt.save_files({"last.ckpt": {"w": torch.ones(8)}}, step=10, name="ckpt-10-last").result()
+    out = air("ls", root)
+    assert out.returncode == 0, out.stderr
+    holds = {line.split()[0]: line.split()[6] for line in out.stdout.splitlines()[1:]}
+    assert holds == {
+        "ckpt-5": "epoch=0-step=5.ckpt",
+        "ckpt-10": "epoch=0-step=10.ckpt",
+        "ckpt-10-last": "last.ckpt",
+    }
+    checked = air("verify", root, "epoch=0-step=5.ckpt")
+    assert checked.returncode == 0 and checked.stdout == "epoch=0-step=5.ckpt (ckpt-5): OK\n", checked
+    path = f"{root}/epoch=0-step=5.ckpt"
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    failed = air("verify", root, "epoch=0-step=5.ckpt", "ckpt-10")
+    assert failed.returncode == 1 and "epoch=0-step=5.ckpt (ckpt-5): FAILED" in failed.stdout, failed
+    assert "epoch=0-step=10.ckpt (ckpt-10): OK" in failed.stdout
+
+
 def test_report_prints_latency_fetch_and_goodput_and_draws_a_plot(tmp_path):
     root = _root_with_committed_partial_and_corrupt(tmp_path)
     png = tmp_path / "report.png"
