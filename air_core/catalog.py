@@ -22,7 +22,7 @@ from .storage import Storage
 
 @dataclass(frozen=True)
 class Catalog:
-    """Every checkpoint under a root as of one listing, oldest step first."""
+    """Every checkpoint under a root as of one listing, oldest first (``in_commit_order``)."""
 
     infos: tuple[CheckpointInfo, ...]
     recorded_files: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -79,12 +79,33 @@ def read_catalog(storage: Storage) -> Catalog:
                 failures = _failures(storage, name, record_files[name])
                 info = replace(info, step=step, reason="; ".join([reason, *failures]))
         infos.append(info)
-    infos.sort(key=lambda i: (i.step, i.time or 0.0, i.name))
-    return Catalog(tuple(infos), recorded, sizes)
+    return Catalog(tuple(in_commit_order(infos)), recorded, sizes)
+
+
+def in_commit_order(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
+    """Oldest first, by launch, then by step: the launches in the order of their first commits, each
+    launch's checkpoints by step. A launch that resumed from an older checkpoint (a rollback, or a new run
+    in the same folder) continues from there, so its checkpoints are newer than the higher steps of the
+    launches before it, as a framework's ``last`` checkpoint would say; ordering by step alone resumed the
+    abandoned run and let retention delete the new run's checkpoints first. Launches are ordered by their
+    first commit's time (rank 0's clock): a launch starts after the one before it ended, a restart apart.
+    Checkpoints without a manifest (partial) count with the newest launch."""
+    first: dict[str, float] = {}
+    for i in infos:
+        if i.manifest is not None:
+            launch = i.manifest.launch_id
+            first[launch] = min(first.get(launch, i.manifest.time), i.manifest.time)
+    newest = max(first.values(), default=0.0)
+
+    def key(i: CheckpointInfo) -> tuple[float, int, float, str]:
+        launch = first[i.manifest.launch_id] if i.manifest is not None else newest
+        return (launch, i.step, i.time or 0.0, i.name)
+
+    return sorted(infos, key=key)
 
 
 def scan(storage: Storage) -> list[CheckpointInfo]:
-    """Every checkpoint under the root, oldest step first (one fresh listing, small reads)."""
+    """Every checkpoint under the root, oldest first (one fresh listing, small reads)."""
     return list(read_catalog(storage).infos)
 
 

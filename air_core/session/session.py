@@ -38,7 +38,7 @@ from ..health.stragglers import Stragglers
 from ..layout import JOURNAL_DIR, rank_state_path
 from ..snapshot import stepped_tensors
 from ..storage import Storage, location
-from ..tiers import LocalTier, Resume, job_folder, recover
+from ..tiers import LocalTier, Resume, job_folder, recover, rewind
 from ..tiers import partners as tier_partners
 from ..tiers.recover import restore_root
 from .accounting import account, as_metrics
@@ -468,14 +468,7 @@ class TrainingSession:
                 raise AirError(
                     f"{self.config.owner}: a local checkpoint before the checkpoint root was opened."
                 )
-            per_node = tier_partners.local_world_size(self.world_size)
-            n = (
-                tier_partners.copies(
-                    self.world_size, per_node, self.config.replication_factor, owner=self.config.owner
-                )
-                if self._tier_group is not None
-                else 0
-            )
+            send_to, receive_from = self._tier_partners()
             self._tier = LocalTier(
                 self._tier_base(),
                 rank=self.rank,
@@ -483,10 +476,39 @@ class TrainingSession:
                 launch_id=self.launch_id,
                 template=self.checkpointer_config,
                 group=self._tier_group,
-                send_to=tier_partners.partners(self.rank, self.world_size, per_node, n),
-                receive_from=tier_partners.sources(self.rank, self.world_size, per_node, n),
+                send_to=send_to,
+                receive_from=receive_from,
             )
         return self._tier
+
+    def _tier_partners(self) -> tuple[list[int], list[int]]:
+        """The ranks that keep copies of this rank's local checkpoints, and those whose it keeps."""
+        per_node = tier_partners.local_world_size(self.world_size)
+        n = (
+            tier_partners.copies(
+                self.world_size, per_node, self.config.replication_factor, owner=self.config.owner
+            )
+            if self._tier_group is not None
+            else 0
+        )
+        return (
+            tier_partners.partners(self.rank, self.world_size, per_node, n),
+            tier_partners.sources(self.rank, self.world_size, per_node, n),
+        )
+
+    def _rewind_tier(self, step: int) -> None:
+        """Drop the local tier's states newer than ``step``, where training starts (``tiers.rewind``)."""
+        if not self.config.local_every_n_steps or self._ckpt is None or self._tier is not None:
+            return
+        dropped = rewind(self._tier_base(), rank=self.rank, sources=self._tier_partners()[1], step=step)
+        if dropped:
+            logger.warning(
+                "rank %d: dropped the local checkpoints newer than step %d, where this launch starts "
+                "(a run it does not continue): %s",
+                self.rank,
+                step,
+                ", ".join(dropped),
+            )
 
     def _tier_base(self) -> str:
         assert self.config.local_dir is not None and self._ckpt is not None
@@ -530,6 +552,7 @@ class TrainingSession:
         ``mlflow_run_id``: the framework logger's run (None: the checkpoint's run, else a new one);
         ``run_is_ours``: the session ends the run at ``close``."""
         self._steps_done = step
+        self._rewind_tier(step)
         self.positions.start()
         if self.rank == 0 and self._measure and self.config.mlflow and self._sink is None:
             run_id = mlflow_run_id or self.positions.resumed_run

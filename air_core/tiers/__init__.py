@@ -7,7 +7,7 @@ the tier's gloo group), ``transfer.py`` (a commit's files between ranks, verifie
 ``TrainingSession`` owns the tier; see ``docs/tiers.md``.
 """
 
-from .local import LocalTier, job_folder, parse_name, tier_name
+from .local import LocalTier, job_folder, parse_name, rewind, tier_name
 from .recover import Held, Resume, choose, holdings, recover
 
 NEWEST = "air:newest"
@@ -25,5 +25,6 @@ __all__ = [
     "job_folder",
     "parse_name",
     "recover",
+    "rewind",
     "tier_name",
 ]

@@ -34,12 +34,13 @@ import torch
 import torch.distributed as dist
 
 from .. import dcp, spares
+from ..catalog import read_catalog
 from ..checkpointer import AsyncCheckpointer
 from ..config import CheckpointerConfig
 from ..dcp.planning import SavePlans
 from ..handle import SaveHandle
 from ..storage import location
-from .transfer import EMPTY, Package, StagedFiles, exchange, local_storage, read_package
+from .transfer import EMPTY, Package, StagedFiles, drop_commits, exchange, local_storage, read_package
 
 logger = logging.getLogger(__name__)
 _NAME = re.compile(r"^local-s(\d{9})-w(\d+)$")
@@ -69,6 +70,28 @@ def parse_name(name: str) -> tuple[int, int] | None:
     """(step, world size) of a ``tier_name``, or None for any other name."""
     m = _NAME.match(name)
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def rewind(base: str, *, rank: int, sources: Iterable[int], step: int) -> list[str]:
+    """Drop this rank's local checkpoints and the copies it keeps of ``sources``' that are newer than
+    ``step``, where this launch's training starts, and return their names.
+
+    They belong to a run this launch does not continue: it resumed from an older checkpoint (a rollback,
+    or a relaunch from a root's checkpoint older than the tier's newest), or started afresh. Kept, a later
+    resume would take them for the newest state, and this launch's saves of the same steps would find
+    their names committed. Each rank drops only the folders it writes (no rank writes a local save before
+    every rank's training started). Another world size's folders on this node are left alone."""
+    dropped: list[str] = []
+    for root in (own_root(base, rank), *(replica_root(base, s) for s in sources)):
+        if not os.path.isdir(root):
+            continue
+        storage = local_storage(root)
+        names = {i.name for i in read_catalog(storage).infos}
+        stale = {n for n in names if (parsed := parse_name(n)) is not None and parsed[0] > step}
+        if stale:
+            drop_commits(storage, keep=names - stale)
+            dropped += sorted(stale)
+    return dropped
 
 
 class LocalTier:

@@ -666,3 +666,25 @@ def test_every_read_in_this_process_sees_a_save_that_returned(tmp_path, caplog):
         assert torch.equal(ckpt.load()["w"], torch.arange(4) + 1)
         ckpt.save({"w": torch.arange(4) + 2}, step=3)
         assert ckpt.latest().step == 3
+
+
+def test_a_launch_that_went_back_to_an_older_step_holds_the_newest_checkpoints(tmp_path):
+    """Launch A saves steps 10-30; launch B resumes A's step 10 (a rollback) and saves steps 15 and 18.
+    B's are the newest: ``latest`` returns B's step 18, and retention (``keep_last=2``) keeps B's two,
+    as Accelerate's ``total_limit`` deletes the oldest folders. By step, B's step 15 was deleted at once
+    (and with ``keep_last=1``, each of B's saves), while A's abandoned step 30 stayed the newest."""
+    root = str(tmp_path / "root")
+    with AsyncCheckpointer(root, keep_last=5) as a:
+        for step in (10, 20, 30):
+            a.save(_state(step), step=step).result(timeout=60)
+    with AsyncCheckpointer(root, keep_last=2) as b:
+        assert b.latest().step == 30, "a relaunch that resumes goes on from A's newest"
+        b.save(_state(15), step=15).result(timeout=60)
+        assert b.latest().step == 15
+        b.save(_state(18), step=18).result(timeout=60)
+    with AsyncCheckpointer(root, read_only=True) as reader:
+        assert [(i.step, i.manifest.launch_id) for i in reader.list()] == [
+            (15, b.config.launch_id),
+            (18, b.config.launch_id),
+        ]
+        _assert_state_equal(reader.load(), _state(18))

@@ -105,3 +105,24 @@ def test_a_weights_only_export_is_skipped_by_newest_and_latest_checkpoint(tmp_pa
         assert latest_checkpoint(str(root)) == str(root / "epoch=0-step=4.ckpt")
     assert "export.ckpt): saved with weights only" in caplog.text, "the skip is logged"
     assert launch(6, NEWEST)[1] == 4, "NEWEST resumed from the newest full checkpoint"
+
+
+@pytest.mark.parametrize("local_tier", [False, True], ids=["root", "local-tier"])
+def test_after_a_rollback_newest_resumes_the_run_that_went_on_not_the_abandoned_one(tmp_path, local_tier):
+    """A run to step 12; then a launch goes back to its step 4 (to train differently) and saves up to
+    step 8. The next ``NEWEST`` resumes that launch's step 8, as Lightning's ``last`` would: the abandoned
+    run's step 12 is older, though higher. By step alone it resumed step 12, from the root or from the
+    local tier, which also made the rollback's local saves of steps the abandoned run had saved fail."""
+    ckpts = tmp_path / "ckpts"
+
+    def launch(steps: int, ckpt_path: str | None) -> int | None:
+        tier = {"local_every_n_steps": 2, "local_dir": str(tmp_path / "local")} if local_tier else {}
+        air = AirCallback(mlflow=False, preflight=False, **tier)
+        every_4 = ModelCheckpoint(dirpath=str(ckpts), every_n_train_steps=4, save_top_k=-1)
+        return _fit(tmp_path, steps, air, every_4, ckpt_path=ckpt_path)
+
+    assert launch(12, None) == 0
+    assert launch(8, str(ckpts / "epoch=0-step=4.ckpt")) == 4
+    # Lightning names it apart from the abandoned run's file of the same step, which it finds there
+    assert latest_checkpoint(str(ckpts)) == str(ckpts / "epoch=0-step=8-v1.ckpt")
+    assert launch(10, NEWEST) == 8
