@@ -437,10 +437,14 @@ class AirAccelerator(Accelerator):
         except FileNotFoundError as exc:  # the core's: no committed checkpoint under the root
             if info is not None:
                 raise
-            raise CheckpointNotFoundError(
-                f"AirAccelerator.load_state(): {exc}; save one first, or call resume(), which starts afresh "
-                "when there is none."
-            ) from exc
+            stock = self._air_folders.stock_folder()
+            fix = (
+                f"a run without air left a checkpoint there: load it as stock Accelerate does with "
+                f"load_state({stock!r})"
+                if stock is not None
+                else "save one first, or call resume(), which starts afresh when there is none"
+            )
+            raise CheckpointNotFoundError(f"AirAccelerator.load_state(): {exc}; {fix}.") from exc
 
     def _air_fetch_ranks(self, ckpt: AsyncCheckpointer, info: CheckpointInfo | None) -> LocalCheckpoint:
         ranks = {0, self.process_index}
@@ -500,12 +504,24 @@ class AirAccelerator(Accelerator):
         Call after ``prepare``; then ``for epoch in range(accelerator.resume(), num_epochs)``. The
         prepared loaders continue where the checkpoint left them, mid-epoch included. With Accelerate's
         automatic naming, the next ``save_state()`` writes the folder after every one the root holds.
+
+        Raises:
+            CheckpointNotFoundError: nothing is committed, but a run without air left Accelerate
+                checkpoints in the root: the message names the folder to ``load_state`` instead.
         """
         latest = self._air.latest()
         resumed = self.air_session.recover(latest.step if latest is not None else None)
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration = self._air_folders.next_iteration(self.save_iteration)
         if resumed is None and latest is None:
+            stock = self._air_folders.stock_folder()
+            if stock is not None:  # starting fresh would train over that run
+                raise CheckpointNotFoundError(
+                    f"AirAccelerator.resume(): nothing under {self.air_plugin.root} was committed by air, "
+                    f"but a run without it left Accelerate checkpoints there (the newest: {stock}). resume() "
+                    "continues committed ones only; to continue that run, load it once as stock Accelerate "
+                    f"does: accelerator.load_state({stock!r}). To start a new run, use another root."
+                )
             logger.info("AirAccelerator: nothing committed under %s; starting fresh", self.air_plugin.root)
             return 0
         self._air_reentering = True

@@ -18,7 +18,7 @@ from typing import Any
 
 from air_core import AsyncCheckpointer, CheckpointInfo, ConfigError, CorruptCheckpointError
 from air_core.layout import META_DIR, TEMP_MARK
-from air_core.session import Owner, Place, TrainingSession
+from air_core.session import Owner, Place, TrainingSession, foreign_entries
 from air_core.storage import location
 
 from .plugin import AirPlugin
@@ -127,6 +127,23 @@ class Folders:
             names += os.listdir(self._root)
         used = [int(m.group(1)) for n in names if (m := _AUTOMATIC.fullmatch(n))]
         return max([iteration, *(i + 1 for i in used)])
+
+    def stock_folder(self) -> str | None:
+        """The newest folder under the root holding an Accelerate checkpoint that no commit names (a run
+        without air: a project switching to it), or None. Newest: the highest ``checkpoint_<i>``, as stock
+        ``load_state()`` picks, else the last by name."""
+        catalog = self._main.catalog()
+        marks = ("random_states_0.pkl", "optimizer.bin", "model.safetensors", "pytorch_model.bin")
+        found = {rel.split("/", 1)[0] for rel in catalog.sizes if rel.endswith(marks) and rel.count("/") == 1}
+        stock = [entry for entry in foreign_entries(catalog) if entry in found]
+        if not stock:
+            return None
+
+        def order(entry: str) -> tuple[int, str]:
+            automatic = _AUTOMATIC.fullmatch(entry)
+            return (int(automatic[1]) if automatic else -1, entry)
+
+        return f"{self._plugin.root.rstrip('/')}/{max(stock, key=order)}"
 
     def load_source(
         self, input_dir: str | None, stack: contextlib.ExitStack

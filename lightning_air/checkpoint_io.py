@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import uuid
 from typing import Any, Literal
 
@@ -32,7 +33,7 @@ from air_core import (
     dcp,
 )
 from air_core.config import settings_of
-from air_core.session import Owner, Place, TrainingSession, entry_of, safe_name
+from air_core.session import Owner, Place, TrainingSession, entry_of, foreign_entries, safe_name
 from air_core.session import split as split_place
 from air_core.tiers import NEWEST, Resume
 
@@ -415,6 +416,10 @@ def latest_checkpoint(
     remote checkpoint downloads it into the local cache under ``staging_dir``: pass the
     ``AirCheckpointIO``'s (or call ``plugin.latest_checkpoint``) so the resume reads that verified copy
     instead of downloading it again.
+
+    Raises:
+        ConfigError: nothing under ``dirpath`` was committed, but a run without ``AirCheckpointIO`` left
+            Lightning checkpoints there (a project switching to air): the message names the one to pass.
     """
     with AsyncCheckpointer(
         dirpath, storage_options=storage_options, staging_dir=staging_dir, read_only=True
@@ -437,7 +442,30 @@ def latest_checkpoint(
             if not problem:  # the .ckpt file, or the folder of a sharded checkpoint
                 return path
             logger.warning("skipping checkpoint %s: %s", info.name, problem)
+        catalog = ckpt.catalog()
+        stock = [e for e in foreign_entries(catalog) if e.endswith(".ckpt")]
+        if stock and not catalog.committed:
+            raise ConfigError(_stock_only(dirpath, stock))
     return None
+
+
+def _stock_only(dirpath: str, stock: list[str]) -> str:
+    """Why a resume over only a stock run's checkpoints does not start fresh, and how to continue it."""
+    newest = "last.ckpt" if "last.ckpt" in stock else max(stock, key=_step_in_name)
+    return (
+        f"{dirpath} holds Lightning checkpoints that AirCheckpointIO did not commit (a run without it): "
+        f"{', '.join(stock[:5])}{' ...' if len(stock) > 5 else ''}. lightning_air.NEWEST and "
+        "latest_checkpoint resume only committed ones, and starting fresh there would train over that run. "
+        "To continue it, "
+        f"pass its checkpoint once: fit(ckpt_path={dirpath.rstrip('/') + '/' + newest!r}), which loads as "
+        "Lightning loads it; to start a new run, use another dirpath."
+    )
+
+
+def _step_in_name(entry: str) -> int:
+    """The ``step=N`` of a ModelCheckpoint file name (-1 without one)."""
+    found = re.search(r"step=(\d+)", entry)
+    return int(found[1]) if found else -1
 
 
 def _restoring(ckpt: AsyncCheckpointer, resumed: Resume | None) -> contextlib.AbstractContextManager[Any]:

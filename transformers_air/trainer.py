@@ -66,8 +66,9 @@ class AirTrainerMixin(_Base):
         """As ``Trainer.train``; ``resume_from_checkpoint=True`` resumes from the newest complete state
         across the tiers: the local tier's (``local_every_n_steps``) when it is newer than the root's,
         else ``latest_checkpoint`` of the root (any URL); ``NEWEST`` does the same, or starts fresh when
-        nothing was saved. Such a resume, or a folder ``latest_checkpoint`` returned, continues each
-        process's data position and RNG exactly. Every save is committed before this returns (or raises).
+        nothing was saved (both refuse a root holding only stock ``Trainer``'s checkpoints, naming the
+        newest). Such a resume, or a folder ``latest_checkpoint`` returned, continues each process's data
+        position and RNG exactly. Every save is committed before this returns (or raises).
         """
         air = self.air_callback
         failed: BaseException | None = None
@@ -75,8 +76,9 @@ class AirTrainerMixin(_Base):
             air.begin(self)
             if resume_from_checkpoint is True or resume_from_checkpoint == NEWEST:
                 newest = air.newest()
-                if newest is None and resume_from_checkpoint is True:
-                    raise ValueError(_nothing_committed(air.root_of(self.args)))
+                root = air.root_of(self.args)
+                if newest is None and (resume_from_checkpoint is True or stock_checkpoint(root) is not None):
+                    raise ValueError(_nothing_committed(root, resume_from_checkpoint))
                 resume_from_checkpoint = newest
             air.resume_from(self, resume_from_checkpoint or None)
             with _skip_replaced(air), _cleanup_replaced(self):
@@ -138,15 +140,17 @@ class AirTrainer(AirTrainerMixin, Trainer):
     """
 
 
-def _nothing_committed(root: str) -> str:
+def _nothing_committed(root: str, given: Any) -> str:
     """Stock's message for ``train(resume_from_checkpoint=True)`` with nothing to resume, and where stock
-    ``Trainer`` left checkpoints in the root (a project switching to ``AirTrainer``), how to resume them."""
+    ``Trainer`` left checkpoints in the root (a project switching to ``AirTrainer``), how to resume them:
+    ``NEWEST`` refuses then too, since starting fresh would train over that run."""
     message = f"No valid checkpoint found in output directory ({root})"
     stock = stock_checkpoint(root)
     if stock is None:
         return message
+    argument = "True" if given is True else "transformers_air.NEWEST"
     return (
-        f"{message}: AirTrainer committed no checkpoint there, and resume_from_checkpoint=True resumes "
+        f"{message}: AirTrainer committed no checkpoint there, and resume_from_checkpoint={argument} resumes "
         f"committed ones only. The checkpoints there were written by stock Trainer (the newest: {stock}); "
         f"to continue from it, pass its path: train(resume_from_checkpoint={stock!r})."
     )

@@ -12,7 +12,7 @@ from .goodput import Goodput, GoodputLog, goodput_of
 from .loader import TrackedLoader
 from .metrics import Recorder
 from .mlflow_sink import MlflowSink
-from .paths import Owner, Paths, Place, entry_of, entry_of_commit, safe_name, split
+from .paths import Owner, Paths, Place, entry_of, entry_of_commit, foreign_entries, safe_name, split
 from .preemption import FlushOnSigterm
 from .rng import ResumeRng, capture_rng, raw_from_safe, restore_rng
 from .session import TrainingSession
@@ -34,6 +34,7 @@ __all__ = [
     "capture_rng",
     "entry_of",
     "entry_of_commit",
+    "foreign_entries",
     "goodput_of",
     "raw_from_safe",
     "restore_rng",

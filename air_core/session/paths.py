@@ -28,6 +28,7 @@ from ..manifest import CheckpointInfo
 from ..storage import location
 
 if TYPE_CHECKING:
+    from ..catalog import Catalog
     from .session import TrainingSession
 
 
@@ -88,6 +89,14 @@ def entry_of_commit(info: CheckpointInfo) -> str:
     assert info.manifest is not None  # committed
     tops = {entry_of(f.path) for f in info.manifest.files_of(0)} - set(RESERVED_DIRS)
     return min(tops) if tops else info.name
+
+
+def foreign_entries(catalog: Catalog) -> list[str]:
+    """The files and folders directly under the root that no checkpoint of ours names (committed or not):
+    what another writer left there, such as the stock framework's checkpoints of a run before ours."""
+    ours = {entry_of(path) for info in catalog.infos for path in catalog.files_of(info)}
+    present = {entry_of(rel) for rel in catalog.sizes}
+    return sorted(present - ours - set(RESERVED_DIRS))
 
 
 def _entries(info: CheckpointInfo, files: tuple[str, ...] | list[str], *, flat: bool) -> dict[str, bool]:

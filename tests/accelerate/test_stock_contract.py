@@ -353,3 +353,37 @@ def test_save_state_after_end_training_says_why_and_the_fix(tmp_path):
     accelerator.end_training()
     with pytest.raises(AirError, match=r"end_training\(\) ended .* build a new AirAccelerator"):
         accelerator.save_state()
+
+
+def test_resume_over_a_stock_runs_folders_refuses_naming_the_one_to_load(tmp_path):
+    """A project switching to air: the root holds only folders stock Accelerate saved (automatic naming).
+    ``resume()`` started afresh there, training over that run; it now names the newest, which
+    ``load_state(folder)`` loads as stock does."""
+    root = str(tmp_path / "checkpoints")
+
+    def config() -> ProjectConfiguration:
+        return ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+
+    stock = Accelerator(project_config=config(), cpu=True)
+    model, optimizer, loader, scheduler, counter = setup(stock)
+    for _ in range(3):
+        train(stock, model, optimizer, loader, scheduler, counter, steps=2)
+        stock.save_state()
+    saved = weights(model)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = AirAccelerator(air_plugin=AirPlugin(root), project_config=config(), cpu=True)
+    model, optimizer, loader, scheduler, counter = setup(accelerator, seed=1)
+    newest = f"{root}/checkpoint_2"
+    with pytest.raises(
+        ValueError, match=rf"without it left Accelerate checkpoints.*load_state\('{newest}'\)"
+    ):
+        accelerator.resume()
+    with pytest.raises(
+        ValueError, match=rf"a run without air left a checkpoint there.*load_state\('{newest}'\)"
+    ):
+        accelerator.load_state()
+    assert not same(model, saved), "nothing was loaded"
+    accelerator.load_state(newest)
+    assert same(model, saved) and counter.value == 6
+    accelerator.end_training()

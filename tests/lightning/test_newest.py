@@ -126,3 +126,36 @@ def test_after_a_rollback_newest_resumes_the_run_that_went_on_not_the_abandoned_
     # Lightning names it apart from the abandoned run's file of the same step, which it finds there
     assert latest_checkpoint(str(ckpts)) == str(ckpts / "epoch=0-step=8-v1.ckpt")
     assert launch(10, NEWEST) == 8
+
+
+def test_newest_over_a_stock_runs_checkpoints_refuses_naming_the_one_to_resume(tmp_path):
+    """A project switching to air: the folder holds only checkpoints stock Lightning wrote. NEWEST and
+    ``latest_checkpoint`` started fresh there, training over that run; they now name its ``last.ckpt``,
+    and passing that path resumes it as Lightning does."""
+    ckpts = tmp_path / "ckpts"
+    stock = pl.Trainer(
+        max_steps=6,
+        limit_val_batches=0,
+        callbacks=[ModelCheckpoint(dirpath=str(ckpts), every_n_train_steps=3, save_last=True)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    stock.fit(BoringModel())
+    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=0-step=6.ckpt", "last.ckpt"]
+
+    def checkpoints() -> list[pl.Callback]:
+        air = AirCallback(mlflow=False, preflight=False)
+        return [air, ModelCheckpoint(dirpath=str(ckpts), every_n_train_steps=3, save_last=True)]
+
+    started = _StartedAt()
+    with pytest.raises(
+        ConfigError, match=r"did not commit.*last\.ckpt.*fit\(ckpt_path='.*/ckpts/last\.ckpt'\)"
+    ):
+        _trainer(tmp_path, 9, *checkpoints(), started).fit(BoringModel(), ckpt_path=NEWEST)
+    assert started.step is None, "no training may start"
+    with pytest.raises(ConfigError, match="did not commit"):
+        latest_checkpoint(str(ckpts))
+    assert _fit(tmp_path, 9, *checkpoints(), ckpt_path=str(ckpts / "last.ckpt")) == 6
+    assert latest_checkpoint(str(ckpts)) == str(ckpts / "last.ckpt"), "committed now"

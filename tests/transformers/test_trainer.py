@@ -418,14 +418,17 @@ def test_save_total_limit_1_keeps_only_the_best_under_a_root_apart_from_output_d
         assert [i.name for i in ckpt.list() if i.status == "committed"] == stock
 
 
-def test_resume_true_over_stock_checkpoints_says_they_are_there_and_how_to_resume_them(tmp_path):
+@pytest.mark.parametrize("given", [True, NEWEST], ids=["True", "NEWEST"])
+def test_resume_over_stock_checkpoints_says_they_are_there_and_how_to_resume_them(tmp_path, given):
+    """``NEWEST`` started fresh over a stock run's checkpoints, and wrote over its folders."""
     out = tmp_path / "run"
     Trainer(tiny_gpt2(), arguments(out, max_steps=3), train_dataset=Plain()).train()
     trainer = AirTrainer(tiny_gpt2(), arguments(out), train_dataset=Plain(), callbacks=[quiet()])
     with pytest.raises(ValueError, match="No valid checkpoint found") as error:
-        trainer.train(resume_from_checkpoint=True)
+        trainer.train(resume_from_checkpoint=given)
     message = str(error.value)
     assert "stock" in message and f"resume_from_checkpoint={str(out / 'checkpoint-3')!r}" in message, message
+    assert trainer.state.global_step == 0
 
 
 def test_an_explicit_path_to_a_save_that_never_committed_names_newest_and_the_newest_commit(tmp_path):
