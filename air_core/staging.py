@@ -268,10 +268,15 @@ class Staged:
     def fetch(
         self, manifest: Manifest, entries: list[FileEntry], *, max_transfers: int
     ) -> tuple[dict[str, str], Source]:
-        """The cache's copies when its manifest is byte-identical and the CRCs match, else a download."""
+        """The cache's copies when its manifest is byte-identical, the CRCs match and the root's files
+        were not written since the commit (``_unchanged_at_root``), else a download, checked."""
         paths = self._local(tuple(e.path for e in entries))
         cached = _read(layout.local_path(self.cache_dir, layout.manifest_path(manifest.name)))
-        if cached == manifest.to_json() and all(matches(paths[e.path], e) for e in entries):
+        if (
+            cached == manifest.to_json()
+            and all(matches(paths[e.path], e) for e in entries)
+            and self._unchanged_at_root(manifest, entries)
+        ):
             return paths, "cache"
 
         for path in paths.values():
@@ -283,6 +288,23 @@ class Staged:
                 raise _corrupt(self._storage, manifest, e)
         self.remember(manifest)
         return paths, "remote"
+
+    def _unchanged_at_root(self, manifest: Manifest, entries: list[FileEntry]) -> bool:
+        """Whether no file of ``entries`` at the root was written after the commit's manifest. A file
+        rewritten in place by another writer (a stock save to the same path) at the same size still lists
+        as committed, and the cache would serve the commit's bytes for it; read from the root instead, its
+        CRC tells. A root whose filesystem gives no times is taken as unchanged."""
+        try:
+            committed_at = self._storage.modified(layout.manifest_path(manifest.name))
+            if committed_at is None:
+                return True
+            for e in entries:
+                written = self._storage.modified(e.path)
+                if written is not None and written > committed_at:
+                    return False
+            return True
+        except FileNotFoundError:
+            return False
 
     def _local(self, files: tuple[str, ...]) -> dict[str, str]:
         return {rel: layout.local_path(self.cache_dir, rel) for rel in files}

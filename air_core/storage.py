@@ -299,6 +299,18 @@ class Storage:
         """The size of the file at ``rel``; ``FileNotFoundError`` if absent."""
         return self.call("check", rel, lambda: int(self.fs.info(self.path(rel))["size"]))
 
+    def modified(self, rel: str) -> float | None:
+        """When the file at ``rel`` was last written (seconds since the epoch), or None where the filesystem
+        does not say; ``FileNotFoundError`` if absent."""
+
+        def get() -> float | None:
+            try:
+                return float(self.fs.modified(self.path(rel)).timestamp())
+            except (NotImplementedError, IsADirectoryError):
+                return None
+
+        return self.call("check", rel, get)
+
     def exists(self, rel: str) -> bool:
         return self.call("check", rel, lambda: self.fs.exists(self.path(rel)))
 

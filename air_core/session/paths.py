@@ -277,11 +277,16 @@ class Paths:
         ]
         if broken:
             why = "; ".join(f"{i.name}: {i.status} {i.reason}".strip() for i in broken)
+            state = (
+                "it was committed, but its files were changed or damaged since, and only the committed "
+                "bytes are loaded"
+                if all(i.status == "corrupt" for i in broken)
+                else "no committed checkpoint holds it: the save that was writing it did not finish"
+            )
             raise CorruptCheckpointError(
-                f"{what}: no committed checkpoint holds this file or folder, and the saves that were "
-                f"writing it did not finish or are damaged ({why}). Load another one: the latest "
-                "checkpoint (lightning_air.latest_checkpoint, AirAccelerator.load_state()) is always "
-                "committed.",
+                f"{what}: {state} ({why}). Load another one: `air ls {ckpt.storage.display()}` lists the "
+                "committed ones, and the adapter's resume (NEWEST, latest_checkpoint, load_state()) takes "
+                "the newest of them.",
                 path=ckpt.storage.display(place.entry),
                 reason=why,
             )

@@ -4,7 +4,9 @@ nothing lost when a link or rename fails halfway through a save's files."""
 from __future__ import annotations
 
 import errno
+import io
 import os
+import time
 
 import pytest
 import torch
@@ -190,3 +192,28 @@ def test_a_node_apart_from_rank_0s_keeps_no_more_than_two_of_the_checkpoints_del
         assert [i.step for i in reader.list()] == [6]
     cached = [sorted(d for d in os.listdir(ckpt._cache_dir) if not d.startswith(".")) for ckpt in ranks]
     assert len(cached[0]) == 1 and len(cached[1]) == 2, cached
+
+
+@pytest.mark.parametrize("root_kind", ["local", "memory"])
+def test_a_file_rewritten_at_the_root_after_its_commit_is_never_served_stale_from_the_cache(
+    tmp_path, root_kind
+):
+    """Another writer (a stock ``Trainer.save_checkpoint`` to the same path) replaces a committed file with
+    one of the same size: the listing still says committed, and the cache held the commit's bytes, which
+    a load returned as if they were the file's. It now reads the root and finds the change."""
+    from air_core import CorruptCheckpointError
+
+    root = str(tmp_path / "root") if root_kind == "local" else f"memory://rewritten-{tmp_path.name}"
+    with AsyncCheckpointer(root, staging_dir=str(tmp_path / "stage")) as ckpt:
+        info = _save(ckpt, 1).result(timeout=60)
+        _check_loads(ckpt, info, 1)  # from the cache
+        victim = "ck1/a.pt"
+        time.sleep(0.05)  # a later write than the manifest's, whatever the clock's resolution
+        buffer = io.BytesIO()
+        torch.save({"w": torch.full((256, 256), 99.0)}, buffer)
+        assert len(buffer.getvalue()) == ckpt.storage.size(victim), "the same size: the listing cannot tell"
+        ckpt.storage.write_bytes(victim, buffer.getvalue())  # a new file in its place, as a stock save
+        (listed,) = ckpt.list()
+        assert listed.status == "committed"
+        with pytest.raises(CorruptCheckpointError, match="does not match its manifest"):
+            ckpt.fetch(listed, ranks=[0])

@@ -69,9 +69,19 @@ def test_load_refuses_a_checkpoint_that_is_not_committed(tmp_path):
     for manifest in (tmp_path / "ckpts/.air").glob("*/manifest.json"):
         manifest.unlink()  # as if every save had died before its commit
     plugin = AirCheckpointIO()
-    with pytest.raises(CorruptCheckpointError, match="no committed checkpoint holds this file"):
+    with pytest.raises(CorruptCheckpointError, match="no committed checkpoint holds it: the save that was"):
         plugin.load_checkpoint(newest)
     assert latest_checkpoint(dirpath) is None, "a relaunch starts fresh rather than from an uncommitted file"
+
+
+def test_load_of_a_committed_file_changed_since_says_it_was_committed_and_changed(tmp_path):
+    """It said that the save writing it 'did not finish', and named Accelerate's API in a Lightning job."""
+    dirpath = _fit(tmp_path)
+    newest = latest_checkpoint(dirpath)
+    os.truncate(newest, os.path.getsize(newest) - 10)
+    with pytest.raises(CorruptCheckpointError, match="it was committed, but its files were changed") as error:
+        AirCheckpointIO().load_checkpoint(newest)
+    assert "AirAccelerator" not in str(error.value) and "air ls" in str(error.value)
 
 
 def test_corrupt_newest_checkpoint_is_skipped_by_latest_checkpoint(tmp_path):
