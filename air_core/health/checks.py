@@ -94,7 +94,19 @@ def check_storage(
         storage = Storage(root, storage_options=storage_options, retries=1, retry_backoff_seconds=0.2)
         rel = probe_path(f"preflight-{socket.gethostname()}-{rank}-{uuid.uuid4().hex[:8]}")
         data = os.urandom(4096)
-        storage.write_bytes(rel, data)
+        try:
+            storage.write_bytes(rel, data)
+        except OSError as exc:
+            cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc  # a StorageError's
+            if not storage.is_local or isinstance(cause, PermissionError) or cause.errno == errno.ENOSPC:
+                raise  # fix_for names the fix: credentials or permissions, a full disk, the bucket
+            return CheckResult(
+                "storage",
+                "bad",
+                f"cannot write under {storage.display()}: {type(cause).__name__}: {cause}.",
+                "Pass a folder on a disk this process can write as the checkpoint root (a system folder "
+                "such as /proc, or a path under a file, holds none).",
+            )
         try:
             if storage.read_bytes(rel) != data:
                 return CheckResult(

@@ -332,3 +332,13 @@ def test_the_local_tier_folder_is_checked_against_what_the_tier_keeps(tmp_path):
     report = run_preflight(["local"], root=None, local_dir=str(tmp_path / "local"), expected_bytes=1 << 20)
     assert [r.check for r in report.results] == ["local"]
     assert run_preflight(["local"], root=None).results == [], "no local tier: nothing to check"
+
+
+def test_a_local_root_that_cannot_hold_a_folder_is_told_to_pass_a_writable_folder(tmp_path):
+    """It was told to check 'the root URL, the network and storage_options'."""
+    a_file = tmp_path / "file"
+    a_file.write_bytes(b"x")
+    for root in ("/proc/air/run", str(a_file / "run")):
+        result = check_storage(root, storage_options={})
+        assert result.status == "bad" and result.message.startswith(f"cannot write under {root}"), result
+        assert result.fix.startswith("Pass a folder on a disk this process can write"), result.fix
