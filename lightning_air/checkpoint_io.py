@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from air_core import (
@@ -298,12 +299,17 @@ class AirCheckpointIO(CheckpointIO):
         remote = self.latest_checkpoint(root) if root else None
         info = self.commit_of(remote) if remote else None
         resumed = session.recover(info.step if info is not None else None)
+        # Lightning prints "Restoring states from the checkpoint path at air:newest": say what that is
         if resumed is not None:
+            tier = "a partner's copy" if resumed.tier == "replica" else "this node's local tier"
+            newer = f"newer than the root's step {info.step}" if info is not None else "the root holds none"
+            rank_zero_info(f"lightning_air.NEWEST: resuming from step {resumed.step} in {tier} ({newer})")
             return f"{resumed.root}/{resumed.name}.ckpt", resumed
         if remote is not None:
-            logger.info("AirCheckpointIO: resuming from %s (nothing newer in the local tier)", remote)
+            step = f"step {info.step}, " if info is not None else ""
+            rank_zero_info(f"lightning_air.NEWEST: resuming from {remote} ({step}the newest in any tier)")
             return remote, None
-        logger.info("AirCheckpointIO: nothing saved in any tier; starting fresh")
+        rank_zero_info("lightning_air.NEWEST: nothing saved in any tier; starting fresh")
         return None, None
 
     def fresh_start(self) -> dict[str, Any]:

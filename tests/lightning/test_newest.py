@@ -3,6 +3,8 @@ relaunch of the same command meets them (one process; the job's crash tests are 
 
 from __future__ import annotations
 
+import logging
+
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -45,8 +47,10 @@ def _fit(
     return started.step
 
 
-def test_newest_resumes_from_model_checkpoints_default_dirpath(tmp_path):
-    """No ``dirpath``: Lightning saves into ``<default_root_dir>/checkpoints``, and NEWEST resumes there."""
+def test_newest_resumes_from_model_checkpoints_default_dirpath(tmp_path, caplog):
+    """No ``dirpath``: Lightning saves into ``<default_root_dir>/checkpoints``, and NEWEST resumes there,
+    saying where at Lightning's default log level (Lightning itself prints only ``air:newest``)."""
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
 
     def launch(steps: int) -> int | None:
         air = AirCallback(mlflow=False, preflight=False)
@@ -55,11 +59,18 @@ def test_newest_resumes_from_model_checkpoints_default_dirpath(tmp_path):
         )
 
     assert launch(4) == 0
+    assert "lightning_air.NEWEST: nothing saved in any tier; starting fresh" in caplog.text
     assert (tmp_path / "checkpoints" / "epoch=0-step=4.ckpt").exists(), "Lightning's default folder"
     assert launch(6) == 4, "the relaunch resumes from the newest commit, not from scratch"
+    resumed = (
+        f"lightning_air.NEWEST: resuming from {tmp_path / 'checkpoints' / 'epoch=0-step=4.ckpt'} (step 4"
+    )
+    assert resumed in caplog.text
 
 
-def test_the_local_tier_runs_and_resumes_with_model_checkpoints_default_dirpath(tmp_path):
+def test_the_local_tier_runs_and_resumes_with_model_checkpoints_default_dirpath(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
+
     def launch(steps: int) -> int | None:
         air = AirCallback(
             mlflow=False, preflight=False, local_every_n_steps=2, local_dir=str(tmp_path / "local")
@@ -70,6 +81,7 @@ def test_the_local_tier_runs_and_resumes_with_model_checkpoints_default_dirpath(
 
     assert launch(7) == 0
     assert launch(9) == 6, "resumed from the local tier's step 6, newer than the root's step 4"
+    assert "resuming from step 6 in this node's local tier (newer than the root's step 4)" in caplog.text
 
 
 @pytest.mark.parametrize("strict_loading", [True, False])
