@@ -129,17 +129,22 @@ class _Root:
         # already be there (every rank must choose the same names). No wait for saves in flight.
         infos = ckpt.list(settle=False)
         root = cls(ckpt, {i.name for i in infos if i.status != "partial"} | set(ckpt.in_flight()))
-        for info in _committed(infos):
+        # a damaged commit owns its entry too: a save or removal of that entry retires it with the rest
+        # (its files removed by hand, then saved again by a new run: it looked committed again, naming the
+        # new run's file, which the new run's top-k could then never delete)
+        for info in _committed(infos, damaged=True):
             assert info.manifest is not None
             for entry, folder in _entries(info, [f.path for f in info.manifest.files], flat=flat).items():
                 root.owners.setdefault(entry, []).append(Owner(info.name, info.step, folder))
         return root
 
 
-def _committed(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
-    """The committed checkpoints, the most recently committed last: an entry rewritten in place holds
-    the last write's files, whatever the steps say (a rerun restarts them)."""
-    found = [i for i in infos if i.status == "committed" and i.manifest is not None]
+def _committed(infos: list[CheckpointInfo], *, damaged: bool = False) -> list[CheckpointInfo]:
+    """The committed checkpoints (``damaged``: and those corrupt since), the most recently committed last:
+    an entry rewritten in place holds the last write's files, whatever the steps say (a rerun restarts
+    them)."""
+    wanted = ("committed", "corrupt") if damaged else ("committed",)
+    found = [i for i in infos if i.status in wanted and i.manifest is not None]
     return sorted(found, key=lambda i: i.manifest.time if i.manifest is not None else 0.0)
 
 

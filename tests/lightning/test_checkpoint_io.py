@@ -286,3 +286,24 @@ def test_each_checkpoint_holds_its_steps_weights_with_or_without_overlapped_copi
             for i, state in optimizer.items():
                 for key, value in state.items():
                     assert torch.equal(ckpt["optimizer_states"][0]["state"][i][key], value), f"{name}: {key}"
+
+
+def test_top_k_bounds_the_files_after_the_folders_checkpoints_were_removed_by_hand(tmp_path):
+    """``rm ckpts/*.ckpt`` between two runs leaves ``.air/``: the first run's commit, damaged, named the
+    file the second run saved at the same step, looked committed again, and kept that file from top-k's
+    delete. Now a save or removal of the entry retires the damaged commit too, as stock ends."""
+    dirpath = tmp_path / "ckpts"
+
+    def run(steps: int) -> list[str]:
+        mc = ModelCheckpoint(dirpath=str(dirpath), every_n_train_steps=2)  # save_top_k=1
+        _trainer(tmp_path, callbacks=[AirCallback(mlflow=False), mc], max_steps=steps).fit(
+            Model(str(tmp_path), 0)
+        )
+        return sorted(p.name for p in dirpath.glob("*.ckpt"))
+
+    assert run(8) == ["epoch=0-step=8.ckpt"]
+    for path in dirpath.glob("*.ckpt"):
+        path.unlink()
+    assert run(16) == ["epoch=0-step=16.ckpt"]
+    with AsyncCheckpointer(str(dirpath), read_only=True) as reader:
+        assert [(i.step, i.status) for i in reader.list()] == [(16, "committed")]
