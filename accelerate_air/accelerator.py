@@ -131,6 +131,11 @@ class AirAccelerator(Accelerator):
         the next epoch."""
         self._air_step_hook: Any = None
         self._air_started = False
+        self._air_loading = False
+        """A load is copying state in: an optimizer step now is DCP's own (``set_optimizer_state_dict``
+        steps once, with zero gradients and lr, to create Adam's state), not a training step. Counted, it
+        started the session at step 0 mid-load, and that start dropped the local tier's states newer than
+        step 0: the one being loaded."""
         if air_plugin.session.local_every_n_steps:
 
             def part() -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -200,6 +205,8 @@ class AirAccelerator(Accelerator):
         super().backward(loss, **kwargs)
 
     def _air_count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._air_loading:
+            return
         if not self._air_started:  # the first step of this launch
             self._air_started = True
             tracker = self._air_tracker_run_id()
@@ -374,6 +381,8 @@ class AirAccelerator(Accelerator):
                     fix="Resume with the model it was saved from, or give this run its own AirPlugin root.",
                 )
         with contextlib.ExitStack() as stack:
+            self._air_loading = True
+            stack.callback(setattr, self, "_air_loading", False)
             if self._air_sharded and ckpt is not None and info is not None:  # FSDP2 shards: the core's reader
                 load_sharded(ckpt, info, models(self), optimizers(self), folder=prefix)
                 stack.enter_context(hidden(self, MODELS, OPTIMIZERS))  # not again from local folders
