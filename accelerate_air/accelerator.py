@@ -9,9 +9,9 @@ loader's position per rank), ``prepare_optimizer`` (count steps; gate the step o
 newest committed, verified checkpoint through Accelerate's own loader, then every rank's RNG and data
 position) and ``end_training``.
 
-The folder layout is Accelerate's own (``pytorch_model.bin``, ``optimizer.bin``, ``random_states_<r>.pkl``
-...), so a downloaded checkpoint loads with a stock ``Accelerator.load_state(local_dir)``; the extra
-per-rank state is ``air-rank-<r>.pt`` beside it.
+The folder layout is Accelerate's own (``model.safetensors`` or, with ``safe_serialization=False``,
+``pytorch_model.bin``; ``optimizer.bin``, ``random_states_<r>.pkl`` ...), so a downloaded checkpoint loads
+with a stock ``Accelerator.load_state(local_dir)``; the extra per-rank state is ``air-rank-<r>.pt`` beside it.
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ from .layout import (
     accelerate_files,
     air_file,
     folder_view,
-    model_file,
+    model_file_in,
     rank_state_of,
+    saved_weights,
+    without_dropped_aliases,
 )
 from .plugin import AirPlugin
 from .sharded import fsdp2_sharded, load_sharded, sharded_folders
@@ -253,8 +255,9 @@ class AirAccelerator(Accelerator):
         ``None``: a folder under ``air_plugin.root``, ``checkpoint_<i>`` with Accelerate's automatic
         naming, else ``step-<completed_steps>`` (``-1``, ``-2`` ... appended when the root holds a
         committed or damaged checkpoint of that name). Files written into ``output_dir`` by save-state
-        pre hooks are committed too. Weights are written as ``pytorch_model.bin`` (torch format,
-        whatever ``safe_serialization`` says), which a stock ``load_state`` reads as well. Returns after
+        pre hooks are committed too. Weights are written as Accelerate writes them: ``model.safetensors``
+        (``model_<i>.safetensors``), or ``pytorch_model.bin`` (``pytorch_model_<i>.bin``) with
+        ``safe_serialization=False``; FSDP2 sharded runs write DCP folders either way. Returns after
         the host copy (never waiting for an earlier save to commit beyond ``max_in_flight``); on a GPU
         the copy finishes by the next optimizer step.
         """
@@ -271,7 +274,7 @@ class AirAccelerator(Accelerator):
             iteration=self.save_iteration,
             step=self.completed_steps,
         )
-        files = self._air_files(place)
+        files = self._air_files(place, safe_serialization=safe_serialization)
         if self._air_sharded:  # every process: its shards, in Accelerate's DCP folders, one commit
             shards = sharded_folders(place.entry, models(self), optimizers(self))
             self.air_session.save_sharded(
@@ -285,13 +288,18 @@ class AirAccelerator(Accelerator):
         self.project_configuration.iteration += 1
         return where
 
-    def _air_files(self, place: Place) -> dict[str, Any]:
-        """This process's files of a checkpoint in ``place``: Accelerate's, and its ``air-rank-<r>.pt``."""
+    def _air_files(self, place: Place, *, safe_serialization: bool = True) -> dict[str, Any]:
+        """This process's files of a checkpoint in ``place``: Accelerate's, and its ``air-rank-<r>.pt``
+        (the local tier's: Accelerate's default, safetensors weights)."""
         for model in models(self):  # a GPU save copies their buffers ahead of the next forward
             self.air_session.track_model(model)
         rank_state = self.air_session.rank_state()
         files = accelerate_files(
-            self, rank_state["rng"], tracked=self._air_tracked, sharded=self._air_sharded
+            self,
+            rank_state["rng"],
+            tracked=self._air_tracked,
+            sharded=self._air_sharded,
+            safe_serialization=safe_serialization,
         )
         files[air_file(self.process_index)] = {
             "completed_steps": self.completed_steps,
@@ -372,12 +380,13 @@ class AirAccelerator(Accelerator):
             self.air_session.positions.check_world_size(saved, what=what)
             self._air_check_loaders(next(iter(states.values())), what=what)
         for i, model in enumerate(models(self)):  # before Accelerate copies any weight
-            path = os.path.join(folder, model_file(i))
-            if os.path.isfile(path):
+            path = model_file_in(folder, i)  # the file Accelerate loads: safetensors first
+            if path is not None:
+                found = saved_weights(path)
                 self.air_session.check_model(
-                    self.unwrap_model(model).state_dict(),
-                    torch.load(path, map_location="cpu", weights_only=True, mmap=True),
-                    what=f"AirAccelerator.load_state: {label}/{model_file(i)}",
+                    without_dropped_aliases(self.unwrap_model(model).state_dict(), found),
+                    found,
+                    what=f"AirAccelerator.load_state: {label}/{os.path.basename(path)}",
                     fix="Resume with the model it was saved from, or give this run its own AirPlugin root.",
                 )
         with contextlib.ExitStack() as stack:

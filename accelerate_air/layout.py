@@ -1,9 +1,12 @@
 """The files ``Accelerator.save_state`` writes, by Accelerate's own names, built in memory for the core.
 
-Keeping Accelerate's layout (``pytorch_model.bin``, ``optimizer.bin``, ``scheduler.bin``, ``scaler.pt``,
-``custom_checkpoint_<i>.pkl``, ``random_states_<rank>.pkl``) is what lets a stock ``load_state`` read a
-downloaded checkpoint and lets ``AirAccelerator.load_state`` hand the fetched folder to Accelerate's
-own loader. Only what a rank would write is built: rank 0 the shared state, every rank its RNG file.
+Keeping Accelerate's layout (``model.safetensors``, or ``pytorch_model.bin`` without
+``safe_serialization``, ``optimizer.bin``, ``scheduler.bin``, ``scaler.pt``, ``custom_checkpoint_<i>.pkl``,
+``random_states_<rank>.pkl``) is what lets a stock ``load_state`` read a downloaded checkpoint and lets
+``AirAccelerator.load_state`` hand the fetched folder to Accelerate's own loader. Safetensors weights
+are ``air_core.formats.safetensors_file`` bundles (the writer thread writes their bytes), of the state
+dict Accelerate's own ``save`` would write (``clean_state_dict_for_safetensors``, ``{"format": "pt"}``).
+Only what a rank would write is built: rank 0 the shared state, every rank its RNG file.
 ``batch_layout`` tells the core how a prepared loader's batches are dealt to processes (elastic resume);
 ``folder_view`` hands Accelerate's loader exactly a commit's files; ``start_epochs_at_iter`` adjusts
 torchdata's loader where the adapter must. Accelerate's private names are read through ``internals``,
@@ -26,12 +29,17 @@ from accelerate.utils import (
     MODEL_NAME,
     OPTIMIZER_NAME,
     RNG_STATE_NAME,
+    SAFE_MODEL_NAME,
     SAMPLER_NAME,
     SCALER_NAME,
     SCHEDULER_NAME,
+    clean_state_dict_for_safetensors,
+    id_tensor_storage,
 )
+from safetensors import safe_open
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
+from air_core.formats import safetensors_file
 from air_core.internals import STATEFUL_INITIAL_ITER, STATEFUL_ITERATOR
 from air_core.recovery import link_files
 from air_core.serializer import Bundle
@@ -57,20 +65,59 @@ def _indexed(stem: str, i: int, ext: str) -> str:
     return f"{stem}{f'_{i}' if i else ''}{ext}"
 
 
-def model_file(i: int) -> str:
-    """The file of the ``i``-th prepared model's weights (as ``save_state`` names it, torch format)."""
-    return _indexed(MODEL_NAME, i, ".bin")
+def model_file(i: int, *, safe: bool) -> str:
+    """The file of the ``i``-th prepared model's weights, as ``save_state`` names it: ``model.safetensors``,
+    ``model_<i>.safetensors`` with ``safe_serialization``, else ``pytorch_model.bin``,
+    ``pytorch_model_<i>.bin``."""
+    return _indexed(SAFE_MODEL_NAME, i, ".safetensors") if safe else _indexed(MODEL_NAME, i, ".bin")
+
+
+def model_file_in(folder: str, i: int) -> str | None:
+    """The ``i``-th model's weights file in the local ``folder`` that Accelerate's ``load_state`` reads:
+    its safetensors file if there is one, else its torch file (None: neither)."""
+    for safe in (True, False):
+        path = os.path.join(folder, model_file(i, safe=safe))
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def saved_weights(path: str) -> dict[str, Any]:
+    """The state dict in a weights file, for its keys and shapes only: a safetensors file's header as
+    meta tensors, a torch file memory-mapped (no value is read)."""
+    if path.endswith(".safetensors"):
+        with safe_open(path, framework="pt") as f:
+            return {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}  # noqa: SIM118
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def without_dropped_aliases(expected: dict[str, Any], found: dict[str, Any]) -> dict[str, Any]:
+    """``expected`` (a model's state dict) less the names a safetensors save drops: tensors sharing storage
+    with a saved one (tied weights), which safetensors' ``load_model`` (stock ``load_state``) ties back."""
+    saved = {id_tensor_storage(v) for k, v in expected.items() if k in found and isinstance(v, torch.Tensor)}
+    return {
+        k: v
+        for k, v in expected.items()
+        if k in found or not (isinstance(v, torch.Tensor) and id_tensor_storage(v) in saved)
+    }
 
 
 def accelerate_files(
-    accelerator: Accelerator, rng: dict[str, Any], *, tracked: set[int], sharded: bool = False
+    accelerator: Accelerator,
+    rng: dict[str, Any],
+    *,
+    tracked: set[int],
+    sharded: bool = False,
+    safe_serialization: bool = True,
 ) -> dict[str, Any]:
-    """File name -> state, as ``save_state`` would write them on this rank (weights in torch format).
+    """File name -> state, as ``save_state(safe_serialization=...)`` would write them on this rank.
 
     ``rng`` is the session's capture of this save (``capture_rng``): Accelerate's RNG file is made from
     it, so the generators are read once per save. ``tracked``: ids of the prepared loaders whose
     position the session keeps (the others that are stateful get Accelerate's ``dl_state_dict`` file).
     ``sharded``: models and optimizers are saved as DCP folders (``sharded.py``), not here.
+    ``safe_serialization``: the weights as safetensors bundles (``model.safetensors``), as Accelerate's
+    ``save`` writes them, else in torch format (``pytorch_model.bin``).
 
     The save-state pre hooks run with a fresh local folder as ``output_dir``; what they write there
     (the ``save_pretrained`` pattern) is read back and committed with the rest, from the main process
@@ -87,7 +134,11 @@ def accelerate_files(
                 files.update(written_in(hook_dir))
     if acc.is_main_process:
         for i, state in enumerate(weights):
-            files[model_file(i)] = state
+            files[model_file(i, safe=safe_serialization)] = (
+                safetensors_file(clean_state_dict_for_safetensors(state), {"format": "pt"})
+                if safe_serialization
+                else state
+            )
         for i, opt in enumerate([] if sharded else optimizers(acc)):
             files[_indexed(OPTIMIZER_NAME, i, ".bin")] = opt.state_dict()
         for i, sched in enumerate(schedulers(acc)):
@@ -197,7 +248,8 @@ def batch_layout(base: Any) -> DealtBatches | None:
 def folder_view(paths: dict[str, str], folder: str) -> Iterator[str]:
     """A temporary local folder holding exactly ``paths``' files of ``folder`` (root-relative path ->
     local file), linked, for Accelerate's ``load_state``: files left in the same place by an earlier,
-    stock save (``model.safetensors`` beside our ``pytorch_model.bin``) are never read."""
+    stock save (``model.safetensors`` beside our ``pytorch_model.bin`` of ``safe_serialization=False``)
+    are never read."""
     view = tempfile.mkdtemp(prefix="air-load-")
     try:
         link_files(paths, folder, view)

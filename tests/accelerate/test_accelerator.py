@@ -10,6 +10,7 @@ import fsspec
 import pytest
 import torch
 from accelerate import Accelerator
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_air import AirAccelerator, AirPlugin
@@ -56,13 +57,15 @@ def air(root: str, **kwargs) -> AirAccelerator:
     return AirAccelerator(air_plugin=AirPlugin(root, **kwargs), cpu=True)
 
 
-def test_checkpoint_folder_has_accelerate_layout_plus_one_air_file_per_rank(tmp_path):
+@pytest.mark.parametrize("safe", [{}, {"safe_serialization": True}, {"safe_serialization": False}])
+def test_checkpoint_folder_has_accelerate_layout_plus_one_air_file_per_rank(tmp_path, safe):
+    """The files stock ``save_state`` writes with the same ``safe_serialization`` (its default too)."""
     stock = Accelerator(cpu=True)
     setup(stock)
-    stock.save_state(str(tmp_path / "stock"), safe_serialization=False)
+    stock.save_state(str(tmp_path / "stock"), **safe)
     accelerator = air(str(tmp_path / "air"))
     setup(accelerator)
-    url = accelerator.save_state()
+    url = accelerator.save_state(**safe)
     accelerator.wait_for_checkpoints()
     assert url == f"{tmp_path}/air/step-000000000"
     ours = set(os.listdir(tmp_path / "air/step-000000000"))
@@ -132,7 +135,7 @@ def test_partial_checkpoint_is_never_loaded_and_a_corrupt_one_is_skipped(tmp_pat
     accelerator.save_state()
     accelerator.wait_for_checkpoints()
     (root / ".air/step-000000006/manifest.json").unlink()  # step 6 becomes a partial checkpoint
-    weights = root / "step-000000004/pytorch_model.bin"
+    weights = root / "step-000000004/model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one changed byte in step 4
     weights.write_bytes(bytes(data))
@@ -250,7 +253,7 @@ def test_each_save_holds_its_steps_state_with_or_without_overlapped_copies(tmp_p
     assert len(saved) == 3
     assert len(slow_copies) == (3 if overlap else 0), "with overlap_copies, every save's copies on the thread"
     for url, (weights, state) in saved.items():
-        got = torch.load(f"{url}/pytorch_model.bin", weights_only=True)
+        got = load_file(f"{url}/model.safetensors")
         got_state = torch.load(f"{url}/optimizer.bin", weights_only=True)["state"]
         for key, value in weights.items():
             assert torch.equal(got[key], value), f"{url}: {key} is another step's"
@@ -282,8 +285,8 @@ def test_every_prepared_optimizer_waits_for_the_overlapped_copies(tmp_path, slow
     accelerator.wait_for_checkpoints()
     accelerator.end_training()
     assert len(slow_copies) == 1
-    for i, name in enumerate(["pytorch_model.bin", "pytorch_model_1.bin"]):
-        got = torch.load(f"{url}/{name}", weights_only=True)
+    for i, name in enumerate(["model.safetensors", "model_1.safetensors"]):
+        got = load_file(f"{url}/{name}")
         assert all(torch.equal(got[k], v) for k, v in want[i].items()), f"{name} holds another step's weights"
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.accelerate.job import N_SAMPLES
 from tests.accelerate.runs import JOB, LAUNCH, run_job
@@ -39,7 +40,7 @@ def test_a_two_process_checkpoint_continues_on_one_and_three_processes_each_samp
     saved = tmp_path_factory.mktemp("two-processes")
     run_job(saved, "--every", str(SAVED_STEP), "--epochs", "1", processes=2)
     assert sorted(p.name for p in (saved / "ckpts").glob("step-*")) == [f"step-{SAVED_STEP:09d}"]
-    weights = torch.load(saved / f"ckpts/step-{SAVED_STEP:09d}/pytorch_model.bin", weights_only=True)
+    weights = load_file(saved / f"ckpts/step-{SAVED_STEP:09d}/model.safetensors")
     before = [
         i for r in range(2) for rec in records(saved, r) if rec["step"] < SAVED_STEP for i in rec["ids"]
     ]

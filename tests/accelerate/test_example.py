@@ -43,8 +43,8 @@ def test_example_runs_as_two_cpu_processes(tmp_path):
     assert sorted(os.listdir(tmp_path / "ckpts/step-000000016")) == [
         "air-rank-00000.pt",
         "air-rank-00001.pt",
+        "model.safetensors",
         "optimizer.bin",
-        "pytorch_model.bin",
         "random_states_0.pkl",
         "random_states_1.pkl",
         "scheduler.bin",

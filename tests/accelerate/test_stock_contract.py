@@ -14,6 +14,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+from safetensors import safe_open
 from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_air import AirAccelerator, AirPlugin
@@ -64,6 +65,87 @@ def test_save_into_a_folder_holding_a_stock_checkpoint_never_loads_the_stale_fil
     assert same(model, want) and not same(model, stale), "our commit, not the stock files left in the folder"
     assert accelerator.completed_steps == 3
     accelerator.end_training()
+
+
+def test_stock_load_state_of_a_folder_saved_by_stock_then_by_air_reads_the_air_weights(tmp_path):
+    """A stock save's ``model.safetensors`` left in the folder must not win, in a stock ``load_state``,
+    over the weights of a later AirAccelerator save: stock prefers safetensors, so ours are safetensors
+    too (the default ``safe_serialization=True``), written over the stale file."""
+    folder = tmp_path / "ckpt"
+    stock = Accelerator(cpu=True)
+    stale = weights(setup(stock, seed=5)[0])
+    stock.save_state(str(folder))
+    accelerator = air(str(tmp_path / "root"))
+    model, optimizer, loader, scheduler, counter = setup(accelerator)
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=3)
+    accelerator.save_state(str(folder))
+    want, want_opt = weights(model), optimizer.state_dict()["state"][0]["exp_avg"].clone()
+    accelerator.end_training()
+    reader = Accelerator(cpu=True)
+    model2, optimizer2, *_ = setup(reader, seed=1)
+    reader.load_state(str(folder))
+    assert same(model2, want) and not same(model2, stale), "the weights AirAccelerator saved, not stale ones"
+    assert torch.equal(optimizer2.state_dict()["state"][0]["exp_avg"], want_opt), "with their optimizer"
+
+
+def test_a_torch_format_checkpoint_as_earlier_versions_wrote_resumes_and_loads_with_stock(tmp_path):
+    """``safe_serialization=False`` writes ``pytorch_model.bin``, the only layout of earlier versions:
+    ``resume()`` and a stock ``load_state`` both read it."""
+    accelerator = air(str(tmp_path / "root"))
+    model, optimizer, loader, scheduler, counter = setup(accelerator)
+    train(accelerator, model, optimizer, loader, scheduler, counter, steps=3)
+    url = accelerator.save_state(safe_serialization=False)
+    want = weights(model)
+    accelerator.end_training()
+    assert {"pytorch_model.bin", "model.safetensors"} & set(os.listdir(url)) == {"pytorch_model.bin"}
+    resumed = air(str(tmp_path / "root"))
+    model2, optimizer2, loader2, scheduler2, counter2 = setup(resumed, seed=1)
+    resumed.resume()
+    assert same(model2, want) and resumed.completed_steps == 3, "resume() reads pytorch_model.bin"
+    resumed.end_training()
+    stock = Accelerator(cpu=True)
+    model3 = setup(stock, seed=2)[0]
+    stock.load_state(url)
+    assert same(model3, want), "a stock load_state reads it too"
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode, self.decode = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.decode.weight = self.encode.weight  # tied, as a language model's embedding and head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(torch.relu(self.encode(x)))
+
+
+def test_tied_weights_are_saved_as_stock_saves_them_and_load_back_tied(tmp_path):
+    """Safetensors holds a shared tensor once (Accelerate drops the alias): the same keys as a stock save,
+    and both loads accept the file and give the tied model its weights."""
+    torch.manual_seed(0)
+    stock = Accelerator(cpu=True)
+    stock.prepare(_Tied())
+    stock.save_state(str(tmp_path / "stock"))
+    accelerator = air(str(tmp_path / "root"))
+    model = accelerator.prepare(_Tied())
+    with torch.no_grad():
+        model.encode.weight.add_(1.0)
+    url = accelerator.save_state()
+    want = weights(model)
+    accelerator.wait_for_checkpoints()
+    with (
+        safe_open(f"{url}/model.safetensors", "pt") as ours,
+        safe_open(f"{tmp_path}/stock/model.safetensors", "pt") as theirs,
+    ):
+        assert set(ours.keys()) == set(theirs.keys()), "the keys a stock save writes"  # noqa: SIM118
+        assert ours.metadata() == theirs.metadata()
+    accelerator.load_state(url)  # the model check accepts the dropped alias
+    assert same(model, want) and model.decode.weight is model.encode.weight
+    accelerator.end_training()
+    reader = Accelerator(cpu=True)
+    model2 = reader.prepare(_Tied())
+    reader.load_state(url)
+    assert same(model2, want) and model2.decode.weight is model2.encode.weight
 
 
 def test_saving_a_folder_twice_replaces_it_and_load_reads_the_second(tmp_path):
