@@ -35,6 +35,7 @@ from air_core.tiers import tier_name
 
 from .checkpoint_io import AIR_KEY, AirCheckpointIO
 from .internals import (
+    AFTER_SAVE_CHECKPOINT,
     CHECKPOINT_SETUP,
     FILE_EXISTS,
     METADATA_FILENAME,
@@ -46,6 +47,7 @@ from .internals import (
     TRAIN_START,
     add_worker_init_fn,
     dump_checkpoint,
+    reads_saved_files,
     replace,
     restore,
     saves_sharded_itself,
@@ -185,6 +187,8 @@ class AirCallback(Callback):
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint):
                 replace(callback, FILE_EXISTS, _WaitForSaves(callback, plugin))
+        for lg in trainer.loggers:
+            replace(lg, AFTER_SAVE_CHECKPOINT, _LogCommittedFiles(lg, plugin))
         tracking = _TrackTrainLoaders(trainer, self)
         replace(strategy, PROCESS_DATALOADER, tracking)
         replace(trainer.fit_loop, SETUP_DATA, _NewBuild(trainer, tracking))
@@ -424,6 +428,8 @@ class AirCallback(Callback):
         for callback in trainer.checkpoint_callbacks:
             restore(callback, FILE_EXISTS, _WaitForSaves)
             restore(callback, CHECKPOINT_SETUP, _OpenRootAfterSetup)
+        for lg in trainer.loggers:
+            restore(lg, AFTER_SAVE_CHECKPOINT, _LogCommittedFiles)
         restore(trainer.strategy, PROCESS_DATALOADER, _TrackTrainLoaders)
         restore(trainer.fit_loop, SETUP_DATA, _NewBuild)
         restore(trainer.strategy, TRAIN_START, _SettleResumes)
@@ -502,6 +508,22 @@ class _WaitForSaves:
         if trainer.is_global_zero:
             self.plugin.wait_for(str(filepath))
         return type(self.callback).file_exists(self.callback, filepath, trainer)
+
+
+class _LogCommittedFiles:
+    """``after_save_checkpoint`` of one logger during a fit with ``AirCallback``. ``ModelCheckpoint`` calls it
+    right after ``trainer.save_checkpoint`` returns, and a logger that uploads the checkpoint files then
+    (``MLFlowLogger(log_model="all")``) skips those not there yet: when it would read them, it first waits
+    (rank 0, where Lightning calls it) for the saves in flight to commit, so it logs what stock logs, when
+    stock logs it. Others keep the save asynchronous. Picklable, like ``_WaitForSaves``."""
+
+    def __init__(self, logger: Any, plugin: AirCheckpointIO) -> None:
+        self.logger, self.plugin = logger, plugin
+
+    def __call__(self, checkpoint_callback: Any) -> None:
+        if reads_saved_files(self.logger, checkpoint_callback):
+            self.plugin.wait_for_saves()
+        type(self.logger).after_save_checkpoint(self.logger, checkpoint_callback)
 
 
 class _OpenRootAfterSetup:

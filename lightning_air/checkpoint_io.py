@@ -212,6 +212,21 @@ class AirCheckpointIO(CheckpointIO):
             with session.watchdog_paused():  # waiting for a commit is no hang
                 ckpt.wait_in_flight()
 
+    def wait_for_saves(self) -> None:
+        """Rank 0: wait until every save in flight has committed, so that what reads the files next (a
+        logger's ``after_save_checkpoint`` uploading them) finds them, as after a ``torch.save``.
+
+        Raises:
+            SaveError: a save failed (reported once, here rather than at the next save).
+            TimeoutError: saves still in flight after ``close_timeout_seconds``.
+        """
+        session = self._session
+        if session is None or session.closed:
+            return
+        with session.watchdog_paused():  # waiting for a commit is no hang
+            for ckpt in session.open_checkpointers():
+                ckpt.flush(ckpt.config.close_timeout_seconds)
+
     def commit_of(self, path: str) -> CheckpointInfo | None:
         """Every rank: the newest commit whose rank-0 file or folder is ``path`` (one listing), or None for a
         checkpoint from elsewhere.

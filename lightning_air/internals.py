@@ -17,8 +17,10 @@ hooks); these have none:
   ``Trainer.save_checkpoint`` would write on rank 0 only.
 - ``lightning.fabric.utilities.load._METADATA_FILENAME``: the name of a sharded folder's ``meta.pt``.
 - ``FSDPStrategy._configure_launcher`` (overridden): the first call where a CPU accelerator is known.
+- ``MLFlowLogger._log_model`` (``WandbLogger``'s and ``LitLogger``'s too): whether the logger uploads the
+  checkpoint files in ``after_save_checkpoint``, right after the save returns, or at ``finalize``.
 
-Five methods are replaced on live objects, since no hook runs at that point (``replace`` and
+Six methods are replaced on live objects, since no hook runs at that point (``replace`` and
 ``restore`` below; ``AirCallback`` puts them back at the fit's end):
 
 - ``ModelCheckpoint.setup`` (the last checkpoint callback's, once): it resolves a default ``dirpath``
@@ -34,6 +36,8 @@ Five methods are replaced on live objects, since no hook runs at that point (``r
 - ``Strategy.on_train_start``: the last call before a fit's first epoch begins (after the module's
   ``on_train_start``, which runs after every callback's); a resume past an epoch's end restores the RNG
   there, before the next epoch's loader may be built again.
+- ``Logger.after_save_checkpoint`` (each logger's): ``ModelCheckpoint`` calls it right after
+  ``trainer.save_checkpoint`` returns; a logger that uploads the files then must find them committed.
 """
 
 from __future__ import annotations
@@ -105,6 +109,15 @@ TRAIN_START = _lightning(
     "Strategy.on_train_start",
     "it runs after the module's on_train_start, the last call before the first epoch",
 )
+LOG_MODEL = _lightning(
+    "MLFlowLogger._log_model",
+    "MLFlowLogger, WandbLogger and LitLogger keep their log_model setting only there, and it says whether "
+    "after_save_checkpoint reads the saved files at once",
+)
+AFTER_SAVE_CHECKPOINT = _lightning(
+    "Logger.after_save_checkpoint",
+    "ModelCheckpoint calls it right after trainer.save_checkpoint returns, with no hook in between",
+)
 
 
 def saves_sharded_itself(strategy: Any) -> bool:
@@ -115,6 +128,25 @@ def saves_sharded_itself(strategy: Any) -> bool:
     if isinstance(strategy, FSDPStrategy):
         return bool(STATE_DICT_TYPE.get(strategy) == "sharded")
     return bool(SAVES_DISTRIBUTED.get(strategy))
+
+
+def reads_saved_files(logger: Any, checkpoint_callback: Any) -> bool:
+    """Whether ``logger.after_save_checkpoint(checkpoint_callback)`` may read the checkpoint files now.
+
+    Lightning's loggers with ``log_model`` (MLflow, W&B, LitLogger) upload them there with
+    ``log_model="all"``, or ``True`` beside ``save_top_k=-1`` (otherwise at ``finalize``, as
+    ``after_save_checkpoint`` of 2.6.6 decides); the base class's and ``TensorBoardLogger``'s hook does
+    nothing; any other logger's own hook may read them (stock's files exist when it runs)."""
+    from lightning.pytorch import loggers
+
+    hook = type(logger).after_save_checkpoint
+    if hook in (loggers.Logger.after_save_checkpoint, loggers.TensorBoardLogger.after_save_checkpoint):
+        return False
+    uploading = (getattr(loggers, name, None) for name in ("MLFlowLogger", "WandbLogger", "LitLogger"))
+    if any(hook is getattr(cls, "after_save_checkpoint", None) for cls in uploading):
+        log_model = LOG_MODEL.get(logger)
+        return log_model == "all" or (log_model is True and checkpoint_callback.save_top_k == -1)
+    return True
 
 
 def add_worker_init_fn(dataloader: Any, rank: int) -> None:

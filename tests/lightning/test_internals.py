@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 
@@ -32,6 +32,35 @@ def test_the_mlflow_logger_holds_its_run_id_where_a_resume_points_it(tmp_path):
     assert internals.MLFLOW_RUN_ID.get(mlf) is None  # no run before it first logs
     internals.MLFLOW_RUN_ID.set(mlf, "0123abcd")
     assert internals.MLFLOW_RUN_ID.get(mlf) == "0123abcd"
+
+
+def test_we_wait_for_commits_exactly_when_the_mlflow_logger_uploads_at_once(tmp_path):
+    """``reads_saved_files`` repeats ``MLFlowLogger.after_save_checkpoint``'s choice (upload now, or at
+    ``finalize``): checked against what the real logger uploads for a file that exists."""
+    from mlflow import MlflowClient
+
+    saved = tmp_path / "epoch=0-step=4.ckpt"
+    torch.save({}, saved)
+    uri = f"sqlite:///{tmp_path}/m.db"
+    for log_model in (False, True, "all"):
+        assert internals.LOG_MODEL.get(MLFlowLogger(tracking_uri=uri, log_model=log_model)) == log_model
+        for top_k in (-1, 1, 2):
+            mlf = MLFlowLogger(tracking_uri=uri, log_model=log_model, artifact_location=str(tmp_path / "a"))
+            callback = ModelCheckpoint(dirpath=tmp_path, save_top_k=top_k, monitor="loss")
+            callback.best_model_path = str(saved)
+            mlf.after_save_checkpoint(callback)
+            uploaded = bool(MlflowClient(tracking_uri=uri).list_artifacts(mlf.run_id))
+            assert internals.reads_saved_files(mlf, callback) is uploaded, (log_model, top_k)
+
+
+def test_loggers_whose_after_save_checkpoint_does_nothing_keep_saves_asynchronous(tmp_path):
+    class OwnHook(CSVLogger):  # a user's own hook may read the files: stock's exist when it runs
+        def after_save_checkpoint(self, checkpoint_callback):
+            pass
+
+    callback = ModelCheckpoint(dirpath=tmp_path)
+    assert internals.reads_saved_files(CSVLogger(tmp_path), callback) is False
+    assert internals.reads_saved_files(OwnHook(tmp_path), callback) is True
 
 
 def test_stock_sharded_strategies_say_whether_they_save_with_dcp_themselves():
@@ -72,8 +101,16 @@ def test_fsdp_strategy_still_configures_its_launcher_in_the_method_we_override()
         (internals.PROCESS_DATALOADER, Strategy, ["self", "dataloader"]),
         (internals.TRAIN_START, Strategy, ["self"]),
         (internals.SETUP_DATA, _FitLoop, ["self"]),
+        (internals.AFTER_SAVE_CHECKPOINT, Logger, ["self", "checkpoint_callback"]),
     ],
-    ids=["setup", "file_exists", "process_dataloader", "on_train_start", "setup_data"],
+    ids=[
+        "setup",
+        "file_exists",
+        "process_dataloader",
+        "on_train_start",
+        "setup_data",
+        "after_save_checkpoint",
+    ],
 )
 def test_methods_replaced_on_live_objects_keep_their_signature(tmp_path, touch, owner, parameters):
     assert list(inspect.signature(touch.get(owner)).parameters) == parameters
