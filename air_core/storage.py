@@ -82,6 +82,18 @@ def location(url: str) -> str:
     return f"{protocol}://{str(stripped).rstrip('/')}"
 
 
+def remove_emptied(folder: str, *, below: str, keep: frozenset[str] = frozenset()) -> None:
+    """Remove the local ``folder`` and each folder above it while it is empty, up to ``below`` (never
+    removed itself) and never one of ``keep``: what a delete or a launch that kept nothing leaves."""
+    below = below.rstrip(os.sep)
+    while folder.startswith(below + os.sep) and folder not in keep:
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty (or gone): something is kept there
+            return
+        folder = os.path.dirname(folder)
+
+
 class Storage:
     """Files under one root URL, addressed by relative POSIX paths.
 
@@ -338,28 +350,17 @@ class Storage:
     def _prune(self, rel: str) -> None:
         """Keep the tree tidy: drop the folders above ``rel`` that a delete left empty, but never the
         shared record folders (another rank may be about to write into them)."""
-        parent = os.path.dirname(self.path(rel))
-        shared = {os.path.join(self.base, folder) for folder in RESERVED_DIRS}
-        while parent.startswith(self.base + os.sep) and parent not in shared:
-            try:
-                os.rmdir(parent)
-            except OSError:
-                break
-            parent = os.path.dirname(parent)
+        shared = frozenset(os.path.join(self.base, folder) for folder in RESERVED_DIRS)
+        remove_emptied(os.path.dirname(self.path(rel)), below=self.base, keep=shared)
 
     def remove_if_empty(self, made: str) -> None:
         """A local root holding nothing but empty record folders goes, with the folders above it up to
         ``made`` (the outermost one its job made) that it leaves empty; an object store has no folders."""
         if not self.is_local:
             return
-        with contextlib.suppress(OSError):  # not empty: something is kept
-            for folder in RESERVED_DIRS:
-                if os.path.isdir(os.path.join(self.base, folder)):
-                    os.rmdir(os.path.join(self.base, folder))
-            folder = self.base
-            while folder == made or folder.startswith(made.rstrip(os.sep) + os.sep):
-                os.rmdir(folder)
-                folder = os.path.dirname(folder)
+        for folder in RESERVED_DIRS:
+            remove_emptied(os.path.join(self.base, folder), below=self.base)
+        remove_emptied(self.base, below=os.path.dirname(made.rstrip(os.sep)))
 
     @property
     def follows(self) -> bool:

@@ -36,7 +36,7 @@ from typing import Any
 
 from ..events import DeleteRecord, RestoreRecord, SaveRecord
 from ..layout import EVENTS_DIR, is_hang_record
-from ..storage import Storage
+from ..storage import Storage, remove_emptied
 
 logger = logging.getLogger(__name__)
 JOURNAL = "rank-00000-journal.jsonl"
@@ -259,10 +259,8 @@ class Journal:
         if remove:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
-            folder = os.path.dirname(self.path)
-            with contextlib.suppress(OSError):  # not empty: another launch's journal, a cache, spill files
-                os.rmdir(folder)
-                os.rmdir(os.path.dirname(folder))
+            folder = os.path.dirname(self.path)  # not removed where another launch's journal, a cache or
+            remove_emptied(folder, below=os.path.dirname(os.path.dirname(folder)))  # spill files stay
         os.close(self._fd)
 
 
