@@ -519,11 +519,19 @@ class _LogCommittedFiles:
 
     def __init__(self, logger: Any, plugin: AirCheckpointIO) -> None:
         self.logger, self.plugin = logger, plugin
+        # A logger's hook is its class's, looked up at each call (a pickled copy then calls its own); a
+        # stand-in such as a MagicMock (Lightning's tests use one) has it on itself only: kept here.
+        self._own = (
+            None if hasattr(type(logger), "after_save_checkpoint") else AFTER_SAVE_CHECKPOINT.get(logger)
+        )
 
     def __call__(self, checkpoint_callback: Any) -> None:
         if reads_saved_files(self.logger, checkpoint_callback):
             self.plugin.wait_for_saves()
-        type(self.logger).after_save_checkpoint(self.logger, checkpoint_callback)
+        if self._own is not None:
+            self._own(checkpoint_callback)
+        else:
+            type(self.logger).after_save_checkpoint(self.logger, checkpoint_callback)
 
 
 class _OpenRootAfterSetup:

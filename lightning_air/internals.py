@@ -139,7 +139,7 @@ def reads_saved_files(logger: Any, checkpoint_callback: Any) -> bool:
     nothing; any other logger's own hook may read them (stock's files exist when it runs)."""
     from lightning.pytorch import loggers
 
-    hook = type(logger).after_save_checkpoint
+    hook = getattr(type(logger), "after_save_checkpoint", None)  # None: a stand-in (a MagicMock's own)
     if hook in (loggers.Logger.after_save_checkpoint, loggers.TensorBoardLogger.after_save_checkpoint):
         return False
     uploading = (getattr(loggers, name, None) for name in ("MLFlowLogger", "WandbLogger", "LitLogger"))

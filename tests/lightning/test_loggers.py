@@ -67,3 +67,27 @@ def test_a_logger_uploading_each_save_logs_the_checkpoints_stock_logs(tmp_path, 
     ours = _logged_checkpoints(tmp_path / "ours", air=True, log_model=log_model, **checkpoint_kw)
     assert any(p.endswith(".ckpt") for p in stock), "the stock run logs checkpoints"
     assert ours == stock, "the same checkpoints, aliases and metadata as stock"
+
+
+def test_a_stand_in_logger_as_lightnings_own_tests_use_gets_its_hook_called(tmp_path):
+    """Lightning's tests give the Trainer a ``MagicMock`` logger, whose ``after_save_checkpoint`` is its own
+    attribute, not its class's: the fit failed with "type object 'MagicMock' has no attribute"."""
+    from unittest import mock
+
+    logger = mock.MagicMock(name="logger")
+    logger.name, logger.save_dir, logger.version = "mock_logger", tmp_path, "0"
+    del logger.__iter__
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        limit_val_batches=0,
+        logger=logger,
+        plugins=[AirCheckpointIO()],
+        callbacks=[AirCallback(mlflow=False), checkpoint],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(BoringModel())
+    assert [c.args for c in logger.after_save_checkpoint.call_args_list] == [(checkpoint,), (checkpoint,)]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [".air", ".air-events", "epoch=0-step=4.ckpt"]
