@@ -34,7 +34,7 @@ from .recovery import LocalCheckpoint, load_file, one_restore, restore, verify_w
 from .serializer import make_serializer
 from .snapshot import BufferPool, clear_dead_spills, spill_name, take_snapshot
 from .staging import choose_destination
-from .storage import Storage
+from .storage import Storage, remove_emptied
 from .writer import DeleteJob, Finalize, SaveJob, Writer
 
 __all__ = ["AsyncCheckpointer", "LocalCheckpoint", "SaveHandle"]  # the last two live in handle/recovery
@@ -541,6 +541,9 @@ class AsyncCheckpointer:
             self._pool.close()
             if self._lease is not None:
                 self._lease.release()
+            if self._cache_dir is None:  # a root written in place: its node folder (made to prove the spill
+                spill = self._dest.spill_dir  # folder writable) goes once empty; thousands were left
+                remove_emptied(spill, below=os.path.dirname(spill))
 
     def __enter__(self) -> AsyncCheckpointer:
         return self

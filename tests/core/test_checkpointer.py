@@ -688,3 +688,17 @@ def test_a_launch_that_went_back_to_an_older_step_holds_the_newest_checkpoints(t
             (18, b.config.launch_id),
         ]
         _assert_state_equal(reader.load(), _state(18))
+
+
+def test_a_root_written_in_place_leaves_no_empty_node_folder_behind(tmp_path):
+    """Each checkpointer of a local root made ``<tmp>/air-spill/<root's key>`` to prove it writable and left
+    it there, empty: one folder per root ever opened on the node (about 13,000 on this machine)."""
+    root = str(tmp_path / "root")
+    with AsyncCheckpointer(root) as ckpt:
+        spill = ckpt._dest.spill_dir
+        assert os.path.isdir(spill)
+        ckpt.save(_state(1), step=1).result(timeout=60)
+    assert not os.path.exists(spill)
+    with AsyncCheckpointer(root, read_only=True) as reader:
+        assert reader.latest().step == 1
+    assert not os.path.exists(spill), "a reader's too"
