@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _BATCH = 1000  # MLflow's limit of metrics per log_batch
 RUN_KEY_TAG = "air.run_key"
+_NEVER_REACHED_SECONDS = 5.0
+"""How long ``close`` waits for a tracking server (http) that the whole launch never reached: MLflow's
+client retries a refused connection for minutes, so the full bound made every launch end a minute late
+while the server was down (a local sqlite store, whose first migration can take long, gets the full one)."""
 """The tag naming a run the sink created, by a key known before the run exists (``MlflowSink.run_key``)."""
 
 
@@ -131,6 +135,8 @@ class MlflowSink:
         ``FAILED``, ``KILLED``), within ``timeout_seconds``; then give up on the thread (a daemon)."""
         self._status = status
         self._closing.set()
+        if not self._ready.is_set() and self._tracking_uri.startswith(("http://", "https://")):
+            timeout_seconds = min(timeout_seconds, _NEVER_REACHED_SECONDS)
         self._thread.join(timeout_seconds)
         if self._thread.is_alive():
             left = self._queue.qsize()
