@@ -177,3 +177,16 @@ def test_a_launch_whose_restore_event_was_lost_resumed_from_the_step_before_its_
     g = analyze([first, died, last])
     assert (g.launches, g.recomputed_steps, g.recomputed) == (3, 10, 10.0)
     assert analyze([first]).recomputed_steps == 0, "no later launch: nothing known to be redone"
+
+
+def test_a_second_launch_in_one_process_starts_when_its_log_opens_not_at_the_process_start(tmp_path):
+    """A notebook's second ``fit``: its start-up is not the time since the process started, which the
+    first launch already counted (the report showed 170 % of the wall time as start-up)."""
+    storage = Storage(str(tmp_path), storage_options={}, retries=0, retry_backoff_seconds=0.0)
+    first = GoodputLog(storage, "f" * 32, flush_every_seconds=600)
+    first.close()
+    ended = time.time()
+    second = GoodputLog(storage, "g" * 32, flush_every_seconds=600)
+    second.close()
+    starts = {e["launch"][0]: e["t"] for launch in read_events(storage) for e in launch if e["e"] == "start"}
+    assert starts["g"] >= ended, f"the second launch starts after the first ended: {starts}"
