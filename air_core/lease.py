@@ -67,10 +67,16 @@ class RootLease:
                     "this process writes to this root; close it first, or open this one with read_only=True "
                     "to list, verify or load."
                 )
+            same_host = (
+                " If that process is a notebook or another interactive session whose training was "
+                "interrupted, end it there (AirAccelerator.end_training(), or restart the kernel)."
+                if current.host == socket.gethostname()
+                else ""
+            )
             raise ConfigError(
                 f"AsyncCheckpointer(root={self._storage.display()!r}): {current.describe()} is writing "
                 "checkpoints to this root now; two jobs writing one root would overwrite each other's "
-                "files. Give this job its own root, or stop the other job first."
+                f"files. Give this job its own root, or stop the other job first.{same_host}"
             )
         self._write()
         self._thread = threading.Thread(target=self._renew, name="air-lease", daemon=True)

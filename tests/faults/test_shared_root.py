@@ -49,8 +49,12 @@ def test_a_second_writer_is_refused_and_a_killed_holder_is_taken_over_at_once(tm
     root = str(tmp_path / "root")
     holder = start_holder(root)
     try:
-        with pytest.raises(ConfigError, match="is writing checkpoints to this root now.*its own root"):
+        with pytest.raises(
+            ConfigError, match="is writing checkpoints to this root now.*its own root"
+        ) as error:
             AsyncCheckpointer(root)
+        # a notebook whose interrupted AirAccelerator still holds the root (a live process on this host)
+        assert "AirAccelerator.end_training(), or restart the kernel" in str(error.value)
         with AsyncCheckpointer(root, read_only=True) as reader:  # tools may still look
             assert [i.step for i in reader.list()] == [1]
     finally:
