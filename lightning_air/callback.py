@@ -265,7 +265,10 @@ class AirCallback(Callback):
         if mlf is not None:
             resumed = self.session.resumed_mlflow_run
             if resumed is not None:
+                fresh = MLFLOW_RUN_ID.get(mlf)  # rank 0: the run the logger opened for this launch
                 MLFLOW_RUN_ID.set(mlf, resumed)  # its later metrics go to the checkpoint's run
+                if fresh is not None and fresh != resumed:  # left empty (each relaunch left one RUNNING)
+                    mlf.experiment.delete_run(fresh)  # as AirAccelerator deletes its tracker's
             run_id = mlf.run_id
         self.session.start(step=trainer.global_step, mlflow_run_id=run_id, run_is_ours=mlf is None)
 

@@ -24,6 +24,7 @@ def test_metrics_land_in_the_mlflow_loggers_run_and_a_resumed_fit_continues_it(t
     runs = client.search_runs([experiment.experiment_id])
     live = [r for r in runs if r.data.metrics.get("fetch_seconds_total")]
     assert len(live) == 1, "air's metrics went into one run"
+    assert len(runs) == 1, "the run the relaunch's logger opened, left empty, is deleted"
     run_id = live[0].info.run_id
     assert _steps(client, run_id, "loss"), "the MLFlowLogger logs into the same run"
     assert set(range(6, 49)) <= set(_steps(client, run_id, "fetch_seconds")), "every step of the relaunch"
