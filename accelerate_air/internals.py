@@ -1,10 +1,10 @@
 """Each private (or undocumented) name of Accelerate that ``accelerate_air`` reads or writes, as a ``Touch``.
 
-Accelerate 1.13 to 1.15 keep what ``prepare`` and ``register_*`` were given on the ``Accelerator``
+Accelerate 1.13 to 1.16 keep what ``prepare`` and ``register_*`` were given on the ``Accelerator``
 in underscore lists, with no public property, getter or iterator for them: the stock ``save_state``
 and ``load_state`` read those lists directly. ``AirAccelerator`` replaces ``save_state`` and builds
 the same files (``layout.py``), so it must read the same lists, in the same order. Checked by reading
-the source of 1.13.0, 1.14.0 and 1.15.0 and by ``tests/accelerate/test_internals.py`` (run against the
+the source of 1.13.0, 1.14.0, 1.15.0 and 1.16.0 and by ``tests/accelerate/test_internals.py`` (run against the
 installed release; ``.venv-oldest`` has the floor, 1.13.0):
 
 - ``Accelerator._models``, ``_optimizers``, ``_schedulers``, ``_dataloaders``: the prepared objects,
@@ -41,7 +41,7 @@ from accelerate import Accelerator
 
 from air_core.internals import Touch
 
-_CHECKED = "1.13.0, 1.14.0 and 1.15.0"
+_CHECKED = "1.13.0, 1.14.0, 1.15.0 and 1.16.0"
 
 
 def _accelerate(where: str, why: str) -> Touch:

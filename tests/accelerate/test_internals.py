@@ -134,4 +134,4 @@ def test_a_renamed_attribute_fails_naming_it_and_the_checked_releases():
     with pytest.raises(AirError) as caught:
         internals.models(object())  # type: ignore[arg-type]
     message = str(caught.value)
-    assert "Accelerator._models" in message and "1.13.0" in message and "1.15.0" in message
+    assert "Accelerator._models" in message and "1.13.0" in message and "1.16.0" in message
