@@ -181,6 +181,7 @@ class AirCallback(Callback):
             broadcast=lambda value: strategy.broadcast(value, src=0),
             gather=gather,
             listeners=plugin.listeners,
+            stop_vote=False,  # Lightning's loop stops every rank at the same step after a SIGTERM
         )
         plugin.use(self.session, pl_module)
         self.session.track_model(pl_module)

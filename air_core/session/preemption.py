@@ -12,10 +12,19 @@ inside ``logging``'s handler lock, a listener's lock, the buffer pool's conditio
 there for the writer would wait for as long as its bound whenever the writer needs that lock too. So the
 handler only hands the flush to the ``air-sigterm`` thread and returns; the session's training thread
 waits for it at the next point where it holds nothing (``wait``: a step's end, a save's start, ``close``).
-When the flush is done that thread raises SIGTERM again, and the second delivery goes on to the previous
-handler (or the default action: the process dies of SIGTERM), or to whichever handler is installed by then.
+When the flush is done that thread sends SIGTERM again to the main thread (which acts on it at once, even
+inside a blocking call), and the second delivery goes on to the previous handler (or the default action:
+the process dies of SIGTERM), or to whichever handler is installed by then.
 A forked child (a loader worker) inherits the handler but not the thread; there SIGTERM acts at once as
 it did before us.
+
+With a ``StopVote`` (several ranks, a framework without a stop of its own: ``stop_vote.py``) a SIGTERM
+does not stop the rank at its next step end or save, where a peer may already be inside the save this
+rank would leave without its part: the ranks vote before each training fetch, and at the first fetch
+after one rank had a SIGTERM every rank flushes and stops (a rank that had none raises SIGTERM itself, as
+a framework's stop raises on every rank). A rank that reaches no training fetch for
+``STOP_TOGETHER_SECONDS`` (an evaluation, a step longer than that) flushes and stops on its own, as
+without a vote.
 """
 
 from __future__ import annotations
@@ -29,15 +38,22 @@ from collections.abc import Callable
 from typing import Any
 
 from ..checkpointer import AsyncCheckpointer
+from .stop_vote import StopVote
 
 logger = logging.getLogger(__name__)
+STOP_TOGETHER_SECONDS = 10.0
+"""How long a rank with a vote waits, after its SIGTERM, for every rank to stop with it: a vote decides
+within two training fetches, and schedulers kill some 30 s after their SIGTERM."""
 
 
 class _Flushing:
     """One SIGTERM's flush. ``flushed`` is a plain attribute: the handler reads it and takes no lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, now: bool) -> None:
         self.flushed = False
+        self.go = threading.Event()  # set: flush now (without a vote at once, with one once every rank stops)
+        if now:
+            self.go.set()
         self.done = threading.Event()  # waited on by ``wait`` only; never touched by the handler
 
 
@@ -52,6 +68,8 @@ class FlushOnSigterm:
         timeout_seconds: bound on the flush.
         who: the name used in log lines (e.g. ``"AirCallback"``).
         log: the logger to report to (the adapter's, so its users see it where they look).
+        vote: every rank's vote before a training fetch (``between_steps``), or None (one rank, or a
+            framework that stops every rank at a SIGTERM itself).
     """
 
     def __init__(
@@ -61,8 +79,10 @@ class FlushOnSigterm:
         timeout_seconds: float,
         who: str,
         log: logging.Logger = logger,
+        vote: StopVote | None = None,
     ) -> None:
         self._checkpointer = checkpointer
+        self._vote = vote
         self._timeout = timeout_seconds
         self._who = who
         self._log = log
@@ -94,11 +114,30 @@ class FlushOnSigterm:
         except Exception as exc:
             self._log.error("%s: flushing on %s failed: %s", self._who, why, exc)
 
-    def wait(self) -> None:
+    def wait(self, *, last: bool = False) -> None:
         """Block while a SIGTERM's flush runs. Called by the training thread where it holds nothing the
-        writer needs; no save starts and no step ends meanwhile, as when the handler itself flushed."""
+        writer needs; no save starts and no step ends meanwhile, as when the handler itself flushed.
+        ``last``: training is over (``close``), so a SIGTERM waiting for the vote is acted on now."""
+        flushing = self._flushing
+        if flushing is None:
+            return
+        if last:
+            flushing.go.set()
+        if flushing.go.is_set():
+            flushing.done.wait()
+
+    def between_steps(self) -> None:
+        """Before each training fetch, on every rank: vote, and stop here when a rank had a SIGTERM."""
+        vote = self._vote
+        if vote is None or not vote.decide(self._flushing is not None):
+            return
+        self._vote = None  # decided: every rank stops now
+        if self._flushing is None and self._installed:
+            self._log.info("%s: another rank had a SIGTERM: stopping with it before this batch", self._who)
+            signal.raise_signal(signal.SIGTERM)  # the handler (its first stage) runs before this returns
         flushing = self._flushing
         if flushing is not None:
+            flushing.go.set()
             flushing.done.wait()
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
@@ -106,7 +145,7 @@ class FlushOnSigterm:
         # A forked child (a loader worker) inherits the handler but not the thread, and has no saves.
         if self._installed and os.getpid() == self._pid:
             if flushing is None:  # the first stage: hand the flush over, return at once
-                self._flushing = _Flushing()
+                self._flushing = _Flushing(now=self._vote is None)
                 self._asks.put(self._flushing)
                 return
             if not flushing.flushed:  # another SIGTERM while flushing: the flush under way answers it
@@ -122,11 +161,24 @@ class FlushOnSigterm:
     def _serve(self, asks: queue.SimpleQueue[_Flushing | None]) -> None:
         """The ``air-sigterm`` thread: flush for each SIGTERM, then deliver it again (see the module)."""
         while (flushing := asks.get()) is not None:
+            if not flushing.go.is_set():
+                self._log.info("%s: a SIGTERM: stopping with every rank before a training batch", self._who)
+            if not flushing.go.wait(STOP_TOGETHER_SECONDS):
+                self._log.warning(
+                    "%s: no training step began within %.0f s of the SIGTERM to stop with every rank; this "
+                    "rank flushes and stops on its own",
+                    self._who,
+                    STOP_TOGETHER_SECONDS,
+                )
+                flushing.go.set()
             try:
                 self.flush("SIGTERM")
             finally:
                 flushing.flushed = True
-                signal.raise_signal(signal.SIGTERM)  # pending before ``wait`` returns: acted on at once
+                # to the main thread, whose handler runs at once even in a blocking call (a sleep, an
+                # evaluation's wait), and before ``wait`` returns; raised here it would wait for the main
+                # thread's next Python line
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
                 flushing.done.set()
 
     def uninstall(self) -> None:
@@ -136,6 +188,8 @@ class FlushOnSigterm:
         if self._installed and threading.current_thread() is threading.main_thread():
             if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
                 signal.signal(signal.SIGTERM, self._previous)
+            if self._flushing is not None:
+                self._flushing.go.set()
             self._asks.put(None)
             self._asks = queue.SimpleQueue()
             if self._thread is not None:

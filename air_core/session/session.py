@@ -50,6 +50,7 @@ from .mlflow_sink import MlflowSink
 from .paths import Paths
 from .positions import Positions
 from .preemption import FlushOnSigterm
+from .stop_vote import StopVote
 
 logger = logging.getLogger(__name__)
 _SINK_CLOSE_SECONDS = 60.0
@@ -80,6 +81,9 @@ class TrainingSession:
             behind), for a session that cannot see when training ends (``saves_only``). Otherwise saves
             to the main root return after the snapshot, and saves to another root (``open_another``)
             once committed: a framework's save to a folder of the user's choice is read right after.
+        stop_vote: with several ranks, a SIGTERM stops every rank before the same training fetch
+            (``preemption.py``; a collective here, on every rank). False for a framework whose loop
+            stops every rank at a SIGTERM itself (Lightning).
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class TrainingSession:
         listeners: tuple[Listener, ...] | list[Listener] = (),
         measure: bool = True,
         synchronous: bool = False,
+        stop_vote: bool = True,
     ) -> None:
         self.config = config
         self._measure = measure
@@ -130,7 +135,7 @@ class TrainingSession:
             world_size=world_size,
             records=self.records,
             on_fetch=self.record_fetch,
-            between_steps=self._between_steps if config.local_every_n_steps else None,
+            between_steps=self._between_steps,
         )
         """This rank's train loaders and their resume (``positions.py``)."""
         self.paths = Paths(self)
@@ -158,8 +163,15 @@ class TrainingSession:
         self._ungated: list[SaveHandle] = []
         self._failed: BaseException | None = None
         self._closed = False
+        vote = None
+        if stop_vote and world_size > 1 and measure:  # a collective, as the tier's group
+            vote = StopVote.of(config.flush_timeout_seconds)
         self._preemption = FlushOnSigterm(
-            self._flushable, timeout_seconds=config.flush_timeout_seconds, who=config.owner, log=logger
+            self._flushable,
+            timeout_seconds=config.flush_timeout_seconds,
+            who=config.owner,
+            log=logger,
+            vote=vote,
         )
 
     @classmethod
@@ -448,6 +460,7 @@ class TrainingSession:
         return self._tier
 
     def _between_steps(self) -> None:
+        self._preemption.between_steps()  # with a SIGTERM, every rank stops here
         step, self._tier_due = self._tier_due, None
         if step is None or self._tier_part is None or self._closed:
             return
@@ -670,7 +683,7 @@ class TrainingSession:
         goodput (rank 0), end the MLflow run the session started. Idempotent."""
         if self._closed:
             return
-        self._preemption.wait()
+        self._preemption.wait(last=True)
         self._closed = True
         self.health.close()
         try:

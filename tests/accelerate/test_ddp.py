@@ -88,6 +88,19 @@ def test_rank_killed_before_its_part_leaves_the_previous_checkpoint_newest(tmp_p
     assert_same_run(tmp_path, reference(*args), ranks=2)
 
 
+# A scheduler's SIGTERM reaches rank 0 just before its save of step 10, which rank 1 has begun (or is
+# about to): rank 0 must not die there, leaving rank 1's part without its own. Every rank stops together
+# before a later training batch, after the save of step 10 committed with both parts.
+def test_sigterm_to_one_rank_before_its_save_stops_every_rank_after_that_save(tmp_path, reference):
+    args = ("--workers", "0", "--every", "5")
+    out = run_job(tmp_path, *args, "--sigterm-before-save", "10:0", processes=2, expect_signal=signal.SIGTERM)
+    assert "another rank had a SIGTERM: stopping with it" in out.stderr, "rank 1 stopped with rank 0"
+    assert (tmp_path / "ckpts/.air/step-000000010/manifest.json").exists(), "step 10 committed"
+    run_job(tmp_path, *args, processes=2)
+    assert stats(tmp_path)[0]["restores"][0][0] == "step-000000010"
+    assert_same_run(tmp_path, reference(*args), ranks=2)
+
+
 def test_resume_with_another_world_size_fails_before_any_step(tmp_path):
     run_job(tmp_path, "--epochs", "1", processes=2)
     out = run_job(tmp_path, "--epochs", "2", check=False)

@@ -2,6 +2,7 @@
 
     python tests/transformers/job.py WORKDIR [--workers N] [--every K] [--steps S] [--ga G]
         [--kill STEP:PHASE[:RANK][+MS]] [--sigterm STEP:PHASE[+MS]] [--root URL --endpoint URL] [--stock]
+        [--sigterm-before-save STEP:RANK]
         [--eval-every K] [--limit N] [--best] [--local-every K --die STEP[:NODE]] [--draw-in HOOK]
 
 Trains a 2-layer GPT-2 (32 dimensions, built from a config: no download; dropout on) on token ids made
@@ -106,6 +107,19 @@ class DieOnce(TrainerCallback):
             die(agent=bool(self.node))
 
 
+class SigtermBeforeSave(TrainerCallback):
+    """--sigterm-before-save STEP:RANK: that process sends itself SIGTERM at the end of step STEP, before
+    Trainer saves it (registered after ``AirTrainerCallback``), as a scheduler's SIGTERM lands on one rank
+    a moment before another."""
+
+    def __init__(self, spec: str) -> None:
+        self.step, self.rank = (int(x) for x in spec.split(":"))
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if (state.global_step, args.process_index) == (self.step, self.rank):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class DrawIn(TrainerCallback):
     """--draw-in HOOK: a user's callback that draws from the global RNG in that hook, as one that makes
     noise or picks samples to show would (registered after ``AirTrainerCallback``)."""
@@ -126,6 +140,7 @@ def main() -> None:
     p.add_argument("--ga", type=int, default=1)
     p.add_argument("--kill", default="")
     p.add_argument("--sigterm", default="", help="STEP:PHASE[+DELAY_MS]: send SIGTERM instead")
+    p.add_argument("--sigterm-before-save", default="", help="STEP:RANK: SIGTERM to itself before that save")
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     p.add_argument("--stock", action="store_true")
@@ -194,6 +209,8 @@ def main() -> None:
         callbacks = [air, *([DieOnce(args.workdir, args.die)] if args.die else [])]
         if args.draw_in:
             callbacks.append(DrawIn(args.draw_in))
+        if args.sigterm_before_save:
+            callbacks.append(SigtermBeforeSave(args.sigterm_before_save))
         trainer = recording(AirTrainer, args.workdir)(tiny_gpt2(), training, callbacks=callbacks, **kwargs)
         if args.local_every:
             trainer.train(resume_from_checkpoint=NEWEST)

@@ -128,6 +128,18 @@ def test_sigterm_during_an_upload_commits_the_inflight_save_then_resumes_exactly
     assert_same_run(tmp_path, reference())
 
 
+def test_sigterm_to_one_process_before_its_save_stops_both_after_that_save(tmp_path, reference):
+    """torchrun, gloo: SIGTERM reaches rank 1 at the end of step 16, before Trainer saves it, while rank 0
+    goes on into that save: both stop together before a later step, with step 16 committed."""
+    args = ("--workers", "2")
+    out = run_job(tmp_path, *args, "--sigterm-before-save", "16:1", processes=2, expect_signal=signal.SIGTERM)
+    assert "another rank had a SIGTERM: stopping with it" in out.stderr, "rank 0 stopped with rank 1"
+    assert (tmp_path / "ckpts/.air/checkpoint-16/manifest.json").exists(), "step 16 committed"
+    run_job(tmp_path, *args, processes=2)
+    assert stats(tmp_path)[0]["restores"][0][0] == "checkpoint-16"
+    assert_same_run(tmp_path, reference(*args, processes=2), ranks=2)
+
+
 def test_two_processes_killed_mid_save_resume_exactly_per_rank(tmp_path, reference):
     """torchrun, gloo: both ranks are killed in the save of step 16 and resume from the newest commit."""
     args = ("--workers", "2")
