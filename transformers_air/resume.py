@@ -20,7 +20,7 @@ import torch
 
 from air_core import AsyncCheckpointer, CheckpointInfo, ConfigError, CorruptCheckpointError, RestoreRecord
 from air_core.recovery import link_files
-from air_core.session import TrainingSession, entry_of_commit
+from air_core.session import TrainingSession, entry_of_commit, foreign_entries
 from air_core.storage import location
 
 from .layout import TRAINER_STATE_NAME, air_file
@@ -116,17 +116,21 @@ def fetch_folder(ckpt: AsyncCheckpointer, name: str, *, rank: int) -> str:
     return _view(local.paths, entry_of_commit(local.info))
 
 
-def stock_checkpoint(root: str) -> str | None:
-    """The newest ``checkpoint-<step>`` folder of the local ``root`` that holds a checkpoint stock
-    ``Trainer`` finished writing (``trainer_state.json``, which it writes last), or None."""
-    if "://" in root or not os.path.isdir(root):
+def stock_checkpoint(ckpt: AsyncCheckpointer) -> str | None:
+    """The newest ``checkpoint-<step>`` folder under ``ckpt``'s root (any URL) that no checkpoint of ours
+    names, committed or not, and that holds a checkpoint stock ``Trainer`` finished writing
+    (``trainer_state.json``, which it writes last), or None. An AirTrainer save cut short before its
+    commit is ours: never offered as a stock run's."""
+    catalog = ckpt.catalog()
+    finished = {
+        rel.split("/")[0] for rel in catalog.sizes if rel.count("/") == 1 and rel.endswith(TRAINER_STATE_NAME)
+    }
+    stock = [
+        m for m in map(_CHECKPOINT.fullmatch, foreign_entries(catalog)) if m is not None and m[0] in finished
+    ]
+    if not stock:
         return None
-    steps = {int(m[1]): m[0] for m in map(_CHECKPOINT.fullmatch, os.listdir(root)) if m is not None}
-    for step in sorted(steps, reverse=True):
-        folder = os.path.join(root, steps[step])
-        if os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
-            return folder
-    return None
+    return f"{ckpt.config.root.rstrip('/')}/{max(stock, key=lambda m: int(m[1]))[0]}"
 
 
 def rank_states(folder: str, session: TrainingSession, *, what: str) -> dict[int, dict[str, Any]]:

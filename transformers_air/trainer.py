@@ -76,9 +76,12 @@ class AirTrainerMixin(_Base):
             air.begin(self)
             if resume_from_checkpoint is True or resume_from_checkpoint == NEWEST:
                 newest = air.newest()
-                root = air.root_of(self.args)
-                if newest is None and (resume_from_checkpoint is True or stock_checkpoint(root) is not None):
-                    raise ValueError(_nothing_committed(root, resume_from_checkpoint))
+                session = air.session
+                if newest is None and session is not None and session.checkpointer is not None:
+                    stock = stock_checkpoint(session.checkpointer)
+                    if resume_from_checkpoint is True or stock is not None:
+                        root = air.root_of(self.args)
+                        raise ValueError(_nothing_committed(root, stock, resume_from_checkpoint))
                 resume_from_checkpoint = newest
             air.resume_from(self, resume_from_checkpoint or None)
             with _skip_replaced(air), _cleanup_replaced(self):
@@ -140,12 +143,12 @@ class AirTrainer(AirTrainerMixin, Trainer):
     """
 
 
-def _nothing_committed(root: str, given: Any) -> str:
+def _nothing_committed(root: str, stock: str | None, given: Any) -> str:
     """Stock's message for ``train(resume_from_checkpoint=True)`` with nothing to resume, and where stock
-    ``Trainer`` left checkpoints in the root (a project switching to ``AirTrainer``), how to resume them:
-    ``NEWEST`` refuses then too, since starting fresh would train over that run."""
+    ``Trainer`` left checkpoints in the root (``stock``: the newest; a project switching to
+    ``AirTrainer``), how to resume them: ``NEWEST`` refuses then too, since starting fresh would train
+    over that run."""
     message = f"No valid checkpoint found in output directory ({root})"
-    stock = stock_checkpoint(root)
     if stock is None:
         return message
     argument = "True" if given is True else "transformers_air.NEWEST"

@@ -140,6 +140,18 @@ def test_sigterm_to_one_process_before_its_save_stops_both_after_that_save(tmp_p
     assert_same_run(tmp_path, reference(*args, processes=2), ranks=2)
 
 
+def test_newest_after_the_first_save_was_killed_before_its_commit_starts_fresh(tmp_path, reference):
+    """The first save's folder is complete but never committed: it is AirTrainer's, not a stock run's.
+    ``NEWEST`` (the job's resume with a local tier; this one never saves locally) refused it as a stock
+    checkpoint and named that uncommitted folder as the one to resume."""
+    args = ("--local-every", "100")
+    run_job(tmp_path, *args, "--kill", "4:commit_start", expect_signal=signal.SIGKILL)
+    assert (tmp_path / "ckpts/checkpoint-4/trainer_state.json").exists(), "every file of step 4 was written"
+    run_job(tmp_path, *args)
+    assert stats(tmp_path)[0]["restores"] == [], "started fresh"
+    assert_same_run(tmp_path, reference())
+
+
 def test_two_processes_killed_mid_save_resume_exactly_per_rank(tmp_path, reference):
     """torchrun, gloo: both ranks are killed in the save of step 16 and resume from the newest commit."""
     args = ("--workers", "2")
