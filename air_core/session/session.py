@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .. import dcp
 from ..checkpointer import AsyncCheckpointer, SaveHandle
@@ -81,9 +82,9 @@ class TrainingSession:
             behind), for a session that cannot see when training ends (``saves_only``). Otherwise saves
             to the main root return after the snapshot, and saves to another root (``open_another``)
             once committed: a framework's save to a folder of the user's choice is read right after.
-        stop_vote: with several ranks, a SIGTERM stops every rank before the same training fetch
-            (``preemption.py``; a collective here, on every rank). False for a framework whose loop
-            stops every rank at a SIGTERM itself (Lightning).
+        stop_vote: with several ranks of a ``torch.distributed`` job, a SIGTERM stops every rank before
+            the same training fetch (``preemption.py``; a collective here, on every rank). False for a
+            framework whose loop stops every rank at a SIGTERM itself (Lightning).
     """
 
     def __init__(
@@ -164,8 +165,8 @@ class TrainingSession:
         self._failed: BaseException | None = None
         self._closed = False
         vote = None
-        if stop_vote and world_size > 1 and measure:  # a collective, as the tier's group
-            vote = StopVote.of(config.flush_timeout_seconds)
+        if stop_vote and world_size > 1 and measure and dist.is_available() and dist.is_initialized():
+            vote = StopVote.of(config.flush_timeout_seconds)  # a collective, as the tier's group
         self._preemption = FlushOnSigterm(
             self._flushable,
             timeout_seconds=config.flush_timeout_seconds,
