@@ -321,9 +321,16 @@ def read_events(storage: Storage) -> list[list[dict[str, Any]]]:
         for line in storage.read_bytes(path).decode().splitlines():
             if line.strip():
                 launches.setdefault(folder, []).append(json.loads(line))
-    ordered = [launches[k] for k in sorted(launches)]
+    # By start time: the folders' names tell launches apart only to the second (then by launch id), and a
+    # launch killed within a second of its start is followed by its relaunch in that second.
+    ordered = sorted(launches.values(), key=_started)
     _add_hangs(ordered, [json.loads(storage.read_bytes(p)) for p in sorted(sizes) if is_hang_record(p)])
     return ordered
+
+
+def _started(events: list[dict[str, Any]]) -> float:
+    """A launch's process start (its ``start`` event), else its first event's time."""
+    return next((e["t"] for e in events if e["e"] == "start"), events[0]["t"])
 
 
 def _add_hangs(launches: list[list[dict[str, Any]]], hangs: list[dict[str, Any]]) -> None:

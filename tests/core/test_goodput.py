@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -190,3 +191,17 @@ def test_a_second_launch_in_one_process_starts_when_its_log_opens_not_at_the_pro
     second.close()
     starts = {e["launch"][0]: e["t"] for launch in read_events(storage) for e in launch if e["e"] == "start"}
     assert starts["g"] >= ended, f"the second launch starts after the first ended: {starts}"
+
+
+def test_launches_that_started_in_one_second_are_read_in_start_order(tmp_path):
+    """Folders are named to the second, then by launch id: a launch killed within a second of its start
+    and its relaunch share the second, and the ids' order is chance (the report then had the relaunch
+    first: "resumed from step 0", the first launch's steps recomputed)."""
+    storage = Storage(str(tmp_path), storage_options={}, retries=0, retry_backoff_seconds=0.0)
+    first = _launch(100.2, [(1, 100.5, 0.1, 0.0), (2, 100.6, 0.1, 0.0), (3, 100.7, 0.1, 0.0)])
+    relaunch = _launch(100.8, [(3, 100.95, 0.1, 0.0)], restore=2)
+    for folder, events in (("20260101T000000-ffffffff", first), ("20260101T000000-aaaaaaaa", relaunch)):
+        lines = "".join(json.dumps(e) + "\n" for e in events)
+        storage.write_bytes(f".air-events/{folder}/rank-00000-000000.jsonl", lines.encode())
+    assert [launch[0]["t"] for launch in read_events(storage)] == [100.2, 100.8]
+    assert goodput_of(storage).recomputed_steps == 1, "step 3, run again after the resume from step 2"
