@@ -97,7 +97,8 @@ class Recorder:
 
     # -- the training thread ---------------------------------------------------------------------
     def record_fetch(self, seconds: float, samples: int = 0) -> None:
-        """One batch of ``samples`` fetched for training, after waiting ``seconds``."""
+        """A batch fetched for training after waiting ``seconds``, with ``samples`` handed to training
+        (with a loader's lookahead, an earlier batch's: ``TrackedLoader``'s ``on_fetch``)."""
         if self._last_end is None:
             self._last_end = time.monotonic() - seconds
         self._pending_fetch += seconds

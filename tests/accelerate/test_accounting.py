@@ -26,11 +26,13 @@ def _data(key: str) -> bool:
     return not any(part in RESERVED_DIRS for part in key.split("/"))
 
 
-def _report(root: str, endpoint: str, *flags: str) -> str:
+def _report(root: str, endpoint: str | None, *flags: str) -> str:
     """``air report`` of ``root`` (the human lines are ``tests/core/test_accounting.py``'s)."""
-    options = json.dumps({"client_kwargs": {"endpoint_url": endpoint}})
+    options: tuple[str, ...] = ()
+    if endpoint:
+        options = ("--storage-options", json.dumps({"client_kwargs": {"endpoint_url": endpoint}}))
     out = subprocess.run(
-        [python(), "-m", "air_core.cli", "--storage-options", options, "report", root, *flags],
+        [python(), "-m", "air_core.cli", *options, "report", root, *flags],
         capture_output=True,
         text=True,
         timeout=120,
@@ -83,3 +85,14 @@ def test_report_bytes_match_the_bytes_the_s3_proxy_counted(tmp_path, s3_root):
     assert cost["egress_restore"] == pytest.approx(moved["restore_downloaded"] / 1e9 * 0.09)
     assert 0 < cost["gpu_recomputed_work"] < cost["gpu_total"]
     assert 0 < report["goodput"]["goodput"] < 1
+
+
+def test_a_launch_that_failed_from_its_first_step_repeated_the_samples_of_its_steps(tmp_path):
+    """Accelerate's loader fetches one batch ahead: counted by fetch, a launch's first step had two
+    batches, and a failure whose recomputed steps began there repeated one batch more than it trained."""
+    args = ("--workers", "0", "--every", "100")  # no commit: the relaunch starts afresh
+    run_job(tmp_path, *args, "--die", "8", expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args)
+    (failure,) = json.loads(_report(str(tmp_path / "ckpts"), None, "--json"))["work"]["per_failure"]
+    assert (failure["resumed_from_step"], failure["recomputed_steps"]) == (0, 7), "steps 1-7 ran, then 8 died"
+    assert failure["repeated_samples"] == 7 * BATCH
