@@ -601,7 +601,8 @@ class TrainingSession:
         return (self._sink.run_id if self._sink is not None else None) or self.positions.resumed_run
 
     def record_fetch(self, seconds: float, samples: int = 0) -> None:
-        """A training batch of ``samples`` was fetched (after ``seconds``) and is handed to the step now."""
+        """A training batch was fetched (after ``seconds``) with ``samples`` handed to the step now (with a
+        loader's lookahead, those of a batch fetched earlier)."""
         self.records.record_fetch(seconds, samples)
         self.health.fetched()
 
@@ -634,10 +635,10 @@ class TrainingSession:
             StragglerError: with ``stop_on_straggler``, this window named a straggler; the session
                 committed the saves in flight and closed first (every rank raises at the same step).
         """
-        self._preemption.wait()  # the step ends once a SIGTERM's flush is done
         self._stepped = True
         self.health.step_ended(step)
-        self.records.record_step(step)
+        self.records.record_step(step)  # before the wait: a SIGTERM's stop after it kept this step's event
+        self._preemption.wait()  # nothing after the step (a local save due) while a SIGTERM's flush runs
         k = self.config.local_every_n_steps
         stepped, self._steps_done = step > self._steps_done, step
         if k and stepped and step % k == 0:

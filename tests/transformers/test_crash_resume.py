@@ -9,13 +9,17 @@ loads them (the main process, or a loader worker), and GPT-2's dropout draws fro
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
+from tests.conftest import REPO
 from tests.kill_at import read_journal
-from tests.sameness import assert_same_run, assert_tier_read_in_place, resumed_at
+from tests.sameness import assert_same_run, assert_tier_read_in_place, records, resumed_at
 from tests.torchrun_nodes import lose_node_b
 from tests.transformers.runs import JOB, run_job, stats
 
@@ -126,6 +130,25 @@ def test_sigterm_during_an_upload_commits_the_inflight_save_then_resumes_exactly
     # buffer) as SIGTERM came: every save begun commits.
     assert stats(tmp_path)[0]["restores"][0][0] in ("checkpoint-16", "checkpoint-20")
     assert_same_run(tmp_path, reference())
+    # The steps the report counts as recomputed are those the first launch ran past the resumed one: it
+    # recorded each step's batch as the step began, and SIGTERM stops a process only at a step's end or a
+    # save's start, so its last recorded step ended (the report missed it: its event came after the stop).
+    ran = _steps_before_the_relaunch(tmp_path)
+    report = subprocess.run(
+        [sys.executable, "-m", "air_core.cli", "report", "--json", str(tmp_path / "ckpts")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    (failure,) = json.loads(report.stdout)["work"]["per_failure"]
+    assert failure["recomputed_steps"] == ran - failure["resumed_from_step"], (ran, failure)
+
+
+def _steps_before_the_relaunch(workdir) -> int:
+    """The steps the first launch began (one record each, ``--ga 1``), from the records' order."""
+    rows = records(workdir)
+    return next(i for i in range(1, len(rows)) if rows[i]["step"] <= rows[i - 1]["step"])
 
 
 def test_sigterm_to_one_process_before_its_save_stops_both_after_that_save(tmp_path, reference):
