@@ -202,15 +202,25 @@ class AirCheckpointIO(CheckpointIO):
         )
 
     def wait_for(self, path: str) -> None:
-        """Rank 0: wait for a save of ``path`` still in flight, so that an existence check sees it."""
+        """Rank 0: wait for a save of ``path`` still in flight, so that an existence check sees it.
+
+        Raises:
+            TimeoutError: still in flight after ``close_timeout_seconds``.
+        """
         session = self._session
         if session is None or session.closed:
             return
         place = session.paths.place(path, own_root=False)
         ckpt = session.paths.open_writer(place)
         if ckpt is not None and session.paths.in_flight(ckpt, place):
+            bound = ckpt.config.close_timeout_seconds
             with session.watchdog_paused():  # waiting for a commit is no hang
-                ckpt.wait_in_flight()
+                if not ckpt.wait_in_flight(bound):
+                    raise TimeoutError(
+                        f"AirCheckpointIO: the save of {path} is still in flight after {bound:g} s. If its "
+                        "storage is that slow, raise AirCheckpointIO(close_timeout_seconds=...); else check "
+                        "that it answers."
+                    )
 
     def wait_for_saves(self) -> None:
         """Rank 0: wait until every save in flight has committed, so that what reads the files next (a

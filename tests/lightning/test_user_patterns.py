@@ -8,6 +8,7 @@ import logging
 import os
 import pickle
 import signal
+import threading
 import warnings
 
 import lightning.pytorch as pl
@@ -216,6 +217,35 @@ def test_model_checkpoint_counts_a_save_still_in_flight_as_existing(tmp_path):
         seen[kind] = sorted(p.rsplit("/", 1)[-1] for p in ls if p.endswith(".ckpt"))
     assert seen["stock"] == ["fixed-v1.ckpt", "fixed-v2.ckpt", "fixed.ckpt"]
     assert seen["ours"] == seen["stock"]
+
+
+class _HoldsTheFirstUpload:
+    """A writer whose first write does not end (storage that stopped answering), for 30 s at most."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def on_event(self, event) -> None:
+        if getattr(event, "phase", None) == "serialize_start" and event.step == 1:
+            self.release.wait(30)
+
+
+def test_model_checkpoint_waits_for_a_save_in_flight_at_most_close_timeout_seconds(tmp_path):
+    """The version counter's existence check waited for the save in flight without a bound."""
+    held = _HoldsTheFirstUpload()
+    plugin = AirCheckpointIO(close_timeout_seconds=1)
+    plugin.add_listener(held)
+    mc = ModelCheckpoint(dirpath=tmp_path / "ckpts", filename="fixed", every_n_train_steps=1, save_top_k=-1)
+    trainer = _trainer(
+        tmp_path, plugin, [AirCallback(mlflow=False, flush_timeout_seconds=1), mc], max_steps=3
+    )
+    try:
+        with pytest.raises(
+            TimeoutError, match=r"fixed.ckpt is still in flight after 1 s.*close_timeout_seconds"
+        ):
+            trainer.fit(BoringModel())
+    finally:
+        held.release.set()
 
 
 @pytest.mark.parametrize("with_callback", [False, True])
