@@ -4,34 +4,47 @@ A scheduler's SIGTERM reaches the ranks of a job a little apart. A rank that sto
 step that ends a checkpoint and its save, would leave that save without its part while its peers, already
 inside it, wait for it (and then for their own SIGTERM, or for the launcher's SIGKILL). Lightning's loop
 broadcasts a flag at each step so that every rank stops at the same one; Accelerate and transformers have
-no such point, so the session votes before each training batch is fetched, where every rank of a
+no such point, so the session votes before training batches are fetched, where every rank of a
 data-parallel job passes equally often.
 
-Each vote is an all-reduce (MAX) of this rank's flag on a gloo group of its own, started without waiting
-and read at the next training fetch, when it has long finished: the training thread pays for starting one
-small collective per step, never for waiting on it, and a SIGTERM stops every rank at the same fetch, one
-or two steps later. The group is made by ``StopVote.of`` on every rank at the same point (a collective),
-as the local tier's is, and never carries the tier's copies: two threads must not share one group.
+A vote is an all-reduce (MAX) of this rank's flag on a gloo group of its own, started without waiting
+and read at the next vote, when it has long finished: the training thread pays for starting a small
+collective, never for waiting on it. Each vote also carries how many fetches apart the next one comes,
+so that votes come about every ``EVERY_SECONDS`` of training, at most one per fetch: a collective per
+step of a few milliseconds would cost it a tenth on a busy host (``benchmarks/stop_vote.py``). Every rank
+reads the same result, so every rank votes, and stops, at the same fetch: after a SIGTERM, within two
+votes. The group is made by ``StopVote.of`` on every rank at the same point (a collective), as the local
+tier's is, and never carries the tier's copies: two threads must not share one group.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
+EVERY_SECONDS = 0.05
+"""About how often the ranks vote, in seconds of training (never more often than once per fetch)."""
+_MOST_FETCHES = 10_000
 
 
 class StopVote:
-    """One vote per training fetch; ``decide`` answers whether every rank stops here."""
+    """A vote every few training fetches; ``decide`` answers, at each, whether every rank stops there."""
 
     def __init__(self, group: Any) -> None:
         self._group = group
-        self._open: tuple[Any, torch.Tensor] | None = None  # the vote started at the previous fetch
+        self._max = dist.AllreduceOptions()
+        self._max.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+        self._open: torch.Tensor | None = None  # [flag, fetches to the next vote], being all-reduced
+        self._work: Any = None
+        self._every = 1  # fetches from one vote to the next, as the last vote agreed
+        self._since = 0  # fetches since the last vote
+        self._voted_at = 0.0
         self._broken = False
 
     @classmethod
@@ -42,24 +55,31 @@ class StopVote:
         return cls(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds)))
 
     def decide(self, asked: bool) -> bool:
-        """Called on every rank before each training fetch, ``asked`` when a SIGTERM reached this rank:
-        whether some rank had one at the previous fetch (then every rank stops now). A vote that fails
-        (a peer died: training's own collectives fail too) answers for this rank alone from then on."""
+        """Called on every rank before each training fetch, ``asked`` once a SIGTERM reached this rank:
+        whether every rank stops here (some rank had one at the last vote). A vote that fails (a peer
+        died: training's own collectives fail too) answers for this rank alone from then on."""
         if self._broken:
             return asked
-        stop = False
-        if self._open is not None:
-            work, flag = self._open
-            self._open = None
+        self._since += 1
+        if self._since < self._every:
+            return False
+        now = time.monotonic()
+        if self._work is not None and self._open is not None:
             try:
-                work.wait()
+                self._work.wait()
             except Exception as exc:  # a peer that died or hangs
                 logger.warning("no stop vote from every rank (%s); this rank stops on its own SIGTERM", exc)
                 self._broken = True
                 return asked
-            stop = bool(flag.item())
-        if not stop:
-            flag = torch.tensor([int(asked)], dtype=torch.int32)
-            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-            self._open = (work, flag)
-        return stop
+            stop, self._every = (int(x) for x in self._open.tolist())
+            if stop:
+                return True
+        # the next vote's distance: this rank's fetches in EVERY_SECONDS at the pace since the last vote,
+        # at most twice this one's (a pace taken over a few fetches can be a loader's burst: two at once)
+        pace = (now - self._voted_at) / self._since if self._voted_at else 0.0
+        every = min(int(EVERY_SECONDS / pace), 2 * self._every, _MOST_FETCHES) if pace else 1
+        self._open = torch.tensor([int(asked), max(every, 1)], dtype=torch.int32)
+        # the group's own call: ``dist.all_reduce``'s checks and logging cost a quarter more per call
+        self._work = self._group.allreduce([self._open], self._max)
+        self._since, self._voted_at = 0, now
+        return False

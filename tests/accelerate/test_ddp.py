@@ -90,9 +90,10 @@ def test_rank_killed_before_its_part_leaves_the_previous_checkpoint_newest(tmp_p
 
 # A scheduler's SIGTERM reaches rank 0 just before its save of step 10, which rank 1 has begun (or is
 # about to): rank 0 must not die there, leaving rank 1's part without its own. Every rank stops together
-# before a later training batch, after the save of step 10 committed with both parts.
+# before a later training batch, after the save of step 10 committed with both parts. Steps of 50 ms, so
+# that the ranks vote at each (they vote about every 50 ms).
 def test_sigterm_to_one_rank_before_its_save_stops_every_rank_after_that_save(tmp_path, reference):
-    args = ("--workers", "0", "--every", "5")
+    args = ("--workers", "0", "--every", "5", "--step-sleep", "0.05")
     out = run_job(tmp_path, *args, "--sigterm-before-save", "10:0", processes=2, expect_signal=signal.SIGTERM)
     assert "another rank had a SIGTERM: stopping with it" in out.stderr, "rank 1 stopped with rank 0"
     assert (tmp_path / "ckpts/.air/step-000000010/manifest.json").exists(), "step 10 committed"

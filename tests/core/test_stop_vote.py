@@ -71,8 +71,10 @@ def test_a_sigterm_to_one_rank_stops_every_rank_before_the_same_fetch(tmp_path):
     ranks, outputs, _ = _run_pair(tmp_path, "together")
     assert [p.returncode for p in ranks] == [-signal.SIGTERM] * 2, outputs
     assert "another rank had a SIGTERM: stopping with it" in outputs[0], outputs[0]
-    # rank 1's SIGTERM came after its vote at fetch 5: it votes at 6, and every rank reads that at 7
-    assert _last_fetch(tmp_path, 0) == _last_fetch(tmp_path, 1) == 6, outputs
+    # rank 1's SIGTERM came at fetch 5; the ranks vote every few fetches (about every 50 ms: each fetch
+    # here takes over 10 ms), and the vote after the one that carried it stops both before the same fetch
+    last = _last_fetch(tmp_path, 0)
+    assert _last_fetch(tmp_path, 1) == last and 5 <= last < 20, outputs
 
 
 def test_a_rank_that_reaches_no_fetch_after_its_sigterm_stops_alone_at_the_bound(tmp_path):

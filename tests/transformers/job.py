@@ -2,7 +2,7 @@
 
     python tests/transformers/job.py WORKDIR [--workers N] [--every K] [--steps S] [--ga G]
         [--kill STEP:PHASE[:RANK][+MS]] [--sigterm STEP:PHASE[+MS]] [--root URL --endpoint URL] [--stock]
-        [--sigterm-before-save STEP:RANK]
+        [--sigterm-before-save STEP:RANK] [--step-sleep S]
         [--eval-every K] [--limit N] [--best] [--local-every K --die STEP[:NODE]] [--draw-in HOOK]
 
 Trains a 2-layer GPT-2 (32 dimensions, built from a config: no download; dropout on) on token ids made
@@ -120,6 +120,17 @@ class SigtermBeforeSave(TrainerCallback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class StepSleep(TrainerCallback):
+    """--step-sleep S: each step sleeps S seconds (steps as long as a real model's, for the stop vote's
+    pace; what a step trains is unchanged)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        time.sleep(self.seconds)
+
+
 class DrawIn(TrainerCallback):
     """--draw-in HOOK: a user's callback that draws from the global RNG in that hook, as one that makes
     noise or picks samples to show would (registered after ``AirTrainerCallback``)."""
@@ -141,6 +152,7 @@ def main() -> None:
     p.add_argument("--kill", default="")
     p.add_argument("--sigterm", default="", help="STEP:PHASE[+DELAY_MS]: send SIGTERM instead")
     p.add_argument("--sigterm-before-save", default="", help="STEP:RANK: SIGTERM to itself before that save")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps")
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     p.add_argument("--stock", action="store_true")
@@ -211,6 +223,8 @@ def main() -> None:
             callbacks.append(DrawIn(args.draw_in))
         if args.sigterm_before_save:
             callbacks.append(SigtermBeforeSave(args.sigterm_before_save))
+        if args.step_sleep:
+            callbacks.append(StepSleep(args.step_sleep))
         trainer = recording(AirTrainer, args.workdir)(tiny_gpt2(), training, callbacks=callbacks, **kwargs)
         if args.local_every:
             trainer.train(resume_from_checkpoint=NEWEST)

@@ -153,9 +153,11 @@ def _steps_before_the_relaunch(workdir) -> int:
 
 def test_sigterm_to_one_process_before_its_save_stops_both_after_that_save(tmp_path, reference):
     """torchrun, gloo: SIGTERM reaches rank 1 at the end of step 16, before Trainer saves it, while rank 0
-    goes on into that save: both stop together before a later step, with step 16 committed."""
+    goes on into that save: both stop together before a later step, with step 16 committed. Steps of
+    50 ms, so that the ranks vote at each (they vote about every 50 ms)."""
     args = ("--workers", "2")
-    out = run_job(tmp_path, *args, "--sigterm-before-save", "16:1", processes=2, expect_signal=signal.SIGTERM)
+    sigterm = ("--sigterm-before-save", "16:1", "--step-sleep", "0.05")
+    out = run_job(tmp_path, *args, *sigterm, processes=2, expect_signal=signal.SIGTERM)
     assert "another rank had a SIGTERM: stopping with it" in out.stderr, "rank 0 stopped with rank 1"
     assert (tmp_path / "ckpts/.air/checkpoint-16/manifest.json").exists(), "step 16 committed"
     run_job(tmp_path, *args, processes=2)
