@@ -20,9 +20,9 @@ it did before us.
 
 With a ``StopVote`` (several ranks, a framework without a stop of its own: ``stop_vote.py``) a SIGTERM
 does not stop the rank at its next step end or save, where a peer may already be inside the save this
-rank would leave without its part: the ranks vote before each training fetch, and at the first fetch
-after one rank had a SIGTERM every rank flushes and stops (a rank that had none raises SIGTERM itself, as
-a framework's stop raises on every rank). A rank that reaches no training fetch for
+rank would leave without its part: the ranks vote before training fetches (about every 50 ms), and at
+the vote after one that carried a SIGTERM every rank flushes and stops (a rank that had none raises
+SIGTERM itself, as a framework's stop raises on every rank). A rank that reaches no training fetch for
 ``STOP_TOGETHER_SECONDS`` (an evaluation, a step longer than that) flushes and stops on its own, as
 without a vote.
 """
@@ -42,8 +42,8 @@ from .stop_vote import StopVote
 
 logger = logging.getLogger(__name__)
 STOP_TOGETHER_SECONDS = 10.0
-"""How long a rank with a vote waits, after its SIGTERM, for every rank to stop with it: a vote decides
-within two training fetches, and schedulers kill some 30 s after their SIGTERM."""
+"""How long a rank with a vote waits, after its SIGTERM, for every rank to stop with it: votes decide
+within about 0.1 s or two training fetches, and schedulers kill some 30 s after their SIGTERM."""
 
 
 class _Flushing:
@@ -68,7 +68,7 @@ class FlushOnSigterm:
         timeout_seconds: bound on the flush.
         who: the name used in log lines (e.g. ``"AirCallback"``).
         log: the logger to report to (the adapter's, so its users see it where they look).
-        vote: every rank's vote before a training fetch (``between_steps``), or None (one rank, or a
+        vote: every rank's vote before training fetches (``between_steps``), or None (one rank, or a
             framework that stops every rank at a SIGTERM itself).
     """
 
@@ -127,7 +127,8 @@ class FlushOnSigterm:
             flushing.done.wait()
 
     def between_steps(self) -> None:
-        """Before each training fetch, on every rank: vote, and stop here when a rank had a SIGTERM."""
+        """Before each training fetch, on every rank: vote when one is due, and stop here when the ranks
+        agreed that one had a SIGTERM."""
         vote = self._vote
         if vote is None or not vote.decide(self._flushing is not None):
             return
