@@ -34,6 +34,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -163,15 +164,17 @@ class FlushOnSigterm:
         """The ``air-sigterm`` thread: flush for each SIGTERM, then deliver it again (see the module)."""
         while (flushing := asks.get()) is not None:
             if not flushing.go.is_set():
-                self._log.info("%s: a SIGTERM: stopping with every rank before a training batch", self._who)
-            if not flushing.go.wait(STOP_TOGETHER_SECONDS):
-                self._log.warning(
-                    "%s: no training step began within %.0f s of the SIGTERM to stop with every rank; this "
-                    "rank flushes and stops on its own",
-                    self._who,
-                    STOP_TOGETHER_SECONDS,
-                )
-                flushing.go.set()
+                deadline = time.monotonic() + STOP_TOGETHER_SECONDS
+                self._log.info("%s: a SIGTERM: stopping with every rank at their next vote", self._who)
+                self._commit_begun(STOP_TOGETHER_SECONDS)
+                if not flushing.go.wait(max(deadline - time.monotonic(), 0.0)):
+                    self._log.warning(
+                        "%s: the ranks did not agree to stop within %.0f s of the SIGTERM (no training "
+                        "batch fetched, or steps slower than their votes' pace); this rank stops on its own",
+                        self._who,
+                        STOP_TOGETHER_SECONDS,
+                    )
+                    flushing.go.set()
             try:
                 self.flush("SIGTERM")
             finally:
@@ -181,6 +184,20 @@ class FlushOnSigterm:
                 # thread's next Python line
                 signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
                 flushing.done.set()
+
+    def _commit_begun(self, seconds: float) -> None:
+        """With a vote, while training goes on to the stop: commit the saves begun so far, within
+        ``seconds``, so that a SIGKILL before the stop loses none of them. Quiet: a save waiting for a
+        peer's part that comes later (that peer has not begun it yet) commits by the stop's flush."""
+        ckpt = self._checkpointer()
+        if ckpt is None:
+            return
+        try:
+            ckpt.flush(seconds)
+        except TimeoutError as exc:
+            self._log.debug("%s: saves in flight at the SIGTERM not committed yet: %s", self._who, exc)
+        except Exception as exc:  # a failed save: reported here, once, as ``flush`` reports it
+            self._log.error("%s: flushing on SIGTERM failed: %s", self._who, exc)
 
     def uninstall(self) -> None:
         """Put the previous SIGTERM handler back if this one is still installed (idempotent; main thread

@@ -30,7 +30,9 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 EVERY_SECONDS = 0.05
 """About how often the ranks vote, in seconds of training (never more often than once per fetch)."""
-_MOST_FETCHES = 10_000
+_MOST_FETCHES = 16
+"""The most fetches from one vote to the next: steps that turn slow (an evaluation's worth of memory
+pressure, a slower node) cannot put the next vote far past the 10 s a SIGTERM's stop waits for it."""
 
 
 class StopVote:
