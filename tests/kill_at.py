@@ -113,6 +113,15 @@ def read_journal(workdir: str, rank: int = 0) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def busy(seconds: float) -> None:
+    """Spend ``seconds`` inside a step as training would: the main thread runs Python between short waits,
+    so a process-directed signal that the kernel gave another thread (the writer's, which sent it) reaches
+    its handler within 50 ms; one long sleep held it back to the sleep's end, and the step ended first."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 0.05))
+
+
 def die(*, agent: bool = False, children: bool = False) -> NoReturn:
     """SIGKILL this process at once: its torchrun agent first with ``agent`` (the node is lost), its child
     processes first with ``children`` (the other ranks Lightning's launcher started, and loader workers).

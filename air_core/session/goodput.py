@@ -3,8 +3,9 @@
 Rank 0 of every launch writes one log under ``<root>/.air-events/<launch>/``: a ``start`` event
 (process start time, the checkpoint it resumed from and how long the restore took), one ``step`` event
 per training step (end time, duration, data wait), one ``save`` event per checkpoint (blocking seconds,
-committed or not) and an ``end`` event. Object stores cannot append, so the log is written as numbered
-segments, each a new file with the events since the previous one: a background thread uploads one
+committed or not), a ``cut`` event for a step under way when a SIGTERM ended the process (after its
+flush: ``preemption.py``) and an ``end`` event. Object stores cannot append, so the log is written as
+numbered segments, each a new file with the events since the previous one: a background thread uploads one
 at the start, every ``flush_every_seconds``, after each commit and at ``close``. Every event is also
 appended to a node-local journal (``Journal``: a write per event, no fsync; a killed process's writes
 survive in the page cache). The next launch whose rank 0 runs on that node puts a dead launch's journal
@@ -17,8 +18,9 @@ rank the hang watchdog stops (any rank) leaves a ``hang`` record beside the logs
 event into productive step time and what was lost: checkpoint stalls, data waits, start-up (process
 start to the first step, less the restore: imports, process group, model build), restore (the restore
 records' seconds: finding, fetching and unpickling the checkpoint), recomputed work (steps a launch ran
-after the checkpoint the next launch resumed from), hangs (from a stopped rank's last progress to its
-exit) and the rest (time between launches, evaluation, teardown). goodput = productive / wall.
+after the checkpoint the next launch resumed from, and a step a SIGTERM cut short), hangs (from a stopped
+rank's last progress to its exit) and the rest (time between launches, evaluation, teardown).
+goodput = productive / wall.
 """
 
 from __future__ import annotations
@@ -114,6 +116,12 @@ class GoodputLog:
     def step(self, step: int, seconds: float, fetch_seconds: float, samples: int = 0) -> None:
         """Rank 0's step ``step``: its end, duration, data wait and the samples rank 0 fetched for it."""
         event = {"e": "step", "s": step, "t": time.time(), "d": seconds, "f": fetch_seconds}
+        self._append(event | {"n": samples} if samples else event)
+
+    def cut(self, step: int, seconds: float, fetch_seconds: float, samples: int = 0) -> None:
+        """Rank 0's step ``step`` was under way when the process stopped (a SIGTERM's default action,
+        after its flush): how long it had run, its data wait and the samples handed to it."""
+        event = {"e": "cut", "s": step, "t": time.time(), "d": seconds, "f": fetch_seconds}
         self._append(event | {"n": samples} if samples else event)
 
     def save(self, record: SaveRecord) -> None:
@@ -422,7 +430,7 @@ class LaunchTime:
     steps: int = 0
     recomputed_steps: int = 0
     recomputed_samples: int = 0
-    """Samples of the recomputed steps: rank 0's (its step events' ``n``) times the world size."""
+    """Samples of the recomputed steps: rank 0's (its step and cut events' ``n``) times the world size."""
     hung: bool = False
     span: float = 0.0
     """From the launch's process start to its last event."""
@@ -435,9 +443,13 @@ def per_launch(launches: list[list[dict[str, Any]]]) -> list[LaunchTime]:
     for i, events in enumerate(launches):
         start = next(e for e in events if e["e"] == "start")
         steps = [e for e in events if e["e"] == "step"]
-        # The steps this launch ran beyond the checkpoint the next launch resumed from were done again.
+        # A step a SIGTERM's stop cut short (whose end is not in the log too): begun, never applied.
+        ended = {e["s"] for e in steps}
+        cut = [e for e in events if e["e"] == "cut" and e["s"] not in ended]
+        # The steps this launch ran beyond the checkpoint the next launch resumed from were done again,
+        # and so was a step it was cut short in; without a next launch, a cut step's time is "other".
         resumed = _resumed_from(launches[i + 1 :])
-        redone = {e["s"] for e in steps if resumed is not None and e["s"] > resumed}
+        redone = {e["s"] for e in [*steps, *cut] if resumed is not None and e["s"] > resumed}
         blocking = {e["s"]: e["blocking"] for e in events if e["e"] == "save"}
         t: dict[str, Any] = {"world": start.get("world", 1)}
         t["span"] = max(e["t"] for e in events) - start["t"]
@@ -464,6 +476,10 @@ def per_launch(launches: list[list[dict[str, Any]]]) -> list[LaunchTime]:
             productive += max(e["d"] - e["f"] - stall, 0.0)
             waits += e["f"]
             stalls += stall
+        for e in cut:
+            if e["s"] in redone:
+                recomputed += e["d"]
+                recomputed_samples += e.get("n", 0) * t["world"]
         out.append(
             LaunchTime(
                 **t,

@@ -58,12 +58,13 @@ class TrackedLoader(LoaderProxy):
         loader: the loader the framework iterates.
         epoch: the epoch number the consumer is about to iterate (read at each ``__iter__``).
         lookahead: batches the consumer fetches ahead of what it hands to training.
-        on_fetch: called with the seconds each fetched batch took (``fetch_seconds``) and the samples
-            handed to training with it (the loader's batch size, 0 where it has none): with a lookahead,
-            those of the batch fetched ``lookahead`` fetches before (none for the first ones of a pass),
-            and at the pass's end, after no fetch, those still held (0 seconds). Counted by fetch, a
-            launch's first step had its lookahead's samples too, and a failure's repeated samples one
-            batch more.
+        on_fetch: called once per batch handed to training, with the seconds its fetch took
+            (``fetch_seconds``) and its samples (the loader's batch size, 0 where it has none). With a
+            lookahead, the batch fetched ``lookahead`` fetches before is handed at each fetch; the first
+            fetches of a pass hand none, and their seconds go with the first batch handed; at the pass's
+            end, after no fetch, the batches still held are handed. Counted by fetch, a launch's first
+            step had its lookahead's samples too, and a failure's repeated samples one batch more; and a
+            call meant a step under way (``Recorder.record_cut``) before any batch of it was handed.
         between_steps: called before each training fetch, once what the last fetch's step changed is
             settled: the point between two steps at which the session takes a local checkpoint that is due.
         training: whether a fetch now is for training, for a framework that prepares evaluation loaders
@@ -364,6 +365,7 @@ class TrackedLoader(LoaderProxy):
             )
         track_ahead = self._lookahead > 0 and self._workers == 0
         held: deque[int] = deque()  # the samples of batches fetched but not yet handed to training
+        waited = 0.0  # the seconds of the fetches since the last batch handed
         self._state = "inside"
         try:
             while True:
@@ -382,13 +384,16 @@ class TrackedLoader(LoaderProxy):
                         self._ledger.consume_all()
                     self._state = "end"
                     if held and self._on_fetch is not None:  # the consumer hands them over after this
-                        self._on_fetch(0.0, sum(held))
+                        self._on_fetch(waited, sum(held))
                     return
                 batch = self._unwrap(batch)
                 held.append(self._batch_samples)
-                handed = held.popleft() if len(held) > self._lookahead else 0
-                if self._on_fetch is not None:
-                    self._on_fetch(time.perf_counter() - started, handed)
+                waited += time.perf_counter() - started
+                if len(held) > self._lookahead:
+                    handed = held.popleft()
+                    if self._on_fetch is not None:
+                        self._on_fetch(waited, handed)
+                    waited = 0.0
                 self._taken += 1
                 yield batch
         except GeneratorExit:  # the consumer broke out: its next pass starts the epoch afresh

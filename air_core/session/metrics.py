@@ -81,6 +81,7 @@ class Recorder:
         """Sets an MLflow tag (rank 0, once attached)."""
         self._pending_fetch = 0.0
         self._pending_samples = 0
+        self._under_way = False  # a training batch was handed on since the last step's end
         self._downloaded = 0.0
         """Bytes this rank's restores downloaded from the root (summed over ranks with the counters)."""
         self._last_end: float | None = None
@@ -97,12 +98,13 @@ class Recorder:
 
     # -- the training thread ---------------------------------------------------------------------
     def record_fetch(self, seconds: float, samples: int = 0) -> None:
-        """A batch fetched for training after waiting ``seconds``, with ``samples`` handed to training
-        (with a loader's lookahead, an earlier batch's: ``TrackedLoader``'s ``on_fetch``)."""
+        """A batch of ``samples`` handed to training, after waiting ``seconds`` for its fetch (with a
+        loader's lookahead, for a later batch's: ``TrackedLoader``'s ``on_fetch``)."""
         if self._last_end is None:
             self._last_end = time.monotonic() - seconds
         self._pending_fetch += seconds
         self._pending_samples += samples
+        self._under_way = True
 
     def record_step(self, step: int) -> None:
         """Training step ``step`` (1-based count of steps done) just ended."""
@@ -110,6 +112,7 @@ class Recorder:
         start = self._last_end if self._last_end is not None else now
         duration, fetch, samples = now - start, self._pending_fetch, self._pending_samples
         self._last_end, self._pending_fetch, self._pending_samples = now, 0.0, 0
+        self._under_way = False
         self.fetch_seconds.append(fetch)
         self._window_fetch.append(fetch)
         self._window_steps.append(duration)
@@ -117,6 +120,17 @@ class Recorder:
             self.goodput.step(step, duration, fetch, samples)
         if len(self._window_fetch) >= self.log_every_n_steps:
             self.close_window(step)
+
+    def record_cut(self, step: int) -> None:
+        """The process ends now, from another thread (a SIGTERM's, its flush done): a step under way (a
+        training batch handed on since the last step's end), ``step``, is cut short and goes to the goodput
+        log as such (rank 0), with its seconds so far and the samples handed to it. Its end, if the
+        training thread gets there first after all, is in the log too; the report then counts the step
+        once (``goodput.per_launch``)."""
+        if not self._under_way or self._last_end is None or self.goodput is None:
+            return
+        seconds = time.monotonic() - self._last_end
+        self.goodput.cut(step, seconds, self._pending_fetch, self._pending_samples)
 
     def close_window(self, step: int, *, reduce: bool = True) -> None:
         """Publish the steps not published yet. ``reduce=False`` (at the end of training) publishes this

@@ -15,6 +15,9 @@ waits for it at the next point where it holds nothing (``wait``: a step's end, a
 When the flush is done that thread sends SIGTERM again to the main thread (which acts on it at once, even
 inside a blocking call), and the second delivery goes on to the previous handler (or the default action:
 the process dies of SIGTERM), or to whichever handler is installed by then.
+Where that is the default action the process ends wherever the training thread is, inside a step if
+the flush ended before the step did: ``on_stop`` is told first, so that the session records that step
+as cut short (the goodput log's ``cut``), a step the next launch does again.
 A forked child (a loader worker) inherits the handler but not the thread; there SIGTERM acts at once as
 it did before us.
 
@@ -71,6 +74,10 @@ class FlushOnSigterm:
         log: the logger to report to (the adapter's, so its users see it where they look).
         vote: every rank's vote before training fetches (``between_steps``), or None (one rank, or a
             framework that stops every rank at a SIGTERM itself).
+        on_stop: called on the ``air-sigterm`` thread after a SIGTERM's flush when the SIGTERM it sends
+            next ends the process at once (the default action: no handler before ours, and ours still
+            installed), wherever the training thread is; its errors are logged. Not called where a
+            handler of the framework's comes next: that one stops where it chooses.
     """
 
     def __init__(
@@ -81,9 +88,11 @@ class FlushOnSigterm:
         who: str,
         log: logging.Logger = logger,
         vote: StopVote | None = None,
+        on_stop: Callable[[], None] | None = None,
     ) -> None:
         self._checkpointer = checkpointer
         self._vote = vote
+        self._on_stop = on_stop
         self._timeout = timeout_seconds
         self._who = who
         self._log = log
@@ -177,6 +186,7 @@ class FlushOnSigterm:
                     flushing.go.set()
             try:
                 self.flush("SIGTERM")
+                self._stopping()
             finally:
                 flushing.flushed = True
                 # to the main thread, whose handler runs at once even in a blocking call (a sleep, an
@@ -198,6 +208,16 @@ class FlushOnSigterm:
             self._log.debug("%s: saves in flight at the SIGTERM not committed yet: %s", self._who, exc)
         except Exception as exc:  # a failed save: reported here, once, as ``flush`` reports it
             self._log.error("%s: flushing on SIGTERM failed: %s", self._who, exc)
+
+    def _stopping(self) -> None:
+        """``on_stop``, where the SIGTERM sent next is the default action (the process ends at once)."""
+        ours = signal.getsignal(signal.SIGTERM) == self._on_sigterm
+        if self._on_stop is None or not ours or self._previous not in (signal.SIG_DFL, None):
+            return
+        try:
+            self._on_stop()
+        except Exception as exc:  # the thread's boundary: the SIGTERM is sent all the same
+            self._log.warning("%s: recording the stop failed: %s", self._who, exc)
 
     def uninstall(self) -> None:
         """Put the previous SIGTERM handler back if this one is still installed (idempotent; main thread

@@ -173,6 +173,7 @@ class TrainingSession:
             who=config.owner,
             log=logger,
             vote=vote,
+            on_stop=self._stopped_by_sigterm,
         )
 
     @classmethod
@@ -582,6 +583,10 @@ class TrainingSession:
             self._preemption.install()
             self.health.arm(write=self._write_hang, record=self._record_hang)
 
+    def _stopped_by_sigterm(self) -> None:  # the air-sigterm thread, the flush done: the process ends now
+        # A step under way is cut short; a relaunch does it again (``goodput.per_launch``).
+        self.records.record_cut(self._steps_done + 1)
+
     def _write_hang(self, path: str, data: bytes) -> None:  # the watchdog's thread: no flush, no lock
         if self._ckpt is None:
             raise AirError("no checkpoint root is open")
@@ -601,8 +606,8 @@ class TrainingSession:
         return (self._sink.run_id if self._sink is not None else None) or self.positions.resumed_run
 
     def record_fetch(self, seconds: float, samples: int = 0) -> None:
-        """A training batch was fetched (after ``seconds``) with ``samples`` handed to the step now (with a
-        loader's lookahead, those of a batch fetched earlier)."""
+        """A training batch of ``samples`` is handed to the step now, after ``seconds`` waiting for its fetch
+        (with a loader's lookahead, for a later batch's: ``TrackedLoader``'s ``on_fetch``)."""
         self.records.record_fetch(seconds, samples)
         self.health.fetched()
 

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.utils.data import DataLoader, Dataset
 
 from tests import stalls
-from tests.kill_at import Journal, KillAt, die
+from tests.kill_at import Journal, KillAt, busy, die
 
 N_SAMPLES, DIM, BATCH = 64, 16, 4
 
@@ -259,7 +259,7 @@ def main() -> None:
                 if args.die:
                     _die_once(args, accelerator, step + 1)
                 if args.step_sleep:
-                    time.sleep(args.step_sleep)
+                    busy(args.step_sleep)
                 if args.tracker:
                     accelerator.log({"loss": loss.item()}, step=step)
                 accelerator.backward(loss)

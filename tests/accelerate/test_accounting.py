@@ -96,3 +96,19 @@ def test_a_launch_that_failed_from_its_first_step_repeated_the_samples_of_its_st
     (failure,) = json.loads(_report(str(tmp_path / "ckpts"), None, "--json"))["work"]["per_failure"]
     assert (failure["resumed_from_step"], failure["recomputed_steps"]) == (0, 7), "steps 1-7 ran, then 8 died"
     assert failure["repeated_samples"] == 7 * BATCH
+
+
+def test_a_step_a_sigterm_stopped_midway_is_recomputed_with_its_samples(tmp_path):
+    """A SIGTERM while step 5's save uploads: the flush commits it and the process ends at once, inside
+    the step under way (each sleeps 2 s, longer than the flush). The relaunch from step 5 does that step
+    again; it never ended, so the log had no step event of it and the report counted one step too few."""
+    run_job(tmp_path, "--sigterm", "5:upload_start", "--step-sleep", "2", expect_signal=signal.SIGTERM)
+    run_job(tmp_path)
+    (failure,) = json.loads(_report(str(tmp_path / "ckpts"), None, "--json"))["work"]["per_failure"]
+    rows = [json.loads(line) for line in (tmp_path / "ids-rank0.jsonl").read_text().splitlines()]
+    began = sum(row["launch"] == rows[0]["launch"] for row in rows)  # the first launch's steps, begun
+    redone = began - failure["resumed_from_step"]
+    assert redone >= 1, (began, failure)
+    assert (failure["recomputed_steps"], failure["repeated_samples"]) == (redone, redone * BATCH), (
+        f"the first launch began {began} steps, the relaunch resumed from step {failure['resumed_from_step']}"
+    )

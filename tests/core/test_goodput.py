@@ -14,7 +14,7 @@ import pytest
 
 from air_core import RestoreRecord, SaveRecord
 from air_core.session import GoodputLog, goodput_of
-from air_core.session.goodput import analyze, read_events
+from air_core.session.goodput import analyze, per_launch, read_events
 from air_core.storage import Storage
 from tests.conftest import REPO
 from tests.zygote import python
@@ -177,6 +177,24 @@ def test_a_launch_whose_restore_event_was_lost_resumed_from_the_step_before_its_
     last = _launch(60.0, [(s, 60.0 + s, 1.0, 0.0) for s in range(21, 41)])
     g = analyze([first, died, last])
     assert (g.launches, g.recomputed_steps, g.recomputed) == (3, 10, 10.0)
+    assert analyze([first]).recomputed_steps == 0, "no later launch: nothing known to be redone"
+
+
+def test_a_step_a_sigterm_cut_short_is_recomputed_once_with_its_samples():
+    """A SIGTERM's stop inside step 6 (``cut``: begun, never applied) after the save of step 5: the relaunch
+    from step 5 does step 6 again. A cut whose step's end is in the log too (the step ended before the
+    process did) counts once; without a later launch nothing redid it, and its time is "other"."""
+    first = _launch(0.0, [(s, 10.0 + s, 1.0, 0.0) for s in range(1, 6)])  # steps 1-5, each 4 samples
+    for e in first[1:]:
+        e["n"] = 4
+    first.append({"e": "cut", "s": 6, "t": 16.5, "d": 1.5, "f": 0.25, "n": 4})
+    second = _launch(30.0, [(s, 30.0 + s, 1.0, 0.0) for s in range(6, 11)], restore=5)
+    g = analyze([first, second])
+    assert (g.steps, g.recomputed_steps, g.recomputed) == (10, 1, 1.5), "step 6 of launch 1 was lost"
+    (t, _) = per_launch([first, second])
+    assert t.recomputed_samples == 4, "the samples handed to the cut step are seen again"
+    ended = [*first[:-1], {"e": "step", "s": 6, "t": 16.4, "d": 1.4, "f": 0.25, "n": 4}, first[-1]]
+    assert analyze([ended, second]).recomputed_steps == 1, "a step that ended counts once, not twice"
     assert analyze([first]).recomputed_steps == 0, "no later launch: nothing known to be redone"
 
 

@@ -253,3 +253,23 @@ def test_a_tracked_loader_pickles_for_spawned_workers():
     TrackedLoader(loader, epoch=lambda: 0)
     clone = pickle.loads(pickle.dumps((loader.collate_fn, loader.worker_init_fn)))
     assert type(clone[0]).__name__ == "CarryRng" and type(clone[1]).__name__ == "ApplyRng"
+
+
+def test_a_batch_fetched_ahead_is_counted_once_it_is_handed_to_training():
+    """A consumer one batch ahead (Accelerate's): ``on_fetch`` comes once per batch handed to training, so
+    a step is under way only once it has one. The pass's first fetch hands none (a SIGTERM's stop right
+    after it cut no step short: the session logged a step that never began), its seconds go with the
+    second's, and the last batch is handed at the pass's end; every sample is counted once."""
+    calls: list[tuple[float, int]] = []
+    tracked = TrackedLoader(
+        _loader(), epoch=lambda: 0, lookahead=1, on_fetch=lambda s, n: calls.append((s, n))
+    )
+    fetches = iter(tracked)
+    next(fetches)
+    assert calls == [], "the batch fetched ahead is not handed to training yet"
+    next(fetches)
+    assert [n for _, n in calls] == [4], "the first batch goes to the first step with the second fetch"
+    assert all(seconds > 0 for seconds, _ in calls)
+    for _ in fetches:
+        pass
+    assert [n for _, n in calls] == [4] * 10, "each of the pass's 10 batches once, the last at its end"

@@ -2,8 +2,9 @@
 
     python tests/transformers/job.py WORKDIR [--workers N] [--every K] [--steps S] [--ga G]
         [--kill STEP:PHASE[:RANK][+MS]] [--sigterm STEP:PHASE[+MS]] [--root URL --endpoint URL] [--stock]
-        [--sigterm-before-save STEP:RANK] [--step-sleep S]
+        [--sigterm-before-save STEP:RANK]
         [--eval-every K] [--limit N] [--best] [--local-every K --die STEP[:NODE]] [--draw-in HOOK]
+        [--step-sleep S]
 
 Trains a 2-layer GPT-2 (32 dimensions, built from a config: no download; dropout on) on token ids made
 here: sample i is 16 ids drawn from a generator seeded with i, and one of them is replaced by a token
@@ -15,7 +16,8 @@ weights to WORKDIR/final.pt and its stats (restores, fetches) to WORKDIR/stats-<
 plain ``Trainer`` (stock checkpoints in WORKDIR/stock, resumed with resume_from_checkpoint=True).
 --local-every K adds the local tier (``local_every_n_steps=K``, ``local_dir`` WORKDIR/local-$AIR_NODE_NAME)
 and resumes with ``resume_from_checkpoint=NEWEST``; --die STEP[:NODE] SIGKILLs every process (or node
-NODE) before step STEP (1-based) of the first launch.
+NODE) before step STEP (1-based) of the first launch. --step-sleep S: each training micro-batch spends S
+more seconds once its record is written (``kill_at.busy``: a step that outlasts a SIGTERM's flush).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from tests import stalls
-from tests.kill_at import Journal, KillAt, die
+from tests.kill_at import Journal, KillAt, busy, die
 
 N_SAMPLES, LENGTH, VOCAB = 48, 16, 96
 
@@ -57,9 +59,9 @@ def tiny_gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def recording(base: type, workdir: str) -> type:
+def recording(base: type, workdir: str, step_sleep: float = 0.0) -> type:
     """``base`` whose ``compute_loss`` logs each training micro-batch's sample ids, augmented ids' sums
-    and loss (which shows the weights and dropout it was computed with)."""
+    and loss (which shows the weights and dropout it was computed with), then sleeps ``step_sleep``."""
 
     class Recording(base):  # type: ignore[misc, valid-type]
         def compute_loss(self, model, inputs, *args, **kwargs):
@@ -78,6 +80,7 @@ def recording(base: type, workdir: str) -> type:
                 path = os.path.join(workdir, f"ids-rank{self.args.process_index}.jsonl")
                 with open(path, "a") as f:
                     f.write(json.dumps(record) + "\n")
+                busy(step_sleep)
             return out
 
         def _micro(self) -> int:
@@ -120,17 +123,6 @@ class SigtermBeforeSave(TrainerCallback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-class StepSleep(TrainerCallback):
-    """--step-sleep S: each step sleeps S seconds (steps as long as a real model's, for the stop vote's
-    pace; what a step trains is unchanged)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def on_step_begin(self, args, state, control, **kwargs) -> None:
-        time.sleep(self.seconds)
-
-
 class DrawIn(TrainerCallback):
     """--draw-in HOOK: a user's callback that draws from the global RNG in that hook, as one that makes
     noise or picks samples to show would (registered after ``AirTrainerCallback``)."""
@@ -152,7 +144,6 @@ def main() -> None:
     p.add_argument("--kill", default="")
     p.add_argument("--sigterm", default="", help="STEP:PHASE[+DELAY_MS]: send SIGTERM instead")
     p.add_argument("--sigterm-before-save", default="", help="STEP:RANK: SIGTERM to itself before that save")
-    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps")
     p.add_argument("--root", default="")
     p.add_argument("--endpoint", default="")
     p.add_argument("--stock", action="store_true")
@@ -163,6 +154,7 @@ def main() -> None:
     p.add_argument("--local-every", type=int, default=0, help="AirTrainerCallback(local_every_n_steps=...)")
     p.add_argument("--die", default="", help="STEP[:NODE]: SIGKILL before this step of the first launch")
     p.add_argument("--draw-in", default="", help="HOOK: a user's callback draws from the RNG in that hook")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each training micro-batch sleeps")
     args = p.parse_args()
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
@@ -223,9 +215,8 @@ def main() -> None:
             callbacks.append(DrawIn(args.draw_in))
         if args.sigterm_before_save:
             callbacks.append(SigtermBeforeSave(args.sigterm_before_save))
-        if args.step_sleep:
-            callbacks.append(StepSleep(args.step_sleep))
-        trainer = recording(AirTrainer, args.workdir)(tiny_gpt2(), training, callbacks=callbacks, **kwargs)
+        recorded = recording(AirTrainer, args.workdir, args.step_sleep)
+        trainer = recorded(tiny_gpt2(), training, callbacks=callbacks, **kwargs)
         if args.local_every:
             trainer.train(resume_from_checkpoint=NEWEST)
         else:

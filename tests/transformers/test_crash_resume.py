@@ -134,15 +134,34 @@ def test_sigterm_during_an_upload_commits_the_inflight_save_then_resumes_exactly
     # recorded each step's batch as the step began, and SIGTERM stops a process only at a step's end or a
     # save's start, so its last recorded step ended (the report missed it: its event came after the stop).
     ran = _steps_before_the_relaunch(tmp_path)
+    failure = _failure(tmp_path)
+    assert failure["recomputed_steps"] == ran - failure["resumed_from_step"], (ran, failure)
+
+
+def test_a_step_a_sigterm_stopped_midway_is_recomputed_with_its_samples(tmp_path):
+    """A SIGTERM while step 4's save uploads, each step longer than the flush (2 s): the process ends at
+    once after the flush, inside the step under way, which the relaunch does again. Its end never came,
+    so the log had no step event of it, and the report counted one step (and its samples) too few."""
+    run_job(tmp_path, "--sigterm", "4:upload_start", "--step-sleep", "2", expect_signal=signal.SIGTERM)
+    run_job(tmp_path)
+    ran = _steps_before_the_relaunch(tmp_path)
+    failure = _failure(tmp_path)
+    redone = ran - failure["resumed_from_step"]
+    assert redone >= 1, (ran, failure)
+    assert (failure["recomputed_steps"], failure["repeated_samples"]) == (redone, 4 * redone), (ran, failure)
+
+
+def _failure(workdir) -> dict:
+    """The one failure of ``air report --json``'s ``work``."""
     report = subprocess.run(
-        [sys.executable, "-m", "air_core.cli", "report", "--json", str(tmp_path / "ckpts")],
+        [sys.executable, "-m", "air_core.cli", "report", "--json", str(workdir / "ckpts")],
         capture_output=True,
         text=True,
         check=True,
         env={**os.environ, "PYTHONPATH": REPO},
     )
     (failure,) = json.loads(report.stdout)["work"]["per_failure"]
-    assert failure["recomputed_steps"] == ran - failure["resumed_from_step"], (ran, failure)
+    return failure
 
 
 def _steps_before_the_relaunch(workdir) -> int:
