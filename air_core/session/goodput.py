@@ -115,13 +115,15 @@ class GoodputLog:
 
     def step(self, step: int, seconds: float, fetch_seconds: float, samples: int = 0) -> None:
         """Rank 0's step ``step``: its end, duration, data wait and the samples rank 0 fetched for it."""
-        event = {"e": "step", "s": step, "t": time.time(), "d": seconds, "f": fetch_seconds}
-        self._append(event | {"n": samples} if samples else event)
+        self._timed("step", step, seconds, fetch_seconds, samples)
 
     def cut(self, step: int, seconds: float, fetch_seconds: float, samples: int = 0) -> None:
         """Rank 0's step ``step`` was under way when the process stopped (a SIGTERM's default action,
         after its flush): how long it had run, its data wait and the samples handed to it."""
-        event = {"e": "cut", "s": step, "t": time.time(), "d": seconds, "f": fetch_seconds}
+        self._timed("cut", step, seconds, fetch_seconds, samples)
+
+    def _timed(self, kind: str, step: int, seconds: float, fetch_seconds: float, samples: int) -> None:
+        event = {"e": kind, "s": step, "t": time.time(), "d": seconds, "f": fetch_seconds}
         self._append(event | {"n": samples} if samples else event)
 
     def save(self, record: SaveRecord) -> None:

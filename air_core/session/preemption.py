@@ -25,9 +25,10 @@ With a ``StopVote`` (several ranks, a framework without a stop of its own: ``sto
 does not stop the rank at its next step end or save, where a peer may already be inside the save this
 rank would leave without its part: the ranks vote before training fetches (about every 50 ms), and at
 the vote after one that carried a SIGTERM every rank flushes and stops (a rank that had none raises
-SIGTERM itself, as a framework's stop raises on every rank). A rank that reaches no training fetch for
-``STOP_TOGETHER_SECONDS`` (an evaluation, a step longer than that) flushes and stops on its own, as
-without a vote.
+SIGTERM itself, as a framework's stop raises on every rank). Meanwhile the signalled rank commits the
+saves begun before its SIGTERM. A rank whose ranks have not agreed within ``STOP_TOGETHER_SECONDS`` (no
+training fetch: an evaluation; or steps much slower than the votes' pace) flushes and stops on its own,
+as without a vote.
 """
 
 from __future__ import annotations

@@ -19,13 +19,14 @@ tier's is, and never carries the tier's copies: two threads must not share one g
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..tiers.partners import side_group
 
 logger = logging.getLogger(__name__)
 EVERY_SECONDS = 0.05
@@ -42,8 +43,7 @@ class StopVote:
         self._group = group
         self._max = dist.AllreduceOptions()
         self._max.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
-        self._open: torch.Tensor | None = None  # [flag, fetches to the next vote], being all-reduced
-        self._work: Any = None
+        self._open: tuple[Any, torch.Tensor] | None = None  # the last vote: its work, [flag, fetches to next]
         self._every = 1  # fetches from one vote to the next, as the last vote agreed
         self._since = 0  # fetches since the last vote
         self._voted_at = 0.0
@@ -54,7 +54,7 @@ class StopVote:
         """A vote over every rank of the default group (a collective: every rank calls it at one point).
         ``timeout_seconds`` bounds a vote: past it a peer is gone (one rank's work between two fetches,
         such as an evaluation on the main process alone, must take less)."""
-        return cls(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds)))
+        return cls(side_group(timeout_seconds))
 
     def decide(self, asked: bool) -> bool:
         """Called on every rank before each training fetch, ``asked`` once a SIGTERM reached this rank:
@@ -66,22 +66,23 @@ class StopVote:
         if self._since < self._every:
             return False
         now = time.monotonic()
-        if self._work is not None and self._open is not None:
+        if self._open is not None:
+            work, result = self._open
             try:
-                self._work.wait()
+                work.wait()
             except Exception as exc:  # a peer that died or hangs
                 logger.warning("no stop vote from every rank (%s); this rank stops on its own SIGTERM", exc)
                 self._broken = True
                 return asked
-            stop, self._every = (int(x) for x in self._open.tolist())
+            stop, self._every = (int(x) for x in result.tolist())
             if stop:
                 return True
         # the next vote's distance: this rank's fetches in EVERY_SECONDS at the pace since the last vote,
         # at most twice this one's (a pace taken over a few fetches can be a loader's burst: two at once)
         pace = (now - self._voted_at) / self._since if self._voted_at else 0.0
         every = min(int(EVERY_SECONDS / pace), 2 * self._every, _MOST_FETCHES) if pace else 1
-        self._open = torch.tensor([int(asked), max(every, 1)], dtype=torch.int32)
+        vote = torch.tensor([int(asked), max(every, 1)], dtype=torch.int32)
         # the group's own call: ``dist.all_reduce``'s checks and logging cost a quarter more per call
-        self._work = self._group.allreduce([self._open], self._max)
+        self._open = (self._group.allreduce([vote], self._max), vote)
         self._since, self._voted_at = 0, now
         return False

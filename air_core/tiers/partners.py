@@ -57,7 +57,8 @@ def sources(rank: int, world_size: int, per_node: int, n: int) -> list[int]:
 
 
 def side_group(timeout_seconds: float) -> Any:
-    """A gloo group of every rank for the tier (a collective: every rank calls it at the same point)."""
+    """A gloo group of every rank, apart from training's (a collective: every rank calls it at the same
+    point): the tier's copies, the session's stop vote (``session/stop_vote.py``), each its own."""
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
 
 
