@@ -36,10 +36,11 @@ from torch.utils.data import DataLoader, IterableDataset
 from ..errors import ConfigError
 from .elastic import Layout, Plan, plan, remainder
 from .passes import Pass, base_seed, iter_over, iter_skipping, length, live_iterator
+from .preemption import ServeThroughSigterm
 from .proxy import LoaderProxy
 from .rng import ResumeRng, capture_rng, raw_from_safe, raw_rng, restore_rng, safe_rng
 from .sampling import Batches, Prefetching, generator_states, has_state, loader_generators
-from .workers import Carried, WorkerLedger
+from .workers import Carried, WorkerLedger, worker_init
 
 logger = logging.getLogger(__name__)
 Mode = Literal["skip", "state", "reread"]
@@ -127,6 +128,8 @@ class TrackedLoader(LoaderProxy):
         self._batch_samples = _batch_samples(loader)
         # The workers' RNG, carried back with each batch.
         self._ledger = _worker_ledger(loader, lookahead) if self._workers and self.mode != "reread" else None
+        if self._workers and worker_init(loader, ServeThroughSigterm) is None:
+            loader.worker_init_fn = ServeThroughSigterm(loader.worker_init_fn)
         self._epoch = 0
         self._taken = 0
         self._state: Literal["start", "inside", "end"] = "start"

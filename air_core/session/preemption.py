@@ -19,7 +19,9 @@ Where that is the default action the process ends wherever the training thread i
 the flush ended before the step did: ``on_stop`` is told first, so that the session records that step
 as cut short (the goodput log's ``cut``), a step the next launch does again.
 A forked child (a loader worker) inherits the handler but not the thread; there SIGTERM acts at once as
-it did before us.
+it did before us, except in a tracked loader's workers (``ServeThroughSigterm``): a scheduler's SIGTERM
+reaches the whole process group (torchrun, SLURM, Kubernetes), and a worker that died of it would end
+its rank with PyTorch's "DataLoader worker ... is killed by signal" before the flush or the ranks' stop.
 
 With a ``StopVote`` (several ranks, a framework without a stop of its own: ``stop_vote.py``) a SIGTERM
 does not stop the rank at its next step end or save, where a peer may already be inside the save this
@@ -235,3 +237,34 @@ class FlushOnSigterm:
                 self._thread.join(self._timeout)  # at once, unless a SIGTERM came during ``close``
             self._thread = self._flushing = None
             self._installed = False
+
+
+class ServeThroughSigterm:
+    """``worker_init_fn`` wrapper of a tracked loader's workers: a worker forked while its rank flushes on
+    SIGTERM (``FlushOnSigterm`` installed) serves on through a SIGTERM its rank did not send, so the rank
+    can fetch until its flush or the ranks' agreed stop; then it ends as at any stop (the loader shuts it
+    down, torch's watchdog in it sees its rank gone within 5 s, or the scheduler's SIGKILL comes).
+
+    PyTorch's worker loop makes a worker die of any SIGTERM, or exit quietly when its rank sent it (the
+    loader's ``terminate`` of a stuck worker at shutdown). The latter is kept: the SIGTERM is blocked and
+    answered on a thread by ``sigwaitinfo``, which tells who sent it. Only where the worker is forked
+    (it inherits the rank's handler) and ``sigwaitinfo`` exists (Linux); elsewhere SIGTERM acts as before.
+    A subprocess the dataset starts inherits the blocked SIGTERM (``kill`` still ends it).
+    """
+
+    def __init__(self, init: Callable[[int], None] | None) -> None:
+        self.init = init
+
+    def __call__(self, worker_id: int) -> None:
+        handler = signal.getsignal(signal.SIGTERM)  # the rank's, inherited (torch's own is set in C)
+        if isinstance(getattr(handler, "__self__", None), FlushOnSigterm) and hasattr(signal, "sigwaitinfo"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            threading.Thread(target=_answer_sigterm, args=(os.getppid(),), daemon=True).start()
+        if self.init is not None:
+            self.init(worker_id)
+
+
+def _answer_sigterm(rank: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == rank:
+            os._exit(0)  # as PyTorch's worker does when its rank sends SIGTERM

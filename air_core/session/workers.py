@@ -17,7 +17,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +25,8 @@ from torch.utils.data import DataLoader, get_worker_info
 
 from ..internals import PIN_MEMORY, WORKER_NUMPY_SEED
 from .rng import RawRng, raw_from_safe, raw_rng, safe_rng
+
+T = TypeVar("T")
 
 WorkerRng = tuple[bytes, tuple[int, float | None, str, int, int, float]]
 """A worker's python, numpy and torch generator states packed into one ``bytes`` and a few numbers,
@@ -129,6 +131,15 @@ class ApplyRng:
             torch.set_rng_state(torch_state)
 
 
+def worker_init(loader: DataLoader, kind: type[T]) -> T | None:
+    """The ``kind`` wrapper among ``loader``'s nested ``worker_init_fn`` wrappers (each keeps the one it
+    wraps as ``init``), or None: a loader tracked again (another fit) keeps the wrappers it has."""
+    init = loader.worker_init_fn
+    while init is not None and not isinstance(init, kind):
+        init = getattr(init, "init", None)
+    return init
+
+
 def _numpy_seed(base_seed: int, worker: int) -> Any:
     return WORKER_NUMPY_SEED.imported()(base_seed, worker)  # the DataLoader's own numpy seeding
 
@@ -159,9 +170,10 @@ class WorkerLedger:
     def __init__(self, loader: DataLoader, lookahead: int) -> None:
         if not isinstance(loader.collate_fn, CarryRng):
             loader.collate_fn = CarryRng(loader.collate_fn)
-        if not isinstance(loader.worker_init_fn, ApplyRng):
-            loader.worker_init_fn = ApplyRng(loader.worker_init_fn)
-        self._apply: ApplyRng = loader.worker_init_fn
+        apply = worker_init(loader, ApplyRng)
+        if apply is None:
+            apply = loader.worker_init_fn = ApplyRng(loader.worker_init_fn)
+        self._apply: ApplyRng = apply
         self._workers = loader.num_workers
         self._lookahead = lookahead
         self._by_worker: dict[int, Entry] = {}

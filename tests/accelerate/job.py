@@ -2,7 +2,7 @@
 
     python tests/accelerate/job.py WORKDIR [--workers N] [--loader plain|seedable|stateful]
         [--every K] [--epochs E] [--kill STEP:PHASE[:RANK]] [--sigterm STEP:PHASE] [--root URL --endpoint URL]
-        [--sigterm-before-save STEP:RANK]
+        [--sigterm-before-save STEP:RANK[:agent]]
         [--stock] [--no-augment] [--mlflow URI [--tracker] [--experiment NAME]] [--width W] [--secret S]
         [--hang STEP:RANK --hang-timeout S] [--fsdp2] [--writer thread|process]
 
@@ -171,7 +171,11 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--kill", default="", help="STEP:PHASE[:RANK][+DELAY_MS], STEP * for any")
     p.add_argument("--sigterm", default="", help="STEP:PHASE[+DELAY_MS]: send SIGTERM instead")
-    p.add_argument("--sigterm-before-save", default="", help="STEP:RANK: SIGTERM to itself before that save")
+    p.add_argument(
+        "--sigterm-before-save",
+        default="",
+        help="STEP:RANK[:agent]: SIGTERM to itself (or its torchrun agent) before that save",
+    )
     p.add_argument(
         "--sigterm-group",
         action="store_true",
@@ -271,8 +275,13 @@ def main() -> None:
             step += 1
             assert args.stock or step == accelerator.completed_steps, "completed_steps counts optimizer steps"
             if step % args.every == 0:
-                if args.sigterm_before_save == f"{step}:{accelerator.process_index}":
-                    os.kill(os.getpid(), signal.SIGTERM)  # its peers are in this save, or on their way
+                if args.sigterm_before_save.startswith(f"{step}:{accelerator.process_index}"):
+                    # its peers are in this save, or on their way; ``:agent``: as a scheduler does, to the
+                    # torchrun agent, which sends it on to every rank's process group (loader workers too)
+                    agent = args.sigterm_before_save.endswith(":agent")
+                    os.kill(os.getppid() if agent else os.getpid(), signal.SIGTERM)
+                    if agent:
+                        busy(1.0)  # until the agent's SIGTERM comes back (it waits for nothing)
                 accelerator.save_state(
                     os.path.join(args.workdir, "stock", f"step_{step}") if args.stock else None
                 )

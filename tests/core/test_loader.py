@@ -5,7 +5,9 @@ loader workers."""
 from __future__ import annotations
 
 import logging
+import os
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -252,7 +254,40 @@ def test_a_tracked_loader_pickles_for_spawned_workers():
     loader = _loader(2, multiprocessing_context="spawn")
     TrackedLoader(loader, epoch=lambda: 0)
     clone = pickle.loads(pickle.dumps((loader.collate_fn, loader.worker_init_fn)))
-    assert type(clone[0]).__name__ == "CarryRng" and type(clone[1]).__name__ == "ApplyRng"
+    wrappers = [type(clone[0]).__name__, type(clone[1]).__name__, type(clone[1].init).__name__]
+    assert wrappers == ["CarryRng", "ServeThroughSigterm", "ApplyRng"]
+
+
+def test_tracked_loader_workers_serve_on_through_a_sigterm_their_rank_did_not_send():
+    """A scheduler's SIGTERM to the process group reaches the loader workers too: while the rank flushes on
+    SIGTERM they serve on (PyTorch's would die of it, and the rank with them); the rank's own SIGTERM (the
+    loader's ``terminate`` of a stuck worker) still ends a worker at once, quietly, as PyTorch's does."""
+    import subprocess
+    import time
+
+    import psutil
+
+    from air_core.session.preemption import FlushOnSigterm
+
+    guard = FlushOnSigterm(lambda: None, timeout_seconds=5, who="test")
+    guard.install()
+    try:
+        loader = _loader(2, persistent_workers=True)
+        tracked = TrackedLoader(loader, epoch=lambda: 0)
+        it = iter(tracked)
+        next(it)
+        workers = psutil.Process().children()
+        assert len(workers) == 2
+        for w in workers:
+            subprocess.run(["kill", "-TERM", str(w.pid)], check=True)  # sent by another process
+        time.sleep(0.5)  # a worker that dies of it is gone by now, and its rank's next fetch raises
+        assert all(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+        rest = list(it)
+        assert len(rest) + 1 == len(loader), "the pass went on to its end"
+        os.kill(workers[0].pid, signal.SIGTERM)  # from the rank itself
+        assert workers[0].wait(10) == 0, "ended quietly"
+    finally:
+        guard.uninstall()
 
 
 def test_a_batch_fetched_ahead_is_counted_once_it_is_handed_to_training():
