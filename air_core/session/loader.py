@@ -28,7 +28,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 from torch.utils.data import DataLoader, IterableDataset
@@ -60,7 +60,8 @@ class TrackedLoader(LoaderProxy):
         epoch: the epoch number the consumer is about to iterate (read at each ``__iter__``).
         lookahead: batches the consumer fetches ahead of what it hands to training.
         on_fetch: called once per batch handed to training, with the seconds its fetch took
-            (``fetch_seconds``) and its samples (the loader's batch size, 0 where it has none). With a
+            (``fetch_seconds``) and its samples (``_samples_in``: an epoch's short last batch counts what it
+            holds, not the batch size). With a
             lookahead, the batch fetched ``lookahead`` fetches before is handed at each fetch; the first
             fetches of a pass hand none, and their seconds go with the first batch handed; at the pass's
             end, after no fetch, the batches still held are handed. Counted by fetch, a launch's first
@@ -390,7 +391,7 @@ class TrackedLoader(LoaderProxy):
                         self._on_fetch(waited, sum(held))
                     return
                 batch = self._unwrap(batch)
-                held.append(self._batch_samples)
+                held.append(_samples_in(batch, self._batch_samples))
                 waited += time.perf_counter() - started
                 if len(held) > self._lookahead:
                     handed = held.popleft()
@@ -554,6 +555,31 @@ def _worker_ledger(loader: DataLoader, lookahead: int) -> WorkerLedger | None:
         "TrackedLoader: DataLoader(in_order=False) hands batches to workers in no fixed order, so "
         "augmentation drawn from the workers' RNG cannot be resumed exactly; use in_order=True."
     )
+    return None
+
+
+def _samples_in(batch: Any, batch_size: int) -> int:
+    """The samples ``batch`` holds: the leading size of its first array (through dicts, lists and tuples),
+    at most ``batch_size`` (a sequence-first or flattened array counts no more than the loader read), or
+    ``batch_size`` (0: unknown) where it holds none. The batch size alone counted an epoch's short last
+    batch (a dataset size that is no multiple of it) as full, and a failure's repeated samples too many."""
+    found = _leading_size(batch, depth=4)
+    if found is None:
+        return batch_size
+    return min(found, batch_size) if batch_size else found
+
+
+def _leading_size(x: Any, depth: int) -> int | None:
+    shape = getattr(x, "shape", None)
+    if isinstance(shape, tuple):  # a tensor's ``torch.Size``, an array's tuple
+        return int(shape[0]) if shape else None
+    if depth == 0:
+        return None
+    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, list | tuple) else ()
+    for item in items:
+        found = _leading_size(item, depth - 1)
+        if found is not None:
+            return found
     return None
 
 

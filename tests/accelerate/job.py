@@ -4,7 +4,7 @@
         [--every K] [--epochs E] [--kill STEP:PHASE[:RANK]] [--sigterm STEP:PHASE] [--root URL --endpoint URL]
         [--sigterm-before-save STEP:RANK[:agent]]
         [--stock] [--no-augment] [--mlflow URI [--tracker] [--experiment NAME]] [--width W] [--secret S]
-        [--hang STEP:RANK --hang-timeout S] [--fsdp2] [--writer thread|process]
+        [--hang STEP:RANK --hang-timeout S] [--fsdp2] [--writer thread|process] [--samples N]
 
 Trains a dropout MLP with a scheduler on numbered samples whose features get random noise from the
 global RNG (so data augmentation, dropout and shuffling all depend on restored RNG state), saving
@@ -18,7 +18,8 @@ forever inside step STEP on the first launch only (a marker file), with a hang w
 seconds on that rank. --fsdp2 shards the model with Accelerate's FSDP2 plugin (sharded state dicts),
 on CPU through tests/accelerate/fsdp_on_cpu.py; rank 0 then also writes the full model and optimizer
 state at each save (saved-<step>.pt) and the full state a resume loaded (loaded.pt, with
---dump-loaded), and final.pt holds the full weights.
+--dump-loaded), and final.pt holds the full weights. --samples sets the training set's size (default 64,
+a whole number of batches; another size makes each epoch's last batch short).
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ N_SAMPLES, DIM, BATCH = 64, 16, 4
 
 
 class Numbered(Dataset):
-    def __init__(self, augment_from_rng: bool = True, first_id: int = 0) -> None:
+    def __init__(self, augment_from_rng: bool = True, first_id: int = 0, samples: int = N_SAMPLES) -> None:
         self.augment_from_rng = augment_from_rng
         self.first_id = first_id
+        self.samples = samples
 
     def __len__(self) -> int:
-        return N_SAMPLES
+        return self.samples
 
     def __getitem__(self, i: int):
         i += self.first_id
@@ -204,6 +206,7 @@ def main() -> None:
     p.add_argument("--zip", action="store_true", help="a second train loader: zip(loader, second)")
     p.add_argument("--seq", action="store_true", help="a second train loader, after the first each epoch")
     p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps: batches per step")
+    p.add_argument("--samples", type=int, default=N_SAMPLES, help="training samples (a short last batch)")
     args = p.parse_args()
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
@@ -216,7 +219,7 @@ def main() -> None:
     if args.tracker:
         accelerator.init_trackers(args.experiment)
     model, optimizer, scheduler = trained(args.width)
-    dataset = Numbered(augment_from_rng=not args.no_augment)
+    dataset = Numbered(augment_from_rng=not args.no_augment, samples=args.samples)
     loader = DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=args.workers)
     evaluation = DataLoader(Numbered(augment_from_rng=False), batch_size=2 * BATCH)
     model, optimizer, loader, evaluation, scheduler = accelerator.prepare(

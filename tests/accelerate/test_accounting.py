@@ -112,3 +112,19 @@ def test_a_step_a_sigterm_stopped_midway_is_recomputed_with_its_samples(tmp_path
     assert (failure["recomputed_steps"], failure["repeated_samples"]) == (redone, redone * BATCH), (
         f"the first launch began {began} steps, the relaunch resumed from step {failure['resumed_from_step']}"
     )
+
+
+def test_repeated_samples_count_an_epoch_s_short_last_batch_as_it_is(tmp_path):
+    """14 samples in batches of 4: each epoch's last step (4 and 8) has 2. Killed at step 6's upload, the
+    relaunch resumed from step 3 and redid step 4; the report counted that short batch as a full one."""
+    args = ("--samples", "14", "--every", "3", "--epochs", "2")
+    run_job(tmp_path, *args, "--kill", "6:upload_start", expect_signal=signal.SIGKILL)
+    run_job(tmp_path, *args)
+    (failure,) = json.loads(_report(str(tmp_path / "ckpts"), None, "--json"))["work"]["per_failure"]
+    rows = [json.loads(line) for line in (tmp_path / "ids-rank0.jsonl").read_text().splitlines()]
+    first = [row for row in rows if row["launch"] == rows[0]["launch"]]
+    resumed, recomputed = failure["resumed_from_step"], failure["recomputed_steps"]
+    assert resumed == 3 and recomputed >= 1, failure
+    redone = [row for row in first if resumed < row["step"] + 1 <= resumed + recomputed]  # "step": 0-based
+    assert [len(row["ids"]) for row in redone][:1] == [2], "step 4, the first redone, is epoch 0's last"
+    assert failure["repeated_samples"] == sum(len(row["ids"]) for row in redone), (failure, redone)
