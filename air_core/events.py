@@ -68,11 +68,14 @@ class SaveRecord:
     """Sent to the root by a copy or over the network."""
     linked_bytes: int = 0
     """Handed to a local root on the staging folder's filesystem by a hard link: no byte copied."""
+    in_place_bytes: int = 0
+    """Written in place at a local root without staging (the direct path). Every byte a save put at the
+    root is uploaded, linked or written in place."""
     staging_disk_bytes: int = 0
     """What this node's staging folder held once this save was serialized (its files, its spill and the
     checkpoints the cache keeps): the save's peak disk use there."""
-    # On rank 0 of a multi-rank save that committed, staged, uploaded and linked bytes are every rank's
-    # (from their part records); elsewhere, this rank's.
+    # On rank 0 of a multi-rank save that committed, staged, uploaded, linked and in-place bytes are every
+    # rank's (from their part records); elsewhere, this rank's.
 
     @property
     def throughput_bytes_per_second(self) -> float:

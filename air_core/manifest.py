@@ -91,7 +91,8 @@ class PartRecord:
     attempt: int = 1
     """Which save of this name in this launch (2 after one failed): an earlier attempt's record is stale."""
     moved: dict[str, int] = field(default_factory=dict)
-    """Bytes this rank ``staged``, ``uploaded`` and ``linked`` for this save (``events.SaveRecord``)."""
+    """Bytes this rank ``staged``, ``uploaded``, ``linked`` and wrote ``in_place`` for this save
+    (``events.SaveRecord``)."""
 
     def to_json(self) -> bytes:
         return _dump("air-part", self)

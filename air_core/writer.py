@@ -92,8 +92,11 @@ class _Progress:
     """Local files a failure must remove (temp files, then staged copies)."""
     attempt: int = 1
     """Which save of this checkpoint name this is (a name saved again after it failed: 2, ...)."""
-    moved: dict[str, int] = field(default_factory=lambda: {"staged": 0, "uploaded": 0, "linked": 0})
-    """Bytes staged, uploaded and linked (``SaveRecord``); rank 0's become every rank's at the commit."""
+    moved: dict[str, int] = field(
+        default_factory=lambda: {"staged": 0, "uploaded": 0, "linked": 0, "in_place": 0}
+    )
+    """Bytes staged, uploaded, linked and written in place (``SaveRecord``); rank 0's become every rank's
+    at the commit."""
     staging_disk: int = 0
     following: Following | None = None
     """The uploads that started while serializing (``Destination.follow``), if the root allows."""
@@ -274,6 +277,8 @@ class Writer:
         if self._dest.cache_dir is not None:  # the peak: the cached saves, this one's files and its spill
             run.moved["staged"] += run.size
             run.staging_disk = folder_bytes(self._dest.cache_dir)
+        else:  # a direct destination: the files are written at the root
+            run.moved["in_place"] += run.size
         job.snapshot.remove_spill()
         self._dest.place(temps)
         run.leftovers = self._dest.kept_locally(job.files)
@@ -358,8 +363,8 @@ class Writer:
                 if self._dest.fsync:
                     os.fsync(f.fileno())
         self._dest.place(temps)
-        if self._dest.cache_dir is not None:
-            run.moved["staged"] += sum(len(data) for data in made.values())
+        where = "staged" if self._dest.cache_dir is not None else "in_place"
+        run.moved[where] += sum(len(data) for data in made.values())
         _count(run, self._dest.upload(self._dest.to_upload(files)))
         run.leftovers = []
         return tuple(
@@ -496,6 +501,7 @@ class Writer:
                 staged_bytes=run.moved["staged"],
                 uploaded_bytes=run.moved["uploaded"],
                 linked_bytes=run.moved["linked"],
+                in_place_bytes=run.moved["in_place"],
                 staging_disk_bytes=run.staging_disk,
             )
         )

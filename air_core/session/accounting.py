@@ -4,7 +4,9 @@ Everything is read from the goodput log (``goodput.py``) and one listing of the 
 can account for any run afterwards, on any machine:
 
 - bytes: ``staged`` (written to local staging folders), ``uploaded`` (sent to the root by a copy or over
-  the network), ``linked`` (handed to a local root by hard link: written once), ``deleted`` (removed by
+  the network), ``linked`` (handed to a local root by hard link: written once), ``in_place`` (written at a
+  local root without staging: the direct path; every byte a save put at the root is uploaded, linked
+  or in place), ``deleted`` (removed by
   retention), ``stored`` (everything under the root now), ``restore_downloaded`` (fetched from the root
   by restores), ``staging_peak`` (the most rank 0's node's staging folder held after a save), and the data
   cache's downloads. Saves count every rank's bytes (rank 0 sums the part records at the commit); restore
@@ -58,6 +60,7 @@ def account(
         "staged": sum(e.get("staged", 0) for e in saves),
         "uploaded": sum(e.get("uploaded", 0) for e in saves),
         "linked": sum(e.get("linked", 0) for e in saves),
+        "in_place": sum(e.get("in_place", 0) for e in saves),
         "deleted": sum(e["bytes"] for e in events if e["e"] == "delete"),
         "stored": stored,
         "restore_downloaded": downloaded,
@@ -139,8 +142,8 @@ def lines(accounting: dict[str, Any]) -> list[str]:
     b, work, cache = accounting["bytes"], accounting["work"], accounting["data_cache"]
     out = [
         f"bytes: staged {human_bytes(b['staged'])}, uploaded {human_bytes(b['uploaded'])}, linked "
-        f"{human_bytes(b['linked'])}, deleted by retention {human_bytes(b['deleted'])}, stored now "
-        f"{human_bytes(b['stored'])}",
+        f"{human_bytes(b['linked'])}, written in place {human_bytes(b['in_place'])}, deleted by retention "
+        f"{human_bytes(b['deleted'])}, stored now {human_bytes(b['stored'])}",
         f"  restore downloaded {human_bytes(b['restore_downloaded'])}; staging disk peak "
         f"{human_bytes(b['staging_peak'])}; data cache {cache['hits']} hit(s), {cache['misses']} miss(es), "
         f"{human_bytes(b['data_cache_downloaded'])} downloaded",

@@ -130,7 +130,8 @@ class GoodputLog:
         event = {"e": "save", "s": record.step, "t": time.time(), "blocking": record.blocking_seconds}
         event |= {"committed": not record.error, "total": record.total_seconds, "bytes": record.bytes}
         moved = {"staged": record.staged_bytes, "uploaded": record.uploaded_bytes}
-        moved |= {"linked": record.linked_bytes, "staging_disk": record.staging_disk_bytes}
+        moved |= {"linked": record.linked_bytes, "in_place": record.in_place_bytes}
+        moved |= {"staging_disk": record.staging_disk_bytes}
         self._append(event | moved)
         self._wake.set()  # a commit is a good moment to make the log durable up to it
 

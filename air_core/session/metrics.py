@@ -241,6 +241,7 @@ class Recorder:
             "checkpoint_staged_bytes": float(r.staged_bytes),
             "checkpoint_uploaded_bytes": float(r.uploaded_bytes),
             "checkpoint_linked_bytes": float(r.linked_bytes),
+            "checkpoint_in_place_bytes": float(r.in_place_bytes),
             "checkpoint_staging_disk_bytes": float(r.staging_disk_bytes),
             "checkpoint_throughput_bytes_per_second": r.throughput_bytes_per_second,
             **self._ckpt_totals,

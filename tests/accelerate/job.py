@@ -5,6 +5,7 @@
         [--sigterm-before-save STEP:RANK[:agent]]
         [--stock] [--no-augment] [--mlflow URI [--tracker] [--experiment NAME]] [--width W] [--secret S]
         [--hang STEP:RANK --hang-timeout S] [--fsdp2] [--writer thread|process] [--samples N]
+        [--direct]
 
 Trains a dropout MLP with a scheduler on numbered samples whose features get random noise from the
 global RNG (so data augmentation, dropout and shuffling all depend on restored RNG state), saving
@@ -19,7 +20,8 @@ seconds on that rank. --fsdp2 shards the model with Accelerate's FSDP2 plugin (s
 on CPU through tests/accelerate/fsdp_on_cpu.py; rank 0 then also writes the full model and optimizer
 state at each save (saved-<step>.pt) and the full state a resume loaded (loaded.pt, with
 --dump-loaded), and final.pt holds the full weights. --samples sets the training set's size (default 64,
-a whole number of batches; another size makes each epoch's last batch short).
+a whole number of batches; another size makes each epoch's last batch short). --direct passes no
+staging_dir: the local root is written in place.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def build(args):
         opts |= {"key": "AKIAAIRTEST", "secret": args.secret}
     plugin = AirPlugin(
         args.root or os.path.join(args.workdir, "ckpts"),
-        staging_dir=os.path.join(args.workdir, "nvme"),
+        staging_dir=None if args.direct else os.path.join(args.workdir, "nvme"),
         storage_options=opts,
         writer=args.writer,
         keep_last=3,
@@ -206,6 +208,7 @@ def main() -> None:
     p.add_argument("--zip", action="store_true", help="a second train loader: zip(loader, second)")
     p.add_argument("--seq", action="store_true", help="a second train loader, after the first each epoch")
     p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps: batches per step")
+    p.add_argument("--direct", action="store_true", help="no staging_dir: a local root written in place")
     p.add_argument("--samples", type=int, default=N_SAMPLES, help="training samples (a short last batch)")
     args = p.parse_args()
     stalls.arm(args.workdir)

@@ -81,6 +81,8 @@ def training_args(args: tuple[str, ...]) -> tuple[str, ...]:
         arg = rest.pop(0)
         if arg in ("--no-augment", "--zip", "--seq"):
             flags.append(arg)
+        elif arg == "--direct":  # where it saves, not what it trains
+            continue
         else:
             options[arg] = rest.pop(0)
     for when in ("--every", "--local-every", "--die", "--step-sleep"):  # when it saves or dies, not what

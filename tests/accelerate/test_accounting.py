@@ -67,7 +67,7 @@ def test_report_bytes_match_the_bytes_the_s3_proxy_counted(tmp_path, s3_root):
     moved = report["bytes"]
     assert moved["uploaded"] == sum(sent.values()) > 0, "every data byte sent, counted once"
     assert moved["staged"] == moved["uploaded"], "an S3 root: everything staged is uploaded"
-    assert moved["linked"] == 0
+    assert moved["linked"] == moved["in_place"] == 0
     assert moved["deleted"] == sum(deleted.values()) > 0, "keep_last=3 deleted steps 3 and 6"
     assert moved["stored"] == stored, "what the bucket holds under the root"
     assert moved["restore_downloaded"] == sum(restored.values()) > 0, "the new node downloaded step 9"
@@ -128,3 +128,16 @@ def test_repeated_samples_count_an_epoch_s_short_last_batch_as_it_is(tmp_path):
     redone = [row for row in first if resumed < row["step"] + 1 <= resumed + recomputed]  # "step": 0-based
     assert [len(row["ids"]) for row in redone][:1] == [2], "step 4, the first redone, is epoch 0's last"
     assert failure["repeated_samples"] == sum(len(row["ids"]) for row in redone), (failure, redone)
+
+
+def test_a_local_root_written_in_place_reports_the_bytes_its_saves_wrote(tmp_path):
+    """No staging_dir: each save's files are written in place at the local root, neither staged, uploaded
+    nor linked. The report showed them nowhere but in what is stored now; ``in_place`` has them."""
+    run_job(tmp_path, "--direct", "--every", "4", "--epochs", "1")  # saves 4, 8, 12, 16; keep_last=3
+    assert not (tmp_path / "nvme").exists()
+    moved = json.loads(_report(str(tmp_path / "ckpts"), None, "--json"))["bytes"]
+    root = tmp_path / "ckpts"
+    data = sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and _data(str(p.relative_to(root))))
+    assert (moved["staged"], moved["uploaded"], moved["linked"], moved["staging_peak"]) == (0, 0, 0, 0)
+    assert moved["deleted"] > 0, "keep_last=3 deleted step 4"
+    assert moved["in_place"] == data + moved["deleted"], "every save's files, those retention removed too"

@@ -48,6 +48,7 @@ def test_figures_come_from_saves_deletes_counts_and_restores():
         "staged": 300,
         "uploaded": 240,
         "linked": 60,
+        "in_place": 0,  # no save of these wrote a local root in place
         "deleted": 150,
         "stored": 5000,
         "restore_downloaded": 70,  # no counts in the relaunch's log: its restore records
