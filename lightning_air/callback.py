@@ -33,9 +33,10 @@ from air_core.session.rng import RawRng, capture_rng, raw_rng, restore_rng
 from air_core.session.session import LocalPart
 from air_core.tiers import tier_name
 
-from .checkpoint_io import AIR_KEY, AirCheckpointIO
+from .checkpoint_io import AIR_KEY, NEWEST, AirCheckpointIO
 from .internals import (
     AFTER_SAVE_CHECKPOINT,
+    CHECKPOINT_CONNECTOR,
     CHECKPOINT_SETUP,
     FILE_EXISTS,
     METADATA_FILENAME,
@@ -43,6 +44,7 @@ from .internals import (
     PROCESS_DATALOADER,
     RESET_RESTART_STAGE,
     RESTARTED_MID_EPOCH,
+    RESUME_START,
     SETUP_DATA,
     TRAIN_START,
     add_worker_init_fn,
@@ -196,6 +198,8 @@ class AirCallback(Callback):
         replace(strategy, PROCESS_DATALOADER, tracking)
         replace(trainer.fit_loop, SETUP_DATA, _NewBuild(trainer, tracking))
         replace(strategy, TRAIN_START, _SettleResumes(trainer, self))
+        connector = CHECKPOINT_CONNECTOR.get(trainer)
+        replace(connector, RESUME_START, _ResolveNewest(connector, plugin))
         if trainer.checkpoint_callbacks:  # they set up after this one: the root is known once they did
             last = trainer.checkpoint_callbacks[-1]
             replace(last, CHECKPOINT_SETUP, _OpenRootAfterSetup(last, self))
@@ -391,8 +395,6 @@ class AirCallback(Callback):
                 for e in both:
                     e["ready"], e["started"] = e["ready"] + 1, e["started"] + 1
         air = checkpoint.get(AIR_KEY)
-        if air is not None and air.get("fresh"):
-            return  # NEWEST found nothing anywhere: a fresh start
         states: dict[int, Any] = {}
         if air is not None:  # rank 0's part is in the .ckpt; the plugin loaded the other ones needed
             states = {0: air["rank_state"], **self.session.loaded_rank_states}
@@ -454,6 +456,7 @@ class AirCallback(Callback):
         restore(trainer.strategy, PROCESS_DATALOADER, _TrackTrainLoaders)
         restore(trainer.fit_loop, SETUP_DATA, _NewBuild)
         restore(trainer.strategy, TRAIN_START, _SettleResumes)
+        restore(CHECKPOINT_CONNECTOR.get(trainer), RESUME_START, _ResolveNewest)
         if self.session is not None:
             self.session.close(trainer.global_step)
 
@@ -569,6 +572,24 @@ class _OpenRootAfterSetup:
         restore(self.callback, CHECKPOINT_SETUP, _OpenRootAfterSetup)  # its own setup from here on
         self.callback.setup(trainer, pl_module, stage)
         self.air._open_root(trainer, pl_module)
+
+
+class _ResolveNewest:
+    """The checkpoint connector's ``resume_start`` during a fit with ``AirCallback``: Lightning hands it the
+    ``ckpt_path`` it chose, which it logs ("Restoring states from the checkpoint path at ..."), loads, and
+    keeps as ``trainer.ckpt_path`` for its closing "Restored all states" line. ``NEWEST`` becomes the path
+    it stands for first (``AirCheckpointIO.resolve_newest``: every rank agrees, in the fit's process group),
+    so Lightning names the checkpoint it restores; or None when nothing was saved anywhere, so it loads
+    nothing and says nothing, as for its own ``ckpt_path="last"`` with no last checkpoint. Picklable, like
+    ``_WaitForSaves``."""
+
+    def __init__(self, connector: Any, plugin: AirCheckpointIO) -> None:
+        self.connector, self.plugin = connector, plugin
+
+    def __call__(self, checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+        if str(checkpoint_path) == NEWEST:
+            checkpoint_path = self.plugin.resolve_newest()
+        type(self.connector).resume_start(self.connector, checkpoint_path, weights_only=weights_only)
 
 
 class _TrackTrainLoaders:

@@ -92,12 +92,13 @@ class AirCheckpointIO(CheckpointIO):
         self._session: TrainingSession | None = None
         self._unnamed_sharded = 0
         """Sharded saves named by this plugin (every rank counts alike: each rank makes every one)."""
+        self._resumed: Resume | None = None  # resolve_newest's assembly from the local tier, until loaded
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``ddp_spawn``'s workers, ``deepcopy(trainer)``) starts without the runtime parts: the
         session's threads, buffers and lease stay with the original."""
         state = self.__dict__.copy()
-        state.update(_session=None, _module=None)
+        state.update(_session=None, _module=None, _resumed=None)
         return state
 
     def add_listener(self, listener: Listener) -> None:
@@ -268,7 +269,7 @@ class AirCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """Every rank: load the committed sharded checkpoint ``info`` (its folder ``path``) into ``state`` in
         place (resharded at this world size by DCP; each rank fetches only the files it needs); return rank
-        0's rest. ``resumed``: the local tier's assembly it is (``newest``)."""
+        0's rest. ``resumed``: the local tier's assembly it is (``resume_of``)."""
         place = self._place(path)
         with self.session.reader(place.root) as ckpt, _restoring(ckpt, resumed):
             dcp.load(ckpt, state, info, folder=place.entry)
@@ -292,59 +293,41 @@ class AirCheckpointIO(CheckpointIO):
         Raises:
             FileNotFoundError: nothing is at ``path``.
             CorruptCheckpointError: ``path`` is damaged, or belongs to a save that never committed.
+            ConfigError: ``path`` is ``NEWEST``, which no fit of ``AirCallback`` resolved.
         """
         path = str(path)
         if path == NEWEST:
-            return self._load_newest(map_location, weights_only)
-        return self._load(path, map_location, weights_only)
+            raise unresolved_newest()
+        return self._load(path, map_location, weights_only, self.resume_of(path))
 
-    def _load_newest(self, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
-        path, resumed = self.newest()
-        if path is None:
-            return self.fresh_start()
-        return self._load(path, map_location, weights_only, resumed)
-
-    def newest(self) -> tuple[str | None, Resume | None]:
-        """Every rank: where the newest complete state across the tiers is (``NEWEST``), and the local
-        tier's assembly when it is one; (None, None) when nothing was saved anywhere.
-
-        Raises:
-            ConfigError: no fit of ``AirCallback`` runs, so neither the root nor the tier is known.
-        """
+    def resolve_newest(self) -> str | None:
+        """Every rank, in a fit of ``AirCallback`` before Lightning logs and loads ``ckpt_path=NEWEST``: the
+        path of the newest complete state across the tiers, or None when nothing was saved anywhere (a
+        fresh start: Lightning then loads nothing). Its load records the local tier's assembly it is
+        (``resume_of``)."""
         session = self.session
-        if session.synchronous:  # the plugin's own session: a CheckpointIO never sees ModelCheckpoint
-            raise ConfigError(
-                f"AirCheckpointIO.load_checkpoint({NEWEST!r}): lightning_air.NEWEST is resolved by "
-                "AirCallback during a fit (it knows ModelCheckpoint's dirpath and the local tier), and this "
-                "Trainer runs none; starting from scratch could lose the checkpoints there. Add "
-                "lightning_air.AirCallback() to Trainer(callbacks=[...]), or pass "
-                "ckpt_path=lightning_air.latest_checkpoint(dirpath)."
-            )
         root = session.checkpointer.config.root if session.checkpointer is not None else None
         remote = self.latest_checkpoint(root) if root else None
         info = self.commit_of(remote) if remote else None
         resumed = session.recover(info.step if info is not None else None)
-        # Lightning prints "Restoring states from the checkpoint path at air:newest": say what that is
+        self._resumed = resumed
+        # Lightning then logs "Restoring states from the checkpoint path at <the path>": say why that one
         if resumed is not None:
             tier = "a partner's copy" if resumed.tier == "replica" else "this node's local tier"
             newer = f"newer than the root's step {info.step}" if info is not None else "the root holds none"
             rank_zero_info(f"lightning_air.NEWEST: resuming from step {resumed.step} in {tier} ({newer})")
-            return f"{resumed.root}/{resumed.name}.ckpt", resumed
+            return _path_of(resumed)
         if remote is not None:
             step = f"step {info.step}, " if info is not None else ""
             rank_zero_info(f"lightning_air.NEWEST: resuming from {remote} ({step}the newest in any tier)")
-            return remote, None
+            return remote
         rank_zero_info("lightning_air.NEWEST: nothing saved in any tier; starting fresh")
-        return None, None
+        return None
 
-    def fresh_start(self) -> dict[str, Any]:
-        """``NEWEST`` when nothing was saved: the module's own weights, no loop, optimizer or scheduler
-        state (``AirCallback`` starts the fit fresh from it)."""
-        import lightning.pytorch as pl
-
-        state = self._module.state_dict() if self._module is not None else {}
-        return {"pytorch-lightning_version": pl.__version__, "state_dict": state, "optimizer_states": [],
-                "lr_schedulers": [], AIR_KEY: {"fresh": True}}  # fmt: skip
+    def resume_of(self, path: str) -> Resume | None:
+        """The local tier's assembly that ``path`` is, when ``resolve_newest`` named it (once), else None."""
+        resumed, self._resumed = self._resumed, None
+        return resumed if resumed is not None and _path_of(resumed) == path else None
 
     def _load(
         self, path: str, map_location: Any, weights_only: bool | None, resumed: Resume | None = None
@@ -376,7 +359,7 @@ class AirCheckpointIO(CheckpointIO):
         """Every rank, for a strategy that reads full checkpoint files itself (the sharded strategies'
         full saves): a verified local copy of the file ``path`` that ``info`` (``commit_of(path)``)
         committed, with the saved ranks' states read for the callback; ``path`` itself if ``info`` is None
-        (a file from elsewhere). ``resumed``: the local tier's assembly it is (``newest``)."""
+        (a file from elsewhere). ``resumed``: the local tier's assembly it is (``resume_of``)."""
         if info is None:
             self.session.loaded_rank_states = {}
             return path
@@ -497,6 +480,21 @@ def _step_in_name(entry: str) -> int:
     """The ``step=N`` of a ModelCheckpoint file name (-1 without one)."""
     found = re.search(r"step=(\d+)", entry)
     return int(found[1]) if found else -1
+
+
+def unresolved_newest() -> ConfigError:
+    """Why ``NEWEST`` reached a load: no fit of ``AirCallback`` resolved it before Lightning loaded it."""
+    return ConfigError(
+        f"AirCheckpointIO.load_checkpoint({NEWEST!r}): lightning_air.NEWEST is resolved by AirCallback "
+        "during a fit (it knows ModelCheckpoint's dirpath and the local tier), and this Trainer runs none; "
+        "starting from scratch could lose the checkpoints there. Add lightning_air.AirCallback() to "
+        "Trainer(callbacks=[...]), or pass ckpt_path=lightning_air.latest_checkpoint(dirpath)."
+    )
+
+
+def _path_of(resumed: Resume) -> str:
+    """The rank-0 file or folder of the local tier's assembly ``resumed``."""
+    return f"{resumed.root}/{resumed.name}.ckpt"
 
 
 def _restoring(ckpt: AsyncCheckpointer, resumed: Resume | None) -> contextlib.AbstractContextManager[Any]:

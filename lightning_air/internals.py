@@ -14,13 +14,14 @@ hooks); these have none:
 - ``_FitLoop.restarted_mid_epoch`` and ``reset_restart_stage`` (public names of the private loop class):
   the restart stage a resume from an epoch's last batch leaves open (``AirCallback.on_train_start``).
 - ``Trainer._checkpoint_connector.dump_checkpoint``: the checkpoint dict of a local-tier save, which
-  ``Trainer.save_checkpoint`` would write on rank 0 only.
+  ``Trainer.save_checkpoint`` would write on rank 0 only; the connector's ``resume_start`` is replaced
+  (below).
 - ``lightning.fabric.utilities.load._METADATA_FILENAME``: the name of a sharded folder's ``meta.pt``.
 - ``FSDPStrategy._configure_launcher`` (overridden): the first call where a CPU accelerator is known.
 - ``MLFlowLogger._log_model`` (``WandbLogger``'s and ``LitLogger``'s too): whether the logger uploads the
   checkpoint files in ``after_save_checkpoint``, right after the save returns, or at ``finalize``.
 
-Six methods are replaced on live objects, since no hook runs at that point (``replace`` and
+Seven methods are replaced on live objects, since no hook runs at that point (``replace`` and
 ``restore`` below; ``AirCallback`` puts them back at the fit's end):
 
 - ``ModelCheckpoint.setup`` (the last checkpoint callback's, once): it resolves a default ``dirpath``
@@ -36,6 +37,9 @@ Six methods are replaced on live objects, since no hook runs at that point (``re
 - ``Strategy.on_train_start``: the last call before a fit's first epoch begins (after the module's
   ``on_train_start``, which runs after every callback's); a resume past an epoch's end restores the RNG
   there, before the next epoch's loader may be built again.
+- ``_CheckpointConnector.resume_start`` (the Trainer's connector): it logs ``ckpt_path`` and loads it;
+  ``ckpt_path=NEWEST`` becomes the checkpoint it stands for before (None: a fresh start, logged by no one
+  but us), so Lightning's lines and ``trainer.ckpt_path`` name what it restores.
 - ``Logger.after_save_checkpoint`` (each logger's): ``ModelCheckpoint`` calls it right after
   ``trainer.save_checkpoint`` returns; a logger that uploads the files then must find them committed.
 """
@@ -73,7 +77,8 @@ COMBINED_LOADER = _lightning(
 CHECKPOINT_CONNECTOR = _lightning(
     "Trainer._checkpoint_connector",
     "a checkpoint dict without writing it (a local-tier save of every rank) has no public call: "
-    "Trainer.save_checkpoint writes on rank 0 only, through the strategy",
+    "Trainer.save_checkpoint writes on rank 0 only, through the strategy; and the connector logs and loads "
+    "ckpt_path (its resume_start)",
 )
 RESTARTED_MID_EPOCH = _lightning(
     "_FitLoop.restarted_mid_epoch", "the fit loop's restart stage is visible only on its private class"
@@ -113,6 +118,11 @@ LOG_MODEL = _lightning(
     "MLFlowLogger._log_model",
     "MLFlowLogger, WandbLogger and LitLogger keep their log_model setting only there, and it says whether "
     "after_save_checkpoint reads the saved files at once",
+)
+RESUME_START = _lightning(
+    "_CheckpointConnector.resume_start",
+    "it logs and loads the ckpt_path Lightning chose, with no hook in between: NEWEST becomes a path there, "
+    "inside the fit (the ranks' agreement needs its process group)",
 )
 AFTER_SAVE_CHECKPOINT = _lightning(
     "Logger.after_save_checkpoint",

@@ -29,7 +29,7 @@ from air_core import ConfigError
 from air_core import dcp as air_dcp
 from air_core.session import TrainingSession
 
-from .checkpoint_io import NEWEST, AirCheckpointIO
+from .checkpoint_io import NEWEST, AirCheckpointIO, unresolved_newest
 from .internals import CONFIGURE_LAUNCHER, METADATA_FILENAME, saves_sharded_itself
 
 if TYPE_CHECKING:
@@ -134,15 +134,13 @@ class _AirShardedSaves(_Strategy):
         """A sharded checkpoint this plugin committed loads through it (resharded at any world size); a
         full file it committed, as Lightning loads it from a verified local copy; anything else as
         Lightning loads it."""
-        path = str(self.broadcast(str(checkpoint_path)))
+        if str(checkpoint_path) == NEWEST:  # AirCallback resolves it before Lightning loads it
+            raise unresolved_newest()
+        # NEWEST from the local tier names each rank's own assembly (every rank or none: they agreed)
+        resumed = self.air_io.resume_of(str(checkpoint_path))
+        path = str(checkpoint_path) if resumed is not None else str(self.broadcast(str(checkpoint_path)))
         if self._air_sharded:
             self._air_span_ranks()
-        resumed = None
-        if path == NEWEST:  # the newest complete state in any tier (every rank together), else a fresh start
-            found, resumed = self.air_io.newest()
-            if found is None:
-                return self.air_io.fresh_start()
-            path = found
         info = self.air_io.commit_of(path)
         if not self.air_io.is_sharded(info, path):  # Lightning reads a full file itself: from a verified copy
             local = self.air_io.local_copy(path, info, weights_only, resumed)

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
 from air_core import AirError
 from air_core.internals import Touch
@@ -102,6 +103,7 @@ def test_fsdp_strategy_still_configures_its_launcher_in_the_method_we_override()
         (internals.TRAIN_START, Strategy, ["self"]),
         (internals.SETUP_DATA, _FitLoop, ["self"]),
         (internals.AFTER_SAVE_CHECKPOINT, Logger, ["self", "checkpoint_callback"]),
+        (internals.RESUME_START, _CheckpointConnector, ["self", "checkpoint_path", "weights_only"]),
     ],
     ids=[
         "setup",
@@ -110,6 +112,7 @@ def test_fsdp_strategy_still_configures_its_launcher_in_the_method_we_override()
         "on_train_start",
         "setup_data",
         "after_save_checkpoint",
+        "resume_start",
     ],
 )
 def test_methods_replaced_on_live_objects_keep_their_signature(tmp_path, touch, owner, parameters):

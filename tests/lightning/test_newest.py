@@ -49,7 +49,7 @@ def _fit(
 
 def test_newest_resumes_from_model_checkpoints_default_dirpath(tmp_path, caplog):
     """No ``dirpath``: Lightning saves into ``<default_root_dir>/checkpoints``, and NEWEST resumes there,
-    saying where at Lightning's default log level (Lightning itself prints only ``air:newest``)."""
+    saying where and why at Lightning's default log level."""
     caplog.set_level(logging.INFO, logger="lightning.pytorch")
 
     def launch(steps: int) -> int | None:
@@ -68,6 +68,40 @@ def test_newest_resumes_from_model_checkpoints_default_dirpath(tmp_path, caplog)
     assert resumed in caplog.text
 
 
+def _resume_lines(caplog) -> list[str]:
+    """Lightning's lines about the checkpoint it restores, ours about NEWEST, any naming ``air:newest``."""
+    lines = [r.getMessage() for r in caplog.records]
+    return [m for m in lines if m.startswith(("Restor", "lightning_air.NEWEST")) or NEWEST in m]
+
+
+def test_lightnings_resume_lines_name_the_checkpoint_newest_stands_for_and_none_start_fresh(tmp_path, caplog):
+    """Lightning logs the ``ckpt_path`` it loads ("Restoring states from the checkpoint path at ...") and,
+    once restored, "Restored all states from the checkpoint at ...": with ``NEWEST`` they name the file it
+    stands for, after our line saying why that one; with nothing saved neither appears (it was "Restoring
+    ... air:newest", ours "starting fresh", then "Restored all states ... air:newest"), as stock logs
+    nothing for ``ckpt_path="last"`` without a last checkpoint. ``trainer.ckpt_path`` says the same."""
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
+
+    def launch(steps: int) -> pl.Trainer:
+        caplog.clear()
+        air = AirCallback(mlflow=False, preflight=False)
+        trainer = _trainer(tmp_path, steps, air, ModelCheckpoint(every_n_train_steps=2))
+        trainer.fit(BoringModel(), ckpt_path=NEWEST)
+        return trainer
+
+    trainer = launch(4)
+    assert _resume_lines(caplog) == ["lightning_air.NEWEST: nothing saved in any tier; starting fresh"]
+    assert trainer.ckpt_path is None
+    trainer = launch(6)
+    path = str(tmp_path / "checkpoints" / "epoch=0-step=4.ckpt")
+    assert _resume_lines(caplog) == [
+        f"lightning_air.NEWEST: resuming from {path} (step 4, the newest in any tier)",
+        f"Restoring states from the checkpoint path at {path}",
+        f"Restored all states from the checkpoint at {path}",
+    ]
+    assert trainer.ckpt_path == path and trainer.global_step == 6
+
+
 def test_the_local_tier_runs_and_resumes_with_model_checkpoints_default_dirpath(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="lightning.pytorch")
 
@@ -82,6 +116,9 @@ def test_the_local_tier_runs_and_resumes_with_model_checkpoints_default_dirpath(
     assert launch(7) == 0
     assert launch(9) == 6, "resumed from the local tier's step 6, newer than the root's step 4"
     assert "resuming from step 6 in this node's local tier (newer than the root's step 4)" in caplog.text
+    restored = [m for m in _resume_lines(caplog) if m.startswith("Restor")]
+    assert len(restored) == 2, restored
+    assert all("restore-00000" in m for m in restored), "Lightning names the tier's file"
 
 
 @pytest.mark.parametrize("strict_loading", [True, False])
