@@ -211,6 +211,7 @@ def main() -> None:
     p.add_argument("--direct", action="store_true", help="no staging_dir: a local root written in place")
     p.add_argument("--samples", type=int, default=N_SAMPLES, help="training samples (a short last batch)")
     args = p.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
     for name in ("accelerate_air", "air_core"):
