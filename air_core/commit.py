@@ -172,9 +172,12 @@ def delete_checkpoint(
     catalog: Catalog,
     *,
     recycle: bool = False,
+    cached: bool = False,
 ) -> Catalog:
     """Delete one checkpoint: the manifest first, then its files (``recycle``: set aside for the next
-    save to write over, ``spares.py``), then its records; return the rest.
+    save to write over, ``spares.py``), then its records; return the rest. ``cached``: ``storage`` is a
+    staging folder's cache, whose copies come and go unseen by users (logged at DEBUG, never as a
+    deleted checkpoint: the root's is still there).
 
     A file that another checkpoint in ``catalog`` also names is left alone (``Catalog.owned_files``).
     """
@@ -186,7 +189,10 @@ def delete_checkpoint(
         for path in files:
             storage.remove(path)
     storage.remove(layout.record_dir(info.name))
-    logger.info("deleted checkpoint %s (step %d, %s)", info.name, info.step, info.status)
+    if cached:
+        logger.debug("dropped the staging cache's copy of checkpoint %s (step %d)", info.name, info.step)
+    else:
+        logger.info("deleted checkpoint %s (step %d, %s)", info.name, info.step, info.status)
     return catalog.without(info.name)
 
 
@@ -194,4 +200,4 @@ def keep_newest(storage: Storage, catalog: Catalog, keep_last: int) -> None:
     """Delete all but the newest ``keep_last`` checkpoints that have a manifest (the local cache)."""
     held = [i for i in catalog.infos if i.manifest is not None]
     for info in held[: max(len(held) - keep_last, 0)]:
-        catalog = delete_checkpoint(storage, info, catalog)
+        catalog = delete_checkpoint(storage, info, catalog, cached=True)

@@ -253,7 +253,7 @@ class Staged:
         catalog = read_catalog(cached)
         for info in catalog.infos:
             if info.name == name and info.manifest is not None:
-                delete_checkpoint(cached, info, catalog)
+                delete_checkpoint(cached, info, catalog, cached=True)
 
     def _cache(self) -> Storage:
         return Storage(self.cache_dir, storage_options={}, retries=0, retry_backoff_seconds=0.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 import os
 import time
 
@@ -151,14 +152,15 @@ def _cached_steps(cache_dir: str) -> list[int]:
     return sorted(int(d[2:]) for d in held)
 
 
-def test_the_cache_keeps_the_newest_two_whatever_the_root_keeps(tmp_path):
+def test_the_cache_keeps_the_newest_two_whatever_the_root_keeps(tmp_path, caplog):
     """A keep-all root (Lightning's ``save_top_k=-1``, retention by count off) to a disk apart from the
     staging one: the root keeps every checkpoint, the cache only the newest two, and the older ones still
-    load, from the root."""
+    load, from the root. The cache's trimming says nothing of a deleted checkpoint (none was)."""
     root, stage = f"memory://keepall-{tmp_path.name}", str(tmp_path / "stage")
-    with AsyncCheckpointer(root, staging_dir=stage, keep_last=1 << 30) as ckpt:
+    with caplog.at_level(logging.INFO), AsyncCheckpointer(root, staging_dir=stage, keep_last=1 << 30) as ckpt:
         infos = [_save(ckpt, step).result(timeout=60) for step in (1, 2, 3, 4)]
     assert _cached_steps(ckpt._cache_dir) == [3, 4], "trimmed after the last commit, by close at the latest"
+    assert "deleted checkpoint" not in caplog.text
     with AsyncCheckpointer(root, staging_dir=stage) as ckpt:
         assert [i.step for i in ckpt.list()] == [1, 2, 3, 4]
         _check_loads(ckpt, infos[0], 1)
