@@ -397,7 +397,8 @@ class Writer:
             fix = f" {self._dest.disk_full_fix(exc)}"  # storage errors name their own fix
         error = SaveError(
             f"rank {cfg.rank}: saving checkpoint {job.name!r} (step {job.step}) failed during {run.phase}: "
-            f"{type(exc).__name__}: {exc}.{fix} The previous committed checkpoint is untouched.",
+            f"{type(exc).__name__}: {str(exc).rstrip('.')}.{fix} "
+            "The previous committed checkpoint is untouched.",
             step=job.step,
             phase=run.phase,
             rank=cfg.rank,
