@@ -228,5 +228,22 @@ def check_filename(path: str, *, call: str) -> str:
     return path
 
 
+def folder_problem(path: str) -> str | None:
+    """Why ``path`` cannot be a local folder this process writes (None: nothing found), checked without
+    writing anything: a file where the folder or one of its parents would be, or a folder this process
+    may not write to. A setting's config calls it at construction, so the mistake fails before any step;
+    creating the folder and a write probe come when it is first used (``staging.py``)."""
+    path = os.path.abspath(path.removeprefix("file://"))
+    nearest = path
+    while not os.path.lexists(nearest):  # the folder would be created under its nearest existing parent
+        nearest = os.path.dirname(nearest)
+    if not os.path.isdir(nearest):
+        where = "" if nearest == path else f", so {path} cannot be created under it"
+        return f"{nearest} exists and is not a folder{where}"
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        return f"this process may not write to {nearest}"
+    return None
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+from ..config import folder_problem
 from ..errors import ConfigError
 from ..health.preflight import parse_checks
 
@@ -60,7 +61,8 @@ class SessionConfig:
     restart resumes from the newest step every rank's state exists for in any tier. None: off (the root's
     saves only)."""
     local_dir: str | None = None
-    """The node-local folder of that tier (NVMe or ``/dev/shm``); needed with ``local_every_n_steps``."""
+    """The node-local folder of that tier (NVMe or ``/dev/shm``); needed with ``local_every_n_steps``, and
+    then refused when built if a file is in its place or this process may not write there."""
     replication_factor: int = 2
     """Copies of each rank's local checkpoint: its own and ``replication_factor - 1`` on partner ranks of
     other nodes (rank + j x local world size), so the loss of a node loses no local state."""
@@ -122,6 +124,10 @@ class SessionConfig:
         if k is not None and d is None:
             why = "local_every_n_steps needs a node-local folder: pass e.g. local_dir='/dev/shm/air'."
             raise bad("local_dir", d, why)
+        problem = folder_problem(d) if k is not None and d is not None else None
+        if problem:
+            fix = "Pass a node-local folder this process can write, e.g. local_dir='/dev/shm/air'."
+            raise bad("local_dir", d, f"{problem}. {fix}")
         r = self.replication_factor
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             why = "must be the copies of each local checkpoint, >= 1 (2: one more on another node)."

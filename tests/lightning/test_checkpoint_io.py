@@ -193,7 +193,7 @@ def test_save_last_rewrites_last_ckpt_and_it_stays_committed(tmp_path, top_k):
     assert newest is not None and torch.load(newest, weights_only=False)["global_step"] == 16
 
 
-def test_bad_settings_fail_at_construction_naming_the_argument():
+def test_bad_settings_fail_at_construction_naming_the_argument(tmp_path):
     with pytest.raises(ConfigError, match=r"^AirCheckpointIO\(on_busy='drop'\)"):  # the class the user built
         AirCheckpointIO(on_busy="drop")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"^AirCheckpointIO\(host_budget_bytes=0\)"):
@@ -202,6 +202,10 @@ def test_bad_settings_fail_at_construction_naming_the_argument():
         AirCallback(log_every_n_steps="7")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="flush_timeout_seconds"):
         AirCallback(flush_timeout_seconds=0)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"^AirCallback\(local_dir=.*a-file exists and is not a folder"):
+        AirCallback(local_every_n_steps=5, local_dir=str(blocker))
     with pytest.raises(TypeError, match="storage_options"):
         AirCheckpointIO().save_checkpoint({}, "/tmp/x.ckpt", storage_options={"a": 1})
 

@@ -231,13 +231,17 @@ def test_the_callback_on_a_plain_trainer_fails_before_any_step(tmp_path):
     assert trainer.state.global_step == 0
 
 
-def test_bad_settings_fail_when_the_callback_is_built():
+def test_bad_settings_fail_when_the_callback_is_built(tmp_path):
     with pytest.raises(ConfigError, match="max_in_flight"):
         AirTrainerCallback(max_in_flight=0)
     with pytest.raises(ConfigError, match="root"):
         AirTrainerCallback(root="  ")
     with pytest.raises(ConfigError, match="local_dir"):
         AirTrainerCallback(local_every_n_steps=3)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"^AirTrainerCallback\(local_dir=.*a-file exists and is not a"):
+        AirTrainerCallback(local_every_n_steps=3, local_dir=str(blocker))
 
 
 def test_the_local_tier_with_save_only_model_fails_when_the_trainer_is_built(tmp_path):
