@@ -94,7 +94,9 @@ def worker(args: argparse.Namespace) -> None:
         flush_timeout_seconds=10,
         hang_timeout_seconds=60,  # a hang (none expected) costs a minute, not the 300 s floor; it is logged
         local_every_n_steps=args.local_every or None,
-        local_dir=os.path.join(args.local_dir or str(work), f"local-{work.name}-{node}"),
+        local_dir=os.path.join(args.local_dir or str(work), f"local-{work.name}-{node}")
+        if args.local_every
+        else None,
     )
     accelerator = AirAccelerator(air_plugin=plugin, cpu=not args.cuda)
     torch.manual_seed(0)
@@ -238,7 +240,9 @@ def trainer_worker(args: argparse.Namespace) -> None:
         flush_timeout_seconds=10,
         hang_timeout_seconds=60,
         local_every_n_steps=args.local_every or None,
-        local_dir=os.path.join(args.local_dir or str(work), f"local-{work.name}-node"),
+        local_dir=os.path.join(args.local_dir or str(work), f"local-{work.name}-node")
+        if args.local_every
+        else None,
     )
     started = time.time()
     # Steps first: its 'device' wait comes before the session's gate at the optimizer step, as a GPU's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -11,6 +12,8 @@ from typing import cast
 from ..config import folder_problem
 from ..errors import ConfigError
 from ..health.preflight import parse_checks
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +65,8 @@ class SessionConfig:
     saves only)."""
     local_dir: str | None = None
     """The node-local folder of that tier (NVMe or ``/dev/shm``); needed with ``local_every_n_steps``, and
-    then refused when built if a file is in its place or this process may not write there."""
+    then refused when built if a file is in its place or this process may not write there. Given without
+    it: a warning when built, and held as None."""
     replication_factor: int = 2
     """Copies of each rank's local checkpoint: its own and ``replication_factor - 1`` on partner ranks of
     other nodes (rank + j x local world size), so the loss of a node loses no local state."""
@@ -124,6 +128,14 @@ class SessionConfig:
         if k is not None and d is None:
             why = "local_every_n_steps needs a node-local folder: pass e.g. local_dir='/dev/shm/air'."
             raise bad("local_dir", d, why)
+        if k is None and d is not None:  # a warning: a YAML config may keep local_dir with the tier off
+            logger.warning(
+                "%s(local_dir=%r) is unused: local_every_n_steps is None, so no local tier runs. Pass "
+                "local_every_n_steps=K to checkpoint there every K steps, or drop local_dir.",
+                self.owner,
+                d,
+            )
+            object.__setattr__(self, "local_dir", None)  # held as off: a copy of these settings warns no more
         problem = folder_problem(d) if k is not None and d is not None else None
         if problem:
             fix = "Pass a node-local folder this process can write, e.g. local_dir='/dev/shm/air'."

@@ -91,8 +91,11 @@ def build(args):
         mlflow_experiment=args.experiment,
         elastic=args.elastic,
         local_every_n_steps=args.local_every or None,
-        local_dir=args.local_dir
-        or os.path.join(args.workdir, "local-" + os.environ.get("AIR_NODE_NAME", "node")),
+        local_dir=(
+            args.local_dir or os.path.join(args.workdir, "local-" + os.environ.get("AIR_NODE_NAME", "node"))
+        )
+        if args.local_every
+        else None,
         **_hang_settings(args),
     )
     plugin.add_listener(Journal(args.workdir))

@@ -379,3 +379,16 @@ def test_a_local_dir_this_process_may_not_write_fails_when_built(tmp_path):
     locked.mkdir(mode=0o500)
     with pytest.raises(ConfigError, match=rf"local_dir=.*may not write to {locked}"):
         SessionConfig(local_every_n_steps=5, local_dir=str(locked / "air"))
+
+
+def test_a_local_dir_without_local_every_n_steps_warns_once_when_built(tmp_path, caplog):
+    """Not an error (a YAML config may keep local_dir with the tier off), but never silent."""
+    with caplog.at_level(logging.WARNING, logger="air_core.session.config"):
+        config = SessionConfig(local_dir=str(tmp_path / "local"), owner="AirCallback")
+        dataclasses.replace(config, log_every_n_steps=7)  # as the session's ``log_every`` does
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, f"one warning, when built: {warnings}"
+    assert warnings[0].startswith("AirCallback(local_dir="), warnings[0]
+    assert "local_every_n_steps is None, so no local tier runs" in warnings[0], warnings[0]
+    assert config.local_dir is None, "held as off"
+    assert not (tmp_path / "local").exists(), "no folder made for a tier that is off"

@@ -164,7 +164,9 @@ def main() -> None:
                 elastic=args.elastic,
                 hang_timeout_seconds=_hang_timeout(args),
                 local_every_n_steps=args.local_every or None,
-                local_dir=os.path.join(args.workdir, "local-" + os.environ.get("AIR_NODE_NAME", "node")),
+                local_dir=os.path.join(args.workdir, "local-" + os.environ.get("AIR_NODE_NAME", "node"))
+                if args.local_every
+                else None,
             ),
             *([DieOnce(args.workdir, *args.die.split(":"))] if args.die else []),
             ModelCheckpoint(dirpath=root, every_n_train_steps=args.every or None, save_top_k=args.top_k),

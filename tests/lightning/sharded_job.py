@@ -170,7 +170,9 @@ def main() -> None:
         log_every_n_steps=8,
         elastic=args.elastic,
         local_every_n_steps=args.local_every or None,
-        local_dir=os.path.join(args.workdir, "local-" + os.environ.get("AIR_NODE_NAME", "node")),
+        local_dir=os.path.join(args.workdir, "local-" + os.environ.get("AIR_NODE_NAME", "node"))
+        if args.local_every
+        else None,
     )
     trainer = pl.Trainer(
         max_epochs=args.epochs,

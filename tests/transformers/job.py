@@ -203,7 +203,9 @@ def main() -> None:
             mlflow=bool(args.mlflow),
             preflight=False,
             local_every_n_steps=args.local_every or None,
-            local_dir=os.path.join(args.workdir, "local-" + os.environ.get("AIR_NODE_NAME", "node")),
+            local_dir=os.path.join(args.workdir, "local-" + os.environ.get("AIR_NODE_NAME", "node"))
+            if args.local_every
+            else None,
         )
         air.add_listener(Journal(args.workdir))
         if args.kill:
