@@ -2,9 +2,10 @@
 
 Nothing else in air_core reads raw user arguments: ``AsyncCheckpointer`` builds one frozen
 ``CheckpointerConfig`` and the parts read from it; ``check_name``/``check_filename`` vet what a
-``save`` call names. Whatever can be checked without I/O fails here with ``ConfigError``, so a mistake
-fails before any training step; checks that need I/O (is the staging folder writable, is the bucket
-reachable) run when the checkpointer is built (``staging.py``, ``storage.py``).
+``save`` call names. Whatever can be checked without writing or the network fails here with
+``ConfigError`` (a local folder setting with a file in its way: ``folder_problem``), so a mistake fails
+before any training step; checks that write or reach storage (a probe write in the staging folder, is
+the bucket reachable) run when the checkpointer is built (``staging.py``, ``storage.py``).
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ class CheckpointerConfig:
                 self.staging_dir,
                 "staging_dir must be on a local disk (NVMe); pass a local folder, e.g. '/local_nvme/air'.",
             )
+        problem = folder_problem(self.staging_dir) if self.staging_dir is not None else None
+        if problem:
+            fix = "Pass a folder on a local disk (NVMe) this process can write, e.g. '/local_nvme/air'."
+            raise bad("staging_dir", self.staging_dir, f"{problem}. {fix}")
         check_int("host_budget_bytes", 1, optional=True)
         if self.host_budget_bytes is not None and self.host_budget_bytes < _MIN_BUDGET:
             raise bad(

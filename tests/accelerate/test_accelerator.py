@@ -173,6 +173,8 @@ def test_bad_configuration_fails_at_construction_naming_the_argument(tmp_path):
         air(str(blocker / "ckpts"), preflight=False)
     with pytest.raises(ConfigError, match=r"^AirPlugin\(local_dir=.*a-file exists and is not a folder"):
         AirPlugin(str(tmp_path), local_every_n_steps=5, local_dir=str(blocker))
+    with pytest.raises(ConfigError, match=r"^AirPlugin\(staging_dir=.*a-file exists and is not a folder"):
+        AirPlugin(str(tmp_path), staging_dir=str(blocker))  # not only when AirAccelerator is built
     assert "storage_options" not in repr(AirPlugin("s3://b/p", storage_options={"secret": "s3cr3t"}))
 
 

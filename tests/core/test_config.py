@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from air_core import AsyncCheckpointer, ConfigError
+from air_core import AsyncCheckpointer, CheckpointerConfig, ConfigError
 
 
 @pytest.mark.parametrize(
@@ -50,6 +50,20 @@ def test_staging_dir_that_is_a_file_fails_before_training(tmp_path):
     not_a_dir.write_text("x")
     with pytest.raises(ConfigError, match="staging_dir="):
         AsyncCheckpointer("memory://cfg-test", staging_dir=str(not_a_dir))
+
+
+@pytest.mark.parametrize("where", ["file", "under a file"])
+def test_staging_dir_with_a_file_in_its_way_fails_when_the_settings_are_built(tmp_path, where):
+    """The settings an adapter builds at its construction refuse it, before any checkpointer exists."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    staging_dir = str(blocker if where == "file" else blocker / "air")
+    with pytest.raises(ConfigError) as info:
+        CheckpointerConfig(root="s3://bucket/run", staging_dir=staging_dir, owner="AirPlugin")
+    message = str(info.value)
+    assert message.startswith(f"AirPlugin(staging_dir={staging_dir!r}):"), f"names staging_dir: {message}"
+    assert f"{blocker} exists and is not a folder" in message, f"says what is wrong: {message}"
+    assert "Pass a folder on a local disk (NVMe)" in message, f"gives the fix: {message}"
 
 
 def test_storage_options_never_appear_in_errors(tmp_path):

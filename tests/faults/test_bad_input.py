@@ -39,9 +39,10 @@ def test_bad_settings_fail_at_construction_naming_the_fix(kwargs, match):
 def test_staging_dir_that_is_a_file_or_unwritable_fails_at_construction(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    for staging in (str(a_file), "/proc/air-staging"):
-        with pytest.raises(ConfigError, match=r"staging_dir=.*cannot write.*pass a writable folder"):
-            AsyncCheckpointer("memory://air-bad-input/run", staging_dir=staging)
+    with pytest.raises(ConfigError, match=r"staging_dir=.*is not a folder.*Pass a folder on a local disk"):
+        AsyncCheckpointer("memory://air-bad-input/run", staging_dir=str(a_file))  # by its settings
+    with pytest.raises(ConfigError, match=r"staging_dir=.*cannot write.*pass a writable folder"):
+        AsyncCheckpointer("memory://air-bad-input/run", staging_dir="/proc/air-staging")  # by a probe write
 
 
 def test_a_local_root_that_cannot_be_made_names_a_folder_not_a_bucket():

@@ -206,6 +206,8 @@ def test_bad_settings_fail_at_construction_naming_the_argument(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match=r"^AirCallback\(local_dir=.*a-file exists and is not a folder"):
         AirCallback(local_every_n_steps=5, local_dir=str(blocker))
+    with pytest.raises(ConfigError, match=r"^AirCheckpointIO\(staging_dir=.*a-file exists and is not a"):
+        AirCheckpointIO(staging_dir=str(blocker))
     with pytest.raises(TypeError, match="storage_options"):
         AirCheckpointIO().save_checkpoint({}, "/tmp/x.ckpt", storage_options={"a": 1})
 

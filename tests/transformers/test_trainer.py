@@ -242,6 +242,8 @@ def test_bad_settings_fail_when_the_callback_is_built(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match=r"^AirTrainerCallback\(local_dir=.*a-file exists and is not a"):
         AirTrainerCallback(local_every_n_steps=3, local_dir=str(blocker))
+    with pytest.raises(ConfigError, match=r"^AirTrainerCallback\(staging_dir=.*a-file exists and is not a"):
+        AirTrainerCallback(staging_dir=str(blocker))
 
 
 def test_the_local_tier_with_save_only_model_fails_when_the_trainer_is_built(tmp_path):
