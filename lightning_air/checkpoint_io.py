@@ -64,8 +64,9 @@ def commit_name(filename: str, step: int, unique: str = "") -> str:
 class AirCheckpointIO(CheckpointIO):
     """Asynchronous, staged, committed checkpoints for ``Trainer(plugins=[AirCheckpointIO(...)])``.
 
-    Args mirror ``air_core.AsyncCheckpointer`` (same names, same meaning); the destination is the
-    ``dirpath`` of ``ModelCheckpoint`` (any fsspec URL). Settings are validated here, before training.
+    Args are named and mean as ``air_core.AsyncCheckpointer``'s; there is no ``keep_last``:
+    ``ModelCheckpoint(save_top_k=...)`` owns retention. The destination is the ``dirpath`` of
+    ``ModelCheckpoint`` (any fsspec URL). Settings are validated here, before training.
     """
 
     def __init__(
