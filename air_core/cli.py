@@ -120,68 +120,119 @@ def _verify_one(storage: Storage, info: CheckpointInfo) -> str:
 def cmd_report(storage: Storage, args: argparse.Namespace) -> int:
     launches = read_events(storage)
     prices = Prices(args.gpu_hour_price, args.storage_gb_month_price, args.egress_gb_price)
+    result = analyze(launches)
+    accounting = account(launches, sum(storage.sizes().values()), prices)
+    measured = _measures(launches)
     if args.json:
-        result = analyze(launches)
-        accounting = account(launches, sum(storage.sizes().values()), prices)
-        print(json.dumps({"goodput": result.as_metrics(), **accounting}))
+        print(json.dumps({"goodput": result.as_metrics(), **accounting, **measured}))
         return 0
     if not launches:
         print(
             f"no goodput events under {storage.display()} (written by the Lightning and Accelerate adapters)"
         )
         return 0
-    saves = [e for events in launches for e in events if e["e"] == "save" and e.get("committed")]
-    steps = [e for events in launches for e in events if e["e"] == "step"]
-    blocking = summarize([e["blocking"] for e in saves])
-    total = summarize([e["total"] for e in saves])
-    fetch = summarize([e["f"] for e in steps])
-    step_sum = sum(e["d"] for e in steps) or 1.0
-    b, f = blocking, {k: v * 1e3 for k, v in fetch.items()}
-    print(f"checkpoints: {len(saves)} committed; blocking p50 {b['p50']:.3f} s, p95 {b['p95']:.3f} s, "
-          f"max {b['max']:.3f} s; save to commit p50 {total['p50']:.2f} s")  # fmt: skip
-    print(f"fetch_seconds: {len(steps)} steps, p50 {f['p50']:.2f} ms, p95 {f['p95']:.2f} ms, "
-          f"max {f['max']:.2f} ms; data-wait fraction {fetch['sum'] / step_sum:.3f}")  # fmt: skip
-    for _, r, lost in restores(launches):
-        lost_line = f"; {lost} step(s) lost" if lost is not None else ""
-        print(f"restore: step {r['s']} from the {r.get('tier', 'remote')} tier ({r['source']} copy) in "
-              f"{r['seconds']:.2f} s{lost_line}")  # fmt: skip
-    for i, events in enumerate(launches, 1):
-        for e in (e for e in events if e["e"] == "preflight"):
-            print(f"pre-flight (launch {i}): {e['status']} in {e['seconds']:.2f} s")
-            for problem in e["problems"]:
-                print(f"  {problem['status'].upper()} {problem['check']} on {problem['host']} rank "
-                      f"{problem['rank']}: {problem['message']}")  # fmt: skip
-    for line in _straggler_lines([e for events in launches for e in events if e["e"] == "straggler"]):
-        print(line)
-    for i, events in enumerate(launches, 1):
-        for e in (e for e in events if e["e"] == "hang"):
-            print(f"hang (launch {i}): rank {e['rank']} on {e['host']} after step {e['s']}, no progress for "
-                  f"{e['since']:.1f} s (limit {e['limit']:.1f} s); stacks in "
-                  f"{hang_stacks_path(e['launch'], e['rank'])}")  # fmt: skip
-    result = analyze(launches)
+    print("\n".join(_measure_lines(measured)))
     print(result.report())
-    print("\n".join(lines(account(launches, sum(storage.sizes().values()), prices))))
+    print("\n".join(lines(accounting)))
     if args.plot:
         _plot(args.plot, launches, result)
         print(f"plot: {args.plot}")
     return 0
 
 
-def _straggler_lines(events: list[dict[str, Any]]) -> list[str]:
-    """One line per rank a metrics window named a straggler: windows, lowest scores, steps."""
+def _measures(launches: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """What the report prints before the goodput split, as one JSON-able object: the text is printed
+    from it (``_measure_lines``), so ``--json`` holds the same figures. Seconds throughout."""
+    saves = [e for events in launches for e in events if e["e"] == "save" and e.get("committed")]
+    steps = [e for events in launches for e in events if e["e"] == "step"]
+    fetch = summarize([e["f"] for e in steps])
+    step_sum = sum(e["d"] for e in steps) or 1.0
+    restored = [
+        {"launch": i + 1, "step": r["s"], "tier": r.get("tier", "remote"), "source": r["source"]}
+        | {"seconds": r["seconds"], "steps_lost": lost}
+        for i, r, lost in restores(launches)
+    ]
+    preflights = [
+        {"launch": i, "status": e["status"], "seconds": e["seconds"], "problems": e["problems"]}
+        for i, events in enumerate(launches, 1)
+        for e in events
+        if e["e"] == "preflight"
+    ]
+    hangs = [
+        {"launch": i, "rank": e["rank"], "host": e["host"], "step": e["s"], "since_seconds": e["since"]}
+        | {"limit_seconds": e["limit"], "stacks": hang_stacks_path(e["launch"], e["rank"])}
+        for i, events in enumerate(launches, 1)
+        for e in events
+        if e["e"] == "hang"
+    ]
+    return {
+        "checkpoints": {
+            "committed": len(saves),
+            "blocking_seconds": summarize([e["blocking"] for e in saves]),
+            "save_to_commit_seconds": summarize([e["total"] for e in saves]),
+        },
+        "fetch_seconds": {"steps": len(steps), **fetch, "data_wait_fraction": fetch["sum"] / step_sum},
+        "restores": restored,
+        "preflight": preflights,
+        "stragglers": _stragglers([e for events in launches for e in events if e["e"] == "straggler"]),
+        "hangs": hangs,
+    }
+
+
+def _measure_lines(measured: dict[str, Any]) -> list[str]:
+    """The text of ``_measures``: checkpoint latencies, fetch_seconds, restores, pre-flights,
+    stragglers and hangs, one line each (a pre-flight's problems indented below it)."""
+    saves, fetch = measured["checkpoints"], measured["fetch_seconds"]
+    b, total = saves["blocking_seconds"], saves["save_to_commit_seconds"]
+    f = {k: fetch[k] * 1e3 for k in ("p50", "p95", "max")}
+    out = [
+        f"checkpoints: {saves['committed']} committed; blocking p50 {b['p50']:.3f} s, p95 {b['p95']:.3f} s, "
+        f"max {b['max']:.3f} s; save to commit p50 {total['p50']:.2f} s",
+        f"fetch_seconds: {fetch['steps']} steps, p50 {f['p50']:.2f} ms, p95 {f['p95']:.2f} ms, "
+        f"max {f['max']:.2f} ms; data-wait fraction {fetch['data_wait_fraction']:.3f}",
+    ]
+    for r in measured["restores"]:
+        lost = f"; {r['steps_lost']} step(s) lost" if r["steps_lost"] is not None else ""
+        out.append(
+            f"restore: step {r['step']} from the {r['tier']} tier ({r['source']} copy) in "
+            f"{r['seconds']:.2f} s{lost}"
+        )
+    for p in measured["preflight"]:
+        out.append(f"pre-flight (launch {p['launch']}): {p['status']} in {p['seconds']:.2f} s")
+        out += [
+            f"  {problem['status'].upper()} {problem['check']} on {problem['host']} rank "
+            f"{problem['rank']}: {problem['message']}"
+            for problem in p["problems"]
+        ]
+    out += [
+        f"straggler: rank {s['rank']} ({s['host']}) in {s['windows']} window(s), steps {s['first_step']}-"
+        f"{s['last_step']}; lowest relative score {s['lowest_relative_score']:.2f}, individual "
+        f"{s['lowest_individual_score']:.2f}"
+        for s in measured["stragglers"]
+    ]
+    out += [
+        f"hang (launch {h['launch']}): rank {h['rank']} on {h['host']} after step {h['step']}, no progress "
+        f"for {h['since_seconds']:.1f} s (limit {h['limit_seconds']:.1f} s); stacks in {h['stacks']}"
+        for h in measured["hangs"]
+    ]
+    return out
+
+
+def _stragglers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per rank a metrics window named a straggler: its windows, steps and lowest scores."""
     by_rank: dict[tuple[int, str], list[tuple[int, float, float]]] = {}
     for e in events:
         for rank, host, rel, ind in zip(e["ranks"], e["hosts"], e["relative"], e["individual"], strict=True):
             by_rank.setdefault((rank, host), []).append((e["s"], rel, ind))
-    lines = []
+    out = []
     for (rank, host), seen in sorted(by_rank.items()):
         steps = [s for s, _, _ in seen]
-        rel, ind = min(r for _, r, _ in seen), min(i for _, _, i in seen)
-        lines.append(
-            f"straggler: rank {rank} ({host}) in {len(seen)} window(s), steps {min(steps)}-{max(steps)}; "
-            f"lowest relative score {rel:.2f}, individual {ind:.2f}"
+        out.append(
+            {"rank": rank, "host": host, "windows": len(seen), "first_step": min(steps)}
+            | {"last_step": max(steps), "lowest_relative_score": min(r for _, r, _ in seen)}
+            | {"lowest_individual_score": min(i for _, _, i in seen)}
         )
-    return lines
+    return out
 
 
 def _plot(path: str, launches: list[list[dict[str, Any]]], result: Any) -> None:
@@ -337,7 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.add_argument("root")
     report.add_argument("--plot", default=None, help="also draw it to this PNG file")
     report.add_argument(
-        "--json", action="store_true", help="print one JSON object (goodput, bytes, work, cost)"
+        "--json",
+        action="store_true",
+        help="print all of it as one JSON object (latencies, fetch, restores, goodput, bytes, work, cost)",
     )
     for flag, what in (
         ("--gpu-hour-price", "price of one GPU (rank) for an hour: cost lines for lost GPU time"),

@@ -13,8 +13,9 @@ import torch
 
 from air_core import AsyncCheckpointer, RestoreRecord, commit
 from air_core.cli import main
+from air_core.health import run_preflight
 from air_core.manifest import FailureRecord
-from air_core.session import GoodputLog
+from air_core.session import GoodputLog, Recorder
 from air_core.storage import Storage
 from tests.conftest import REPO
 
@@ -233,3 +234,56 @@ def test_storage_options_work_before_or_after_the_subcommand(s3_root, tmp_path, 
     with pytest.raises(SystemExit) as exited:
         main(["preflight", str(tmp_path), "--storage-options", "[1]"])
     assert exited.value.code == 64 and "--storage-options [1] is not a JSON object" in capsys.readouterr().err
+
+
+def test_report_json_holds_every_figure_of_the_text_report(tmp_path):
+    """``--json`` had only goodput, bytes, data_cache and work: not the checkpoint latencies,
+    fetch_seconds, restores, pre-flights, stragglers and hangs the text report prints."""
+    root = str(tmp_path / "root")
+    first = Recorder()
+    with AsyncCheckpointer(root, keep_last=5, listeners=[first]) as ckpt:
+        first.goodput = log = GoodputLog(ckpt.storage, "a" * 32)
+        report = run_preflight(["storage"], root=root)
+        log.preflight(report.seconds, report.status, [r.as_dict() for r in report.problems()])
+        for step in range(1, 6):  # saves at 2 and 4, then the launch reaches step 5 and dies
+            log.step(step, 0.1, 0.01 * step)
+            if step % 2 == 0:
+                ckpt.save({"w": torch.full((1000,), float(step))}, step=step).result()
+        log.straggler(4, ranks=[1], hosts=["node-b"], relative=[0.4], individual=[0.9])
+        log.close()
+    second = Recorder()
+    with AsyncCheckpointer(root, keep_last=5, listeners=[second]) as ckpt:
+        second.goodput = log = GoodputLog(ckpt.storage, "c" * 32)  # sorts after "a...": the relaunch
+        assert ckpt.load()["w"][0] == 4.0
+        log.step(5, 0.1, 0.06)
+        log.close()
+    text, as_json = air("report", root), air("report", root, "--json")
+    assert text.returncode == 0 and as_json.returncode == 0, (text.stderr, as_json.stderr)
+    out = json.loads(as_json.stdout)
+    assert {"goodput", "bytes", "data_cache", "work"} <= set(out), "the keys users read stay"
+    saves, fetched = out["checkpoints"], out["fetch_seconds"]
+    assert saves["committed"] == 2 and fetched["steps"] == 6
+    assert fetched["max"] == pytest.approx(0.06) and fetched["sum"] == pytest.approx(0.21)
+    blocking = saves["blocking_seconds"]
+    assert (
+        f"checkpoints: 2 committed; blocking p50 {blocking['p50']:.3f} s, p95 {blocking['p95']:.3f} s, "
+        f"max {blocking['max']:.3f} s; save to commit p50 {saves['save_to_commit_seconds']['p50']:.2f} s"
+    ) in text.stdout
+    assert f"data-wait fraction {fetched['data_wait_fraction']:.3f}" in text.stdout
+    assert fetched["data_wait_fraction"] == pytest.approx(0.21 / 0.6)
+    (restore,) = out["restores"]
+    assert restore["launch"] == 2 and restore["step"] == 4 and restore["steps_lost"] == 1, restore
+    assert restore["tier"] == "remote" and restore["source"] in ("cache", "local", "remote"), restore
+    assert (
+        f"restore: step 4 from the remote tier ({restore['source']} copy) in {restore['seconds']:.2f} s; "
+        "1 step(s) lost"
+    ) in text.stdout
+    (preflight,) = out["preflight"]
+    assert preflight["launch"] == 1 and preflight["status"] == "ok" and preflight["problems"] == []
+    assert f"pre-flight (launch 1): ok in {preflight['seconds']:.2f} s" in text.stdout
+    assert out["stragglers"] == [
+        {"rank": 1, "host": "node-b", "windows": 1, "first_step": 4, "last_step": 4}
+        | {"lowest_relative_score": 0.4, "lowest_individual_score": 0.9}
+    ]
+    assert "straggler: rank 1 (node-b) in 1 window(s), steps 4-4; lowest relative score 0.40" in text.stdout
+    assert out["hangs"] == [], "no rank hung"
