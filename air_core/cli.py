@@ -18,7 +18,8 @@ object store says does not exist; a prefix with nothing under it cannot be told 
 it is one (exit 0).
 ``air preflight``: 0 ok, 1 warn, 2 bad node (do not reschedule the job here), 64 bad usage;
 ``torchrun --nproc-per-node N -m air_core.cli preflight ROOT`` checks the links and clocks between
-ranks too.
+ranks too. A command whose output's reader goes away (``air report ROOT | head -1``) stops quietly
+with 141 (128 + SIGPIPE, as a tool that signal ends).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -321,8 +323,6 @@ def _usage_error(parser: argparse.ArgumentParser) -> Any:
 def cmd_preflight(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     """Every check on this node; under ``torchrun`` (``WORLD_SIZE`` > 1) on every rank, with the checks
     between them. Rank 0 prints one line per check and writes ``--json``."""
-    import os
-
     from .health.preflight import parse_checks, run_preflight
 
     try:
@@ -424,18 +424,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             "options); pass an object, e.g. '{\"anon\": true}'"
         )
     try:
-        if args.command == "preflight":
-            return cmd_preflight(args, options)
-        storage = Storage(args.root, storage_options=options, retries=3, retry_backoff_seconds=0.2)
-        missing = storage.missing()
-        if missing:  # a typo in ROOT would otherwise read as an empty root: exit 0, nothing found
-            print(f"air {args.command}: {missing}; ROOT is the folder or URL a job saved to", file=sys.stderr)
-            return 2
-        command = {"ls": cmd_ls, "verify": cmd_verify, "report": cmd_report}[args.command]
-        return command(storage, args)
+        code = _dispatch(args, options)
+        sys.stdout.flush()  # output to a pipe is buffered: a reader gone shows here, else at exit
+        return code
+    except BrokenPipeError:
+        return _stdout_closed()
     except (AirError, OSError, ValueError) as exc:
         print(f"air {args.command}: {exc}", file=sys.stderr)
         return 2
+
+
+def _dispatch(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    if args.command == "preflight":
+        return cmd_preflight(args, options)
+    storage = Storage(args.root, storage_options=options, retries=3, retry_backoff_seconds=0.2)
+    missing = storage.missing()
+    if missing:  # a typo in ROOT would otherwise read as an empty root: exit 0, nothing found
+        print(f"air {args.command}: {missing}; ROOT is the folder or URL a job saved to", file=sys.stderr)
+        return 2
+    command = {"ls": cmd_ls, "verify": cmd_verify, "report": cmd_report}[args.command]
+    return command(storage, args)
+
+
+PIPE_CLOSED = 141
+"""The exit status when stdout's reader went away (``air report ROOT | head -1``): 128 + SIGPIPE, what
+a shell shows for a tool that signal ended."""
+
+
+def _stdout_closed() -> int:
+    """Stop quietly, as a tool that SIGPIPE ends does. Python ignores SIGPIPE (a socket's reset must not
+    end the process), so the write raised instead; stdout goes to devnull so that the flush at exit
+    does not raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return PIPE_CLOSED
 
 
 if __name__ == "__main__":

@@ -287,3 +287,21 @@ def test_report_json_holds_every_figure_of_the_text_report(tmp_path):
     ]
     assert "straggler: rank 1 (node-b) in 1 window(s), steps 4-4; lowest relative score 0.40" in text.stdout
     assert out["hangs"] == [], "no rank hung"
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly_as_sigpipe_would(tmp_path):
+    """``air report ROOT | head -1`` printed ``air report: [Errno 32] Broken pipe`` and exited 2."""
+    root = _root_with_committed_partial_and_corrupt(tmp_path)
+    script = os.path.join(os.path.dirname(sys.executable), "air")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    for args in (["report", root], ["report", root, "--json"], ["ls", root]):
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before the first write: every write fails with EPIPE
+        try:
+            done = subprocess.run(
+                [script, *args], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120, env=env
+            )
+        finally:
+            os.close(write)
+        assert done.stderr == "", f"air {args[0]}: a closed pipe is no error to report: {done.stderr}"
+        assert done.returncode == 141, f"air {args[0]}: 128 + SIGPIPE, as a shell shows for `ls | head`"
