@@ -120,6 +120,10 @@ def _verify_one(storage: Storage, info: CheckpointInfo) -> str:
 
 
 def cmd_report(storage: Storage, args: argparse.Namespace) -> int:
+    problem = _plot_problem(args.plot) if args.plot else None
+    if problem:  # found before the report: it failed after printing all of it
+        print(f"air report: {problem}", file=sys.stderr)
+        return 2
     launches = read_events(storage)
     prices = Prices(args.gpu_hour_price, args.storage_gb_month_price, args.egress_gb_price)
     result = analyze(launches)
@@ -130,7 +134,8 @@ def cmd_report(storage: Storage, args: argparse.Namespace) -> int:
         return 0
     if not launches:
         print(
-            f"no goodput events under {storage.display()} (written by the Lightning and Accelerate adapters)"
+            f"no goodput events under {storage.display()} (written by the Lightning, Accelerate and "
+            "transformers adapters)"
         )
         return 0
     print("\n".join(_measure_lines(measured)))
@@ -235,6 +240,21 @@ def _stragglers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             | {"lowest_individual_score": min(i for _, _, i in seen)}
         )
     return out
+
+
+def _plot_problem(path: str) -> str | None:
+    """Why ``--plot PATH`` cannot be drawn, found before the report is printed, else None."""
+    if os.path.isdir(path):
+        return f"--plot {path} is a folder; pass a PNG file's path, e.g. {os.path.join(path, 'report.png')}"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
+        return f"--plot {path}: {folder} {what}; pass a PNG file's path in an existing folder"
+    try:
+        import matplotlib  # noqa: F401  (imported again to draw: found here, before the report)
+    except ImportError:
+        return "--plot needs matplotlib, which is not installed: pip install matplotlib"
+    return None
 
 
 def _plot(path: str, launches: list[list[dict[str, Any]]], result: Any) -> None:

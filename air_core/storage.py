@@ -369,12 +369,16 @@ class Storage:
 
     def missing(self) -> str | None:
         """What the filesystem can tell is not there, for a reader that must not take a typo for an empty
-        root: ``"no such folder: PATH"`` (a local root), ``"no such bucket: URL"`` (an object store's bucket
-        or container, one HEAD), else ``None``. A prefix with nothing under it is an empty root to an
-        object store, so it is never missing; nor is a bucket the backend cannot answer for (the listing
-        that follows reports that error)."""
+        root: ``"no such folder: PATH"`` or ``"PATH is a file, not a folder"`` (a local root), ``"no such
+        bucket: URL"`` (an object store's bucket or container, one HEAD), else ``None``. A prefix with
+        nothing under it is an empty root to an object store, so it is never missing; nor is a bucket the
+        backend cannot answer for (the listing that follows reports that error)."""
         if self.is_local:
-            return None if os.path.isdir(self.base) else f"no such folder: {self.base}"
+            if os.path.isdir(self.base):
+                return None
+            if os.path.exists(self.base):
+                return f"{self.base} is a file, not a folder"
+            return f"no such folder: {self.base}"
         scheme = self.url.split("://", 1)[0]
         if scheme not in _EXTRAS:
             return None

@@ -305,3 +305,41 @@ def test_a_reader_that_goes_away_ends_the_command_quietly_as_sigpipe_would(tmp_p
             os.close(write)
         assert done.stderr == "", f"air {args[0]}: a closed pipe is no error to report: {done.stderr}"
         assert done.returncode == 141, f"air {args[0]}: 128 + SIGPIPE, as a shell shows for `ls | head`"
+
+
+def test_a_root_that_is_a_file_is_named_a_file_not_a_missing_folder(tmp_path, capsys):
+    a_file = tmp_path / "afile"
+    a_file.write_bytes(b"x")
+    for command in ("ls", "verify", "report"):
+        assert main([command, str(a_file)]) == 2
+        err = capsys.readouterr().err
+        assert f"air {command}: {a_file} is a file, not a folder; ROOT is the folder" in err, err
+
+
+def test_a_plot_path_that_cannot_be_written_is_refused_before_the_report(tmp_path, capsys):
+    """The whole report was printed, then a raw ``[Errno 2]``, exit 2."""
+    root = _root_with_committed_partial_and_corrupt(tmp_path)
+    a_file = tmp_path / "afile"
+    a_file.write_bytes(b"x")
+    for plot, why in (
+        (tmp_path / "no-dir" / "r.png", f"{tmp_path / 'no-dir'} does not exist"),
+        (a_file / "r.png", f"{a_file} is a file, not a folder"),
+        (tmp_path, "is a folder; pass a PNG file's path"),
+    ):
+        assert main(["report", root, "--plot", str(plot)]) == 2, f"--plot {plot}"
+        out = capsys.readouterr()
+        assert out.out == "", f"--plot {plot}: nothing of the report is printed before the error"
+        assert out.err.startswith(f"air report: --plot {plot}") and why in out.err, out.err
+    # None in sys.modules: its import raises ImportError, as where matplotlib is not installed
+    code = "import sys; sys.modules['matplotlib'] = None; from air_core.cli import main; sys.exit(main())"
+    argv = [sys.executable, "-c", code, "report", root, "--plot", str(tmp_path / "r.png")]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.startswith("air report: --plot needs matplotlib, which is not installed"), done
+
+
+def test_a_root_without_events_names_every_adapter_that_writes_them(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "(written by the Lightning, Accelerate and transformers adapters)" in out, out
