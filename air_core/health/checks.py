@@ -18,7 +18,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from ..layout import probe_path
+from ..layout import META_DIR, PROBE_PREFIX, probe_path
 from ..storage import Storage, fix_for
 
 Status = Literal["ok", "warn", "bad", "skipped"]
@@ -83,16 +83,42 @@ def _timed(check: str, rank: int, fn: Any, timeout: float) -> CheckResult:
     return result
 
 
+_UNWRITABLE = (
+    "Pass a folder on a disk this process can write as the checkpoint root (a system folder such as /proc, "
+    "or a path under a file, holds none)."
+)
+
+
 def check_storage(
     root: str | None, *, storage_options: dict[str, Any], rank: int = 0, timeout: float = 30.0
 ) -> CheckResult:
-    """Put a canary object under the root's ``.air/``, read it back, delete it."""
+    """Put a canary object under the root's ``.air/``, read it back, delete it.
+
+    A local root whose ``.air/`` is not there yet gets its canary in the nearest folder that is (the
+    root, or the one the job will make it in), so the check leaves the filesystem as it found it: a
+    folder it made would hide a typo in the root from the next look (``air ls`` would find it empty).
+    """
     if root is None:
         return CheckResult("storage", "skipped", "no checkpoint root given.", rank=rank)
 
     def canary() -> CheckResult:
         storage = Storage(root, storage_options=storage_options, retries=1, retry_backoff_seconds=0.2)
-        rel = probe_path(f"preflight-{socket.gethostname()}-{rank}-{uuid.uuid4().hex[:8]}")
+        token = f"preflight-{socket.gethostname()}-{rank}-{uuid.uuid4().hex[:8]}"
+        rel, named = probe_path(token), storage.display()
+        said = named
+        if storage.is_local and not os.path.isdir(storage.path(META_DIR)):
+            probed = _nearest_existing(storage.path(META_DIR))
+            if not os.path.isdir(probed):
+                return CheckResult(
+                    "storage",
+                    "bad",
+                    f"cannot write under {named}: {probed} is a file, not a folder.",
+                    _UNWRITABLE,
+                )
+            if probed != storage.base:
+                said = f"{named} does not exist yet (the job creates it); {probed}, where it goes, is"
+            storage = Storage(probed, storage_options={}, retries=1, retry_backoff_seconds=0.2)
+            rel = f"{PROBE_PREFIX}{token}"
         data = os.urandom(4096)
         try:
             storage.write_bytes(rel, data)
@@ -103,9 +129,8 @@ def check_storage(
             return CheckResult(
                 "storage",
                 "bad",
-                f"cannot write under {storage.display()}: {type(cause).__name__}: {cause}.",
-                "Pass a folder on a disk this process can write as the checkpoint root (a system folder "
-                "such as /proc, or a path under a file, holds none).",
+                f"cannot write under {named}: {type(cause).__name__}: {cause}.",
+                _UNWRITABLE,
             )
         try:
             if storage.read_bytes(rel) != data:
@@ -117,7 +142,7 @@ def check_storage(
                 )
         finally:
             storage.remove(rel)
-        return CheckResult("storage", "ok", f"{storage.display()} writable (canary put, read, deleted).")
+        return CheckResult("storage", "ok", f"{said} writable (canary put, read, deleted).")
 
     return _timed("storage", rank, canary, timeout)
 
@@ -169,10 +194,12 @@ def _check_disk(
     """Free space of ``folder`` against ``expected_bytes`` (one copy; two are needed), and a timed
     write+fsync of ``probe_bytes``."""
     started = time.perf_counter()
+    probed = _nearest_existing(folder)  # the folder, or where the job will make it: nothing left behind
     try:
-        os.makedirs(folder, exist_ok=True)
-        free = shutil.disk_usage(folder).free
-        path = os.path.join(folder, f".air-preflight-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        if not os.path.isdir(probed):  # a file where the folder goes, or above it
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), probed)
+        free = shutil.disk_usage(probed).free
+        path = os.path.join(probed, f".air-preflight-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         block = os.urandom(1 << 20)
         t0 = time.perf_counter()
         try:
@@ -186,7 +213,7 @@ def _check_disk(
                 os.remove(path)
         write_seconds = time.perf_counter() - t0
     except OSError as exc:
-        if exc.errno in (errno.EEXIST, errno.ENOTDIR):  # makedirs: a file where the folder goes
+        if exc.errno == errno.ENOTDIR:
             message, fix = f"{folder} is not a folder: {exc}.", unwritable
         else:
             full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -199,6 +226,8 @@ def _check_disk(
     data = {"free_bytes": free, "expected_bytes": expected_bytes, "write_mib_per_s": round(rate, 1)}
     seconds = time.perf_counter() - started
     described = f"{folder}: {_gib(free)} free, write+fsync {rate:.0f} MiB/s"
+    if probed != os.path.abspath(folder):
+        described += f" (it does not exist yet, the job creates it; measured in {probed})"
     if expected_bytes and free < expected_bytes:
         return CheckResult(
             check,
@@ -220,6 +249,15 @@ def _check_disk(
             data=data,
         )
     return CheckResult(check, "ok", described + ".", seconds=seconds, rank=rank, data=data)
+
+
+def _nearest_existing(path: str) -> str:
+    """``path`` made absolute, or the nearest folder above it that exists: where a check can probe a
+    folder the job would make without making it."""
+    path = os.path.abspath(path)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 def check_memory(

@@ -212,7 +212,7 @@ class TrainingSession:
         Raises:
             HealthCheckError: on every rank, when any rank's node is bad (one line per failed check).
         """
-        if root is not None:  # its storage check writes a probe there, which makes the folder
+        if root is not None:  # before anything touches it (the check makes no folder of it)
             self._note_root(root)
         return self.health.preflight(
             root, checkpointer=self.checkpointer_config, parameter_bytes=parameter_bytes

@@ -48,7 +48,7 @@ def test_a_healthy_node_passes_and_air_preflight_exits_0_with_a_json_report(tmp_
     assert by_check["storage"]["status"] == "ok" and by_check["staging"]["data"]["write_mib_per_s"] > 0
     assert by_check["gpu"]["status"] in ("skipped", "ok")  # no NVIDIA driver on CI: skipped with a note
     assert all(HOST in line for line in printed.splitlines()[:-1])  # every line names the host
-    assert not os.listdir(tmp_path / "root" / ".air")  # the canary was deleted
+    assert sorted(os.listdir(tmp_path)) == ["report.json"], "the canary was deleted, no folder was made"
 
 
 def test_air_preflight_exit_codes_bad_node_2_usage_64(tmp_path, capsys):
@@ -342,3 +342,21 @@ def test_a_local_root_that_cannot_hold_a_folder_is_told_to_pass_a_writable_folde
         result = check_storage(root, storage_options={})
         assert result.status == "bad" and result.message.startswith(f"cannot write under {root}"), result
         assert result.fix.startswith("Pass a folder on a disk this process can write"), result.fix
+
+
+def test_preflight_of_folders_not_there_yet_leaves_none_and_says_the_job_makes_them(tmp_path, capsys):
+    """``air preflight /typo/root`` made the folders it checked, so the typo passed and stayed."""
+    root, stage = tmp_path / "runs" / "a", tmp_path / "stage" / "x"
+    assert air(["preflight", str(root), "--staging-dir", str(stage), "--checks", "storage,staging"]) == 0
+    out = capsys.readouterr().out
+    assert f"{root} does not exist yet (the job creates it); {tmp_path}, where it goes, is writable" in out
+    assert (
+        f"{stage}: " in out and f"(it does not exist yet, the job creates it; measured in {tmp_path})" in out
+    )
+    assert os.listdir(tmp_path) == [], "no folder made, no probe left"
+    empty = tmp_path / "empty"  # a root that is there, without the .air/ a job's first save makes
+    empty.mkdir()
+    assert air(["preflight", str(empty), "--staging-dir", str(empty), "--checks", "storage,staging"]) == 0
+    out = capsys.readouterr().out
+    assert f"{empty} writable (canary put, read, deleted)" in out and "does not exist" not in out, out
+    assert os.listdir(empty) == [], "no .air/ left in the root"
