@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, NamedTuple, TypeVar
 
 import fsspec
+from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from . import download, upload
@@ -41,6 +42,16 @@ TEMP_TAG = f"{TEMP_MARK}-"
 _TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.EIO, errno.EREMOTEIO}
 _CANNOT_LINK = {errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS}
 """``link`` refused by the filesystem (another mount of the same disk, no hard links): copy instead."""
+_UNANSWERED = {
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionClosedError",
+    "ServerDisconnectedError",
+}
+"""botocore/aiohttp errors of an endpoint that refused the connection or never answered."""
+PROBE_TIMEOUT_SECONDS = 5.0
+"""How long each request of a probe (``Storage.probe``) may take, its backend's retries included."""
 
 
 def redact(url: str) -> str:
@@ -58,14 +69,12 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
     # aiohttp/botocore errors that fsspec backends let through untranslated.
-    return type(exc).__name__ in {
-        "ClientPayloadError",
-        "ServerDisconnectedError",
-        "ReadTimeoutError",
-        "EndpointConnectionError",
-        "ConnectTimeoutError",
-        "ConnectionClosedError",
-    }
+    return type(exc).__name__ == "ClientPayloadError" or is_unanswered(exc)
+
+
+def is_unanswered(exc: BaseException | None) -> bool:
+    """Whether ``exc`` says the endpoint refused the connection or did not answer in time."""
+    return isinstance(exc, (TimeoutError, ConnectionError)) or type(exc).__name__ in _UNANSWERED
 
 
 def location(url: str) -> str:
@@ -132,6 +141,30 @@ class Storage:
             ) from exc
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.base = os.path.abspath(base) if self.is_local else base.rstrip("/")
+        self._bound: dict[str, float] = {}
+        """``{"timeout": seconds}`` on a probe of an async backend: fsspec cancels a longer request."""
+
+    @classmethod
+    def probe(cls, root: str, *, storage_options: dict[str, Any], beside: Storage | None = None) -> Storage:
+        """A ``Storage`` of ``root`` for a check before training, which fails in seconds where the
+        endpoint refuses or never answers: one try, each request cut at ``PROBE_TIMEOUT_SECONDS``
+        (fsspec's ``timeout``, on an async backend such as s3fs), and s3:// without botocore's retries.
+
+        Otherwise that costs botocore's retries times ours, a minute; and an S3 PUT to an endpoint that
+        accepts the connection but never answers waits forever (aiohttp starts its read timeout only
+        after the ``100-continue``). The Storage that transfers checkpoints keeps the patient defaults
+        (a hiccup during training must not fail a save); ``storage_options`` stay the user's own.
+        ``beside``: that Storage (of ``root``, the same options), whose botocore session the probe
+        shares: a second session loads the service models again, 15 MiB for the life of the process.
+        """
+        options = _probe_options(root, storage_options)
+        if beside is not None and options is not storage_options:  # s3fs
+            beside.fs.connect()  # makes its session (no request)
+            options["session"] = beside.fs.session
+        storage = cls(root, storage_options=options, retries=0, retry_backoff_seconds=0)
+        if isinstance(storage.fs, AsyncFileSystem):
+            storage._bound = {"timeout": PROBE_TIMEOUT_SECONDS}
+        return storage
 
     # -- addressing --------------------------------------------------------------------------
     def path(self, rel: str) -> str:
@@ -154,7 +187,7 @@ class Storage:
                         raise
                     raise StorageError(
                         f"{what} {self.display(rel)} failed after {attempt + 1} attempt(s): "
-                        f"{type(exc).__name__}: {exc}. {fix_for(exc)}"
+                        f"{_describe(exc)}. {fix_for(exc)}"
                     ) from exc
                 delay = self._backoff * (2**attempt) * (0.5 + random.random())
                 logger.warning(
@@ -232,14 +265,14 @@ class Storage:
                 with self.open_atomic(rel) as f:
                     f.write(data)
             else:
-                self.fs.pipe_file(self.path(rel), data)
+                self.fs.pipe_file(self.path(rel), data, **self._bound)
 
         self.call("write", rel, write)
 
     # -- reads -------------------------------------------------------------------------------
     def read_bytes(self, rel: str) -> bytes:
         """Read a whole (small) file; ``FileNotFoundError`` if absent."""
-        return self.call("read", rel, lambda: self.fs.cat_file(self.path(rel)))
+        return self.call("read", rel, lambda: self.fs.cat_file(self.path(rel), **self._bound))
 
     def read_if_present(self, rel: str) -> bytes | None:
         """Read a whole (small) file, or None if absent: one GET, where ``exists`` may list a prefix."""
@@ -332,7 +365,7 @@ class Storage:
 
         def rm() -> None:
             try:
-                self.fs.rm(self.path(rel), recursive=True)
+                self.fs.rm(self.path(rel), recursive=True, **self._bound)
             except FileNotFoundError:
                 pass
 
@@ -392,7 +425,8 @@ class Storage:
         return None
 
     def check_writable(self) -> None:
-        """Write and delete a probe under the root, so a bad URL or credential fails before training."""
+        """Write and delete a probe under the root, so a bad URL, endpoint or credential fails before
+        training (on a ``Storage.probe``, in seconds)."""
         rel = probe_path(uuid.uuid4().hex[:12])
         try:
             self.write_bytes(rel, b"probe")
@@ -403,6 +437,16 @@ class Storage:
                 else "Check that the bucket exists and the URL is spelled right"
             )
             raise StorageError(f"cannot write under {self.display()}: {exc}. {fix}.") from exc
+        except StorageError as exc:
+            if not is_unanswered(exc.__cause__):
+                raise
+            given = getattr(self.fs, "endpoint_url", None) or getattr(self.fs, "client_kwargs", {}).get(
+                "endpoint_url"
+            )  # s3fs's, from storage_options
+            at = f" at endpoint_url={redact(given)!r}" if isinstance(given, str) else ""
+            raise StorageError(
+                f"AsyncCheckpointer(root={self.url!r}) cannot reach its storage{at}: {exc}"
+            ) from exc
         self.remove(rel)
 
 
@@ -411,6 +455,17 @@ class Put(NamedTuple):
 
     size: int
     linked: bool
+
+
+def _probe_options(root: str, storage_options: dict[str, Any]) -> dict[str, Any]:
+    """``storage_options`` for ``Storage.probe``: for s3://, botocore's ``config_kwargs`` with one
+    attempt, so that a refused connection fails at once with botocore's error naming the endpoint (the
+    user's other settings kept); other backends' options as given."""
+    if _EXTRAS.get(str(fsspec.core.split_protocol(root)[0])) != "s3":
+        return storage_options
+    config = dict(storage_options.get("config_kwargs") or {})
+    config["retries"] = {**(config.get("retries") or {}), "total_max_attempts": 1}
+    return {**storage_options, "config_kwargs": config}
 
 
 def transfer_all(transfer: Callable[[T], R], items: Iterable[T], *, max_transfers: int, name: str) -> list[R]:
@@ -475,12 +530,23 @@ def _rename_durably(tmp: str, final: str) -> None:
         os.close(fd)
 
 
+def _describe(exc: BaseException) -> str:
+    """``Type: message``; a timeout without a message (fsspec's) says what it means."""
+    text = str(exc) or ("no answer in time" if isinstance(exc, TimeoutError) else "")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def fix_for(exc: BaseException) -> str:
     """What a user can do about a storage error (credentials, a full disk, a missing bucket, ...)."""
     if isinstance(exc, PermissionError) or "credential" in str(exc).lower() or "AccessDenied" in str(exc):
         return "Check the credentials in storage_options or the environment, and the permissions of the root."
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return "The disk is full: free space or point the root elsewhere."
+    if is_unanswered(exc):  # before the bucket: the endpoint's URL may hold the word
+        return (
+            "Check the root URL, the network and storage_options: the endpoint (s3://: {'client_kwargs': "
+            "{'endpoint_url': URL}}, or AWS_ENDPOINT_URL in the environment) and that its server is up."
+        )
     if "NoSuchBucket" in str(exc) or "bucket" in str(exc).lower():
         return "Check that the bucket exists and the URL is spelled right."
     return "Check the root URL, the network and storage_options."

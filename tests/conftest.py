@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -168,6 +171,40 @@ def s3_root(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3Root:
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
     options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
     return S3Root(url=f"s3://{bucket}/run", endpoint=s3_endpoint, storage_options=options)
+
+
+@pytest.fixture(params=["refused", "silent"])
+def dead_s3_endpoint(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """An S3 endpoint on 127.0.0.1 that refuses connections (a closed port), or accepts them and never
+    answers (a socket that holds them), with fake credentials in the environment."""
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+    if request.param == "refused":
+        server.close()
+        yield endpoint
+        return
+    server.listen(16)
+    held: list[socket.socket] = []
+
+    def hold() -> None:
+        with contextlib.suppress(OSError):  # the socket closed at teardown
+            while True:
+                held.append(server.accept()[0])
+
+    threading.Thread(target=hold, name="silent-s3", daemon=True).start()
+    yield endpoint
+    with contextlib.suppress(OSError):
+        server.shutdown(socket.SHUT_RDWR)  # wakes the accept
+    server.close()
+    for conn in held:
+        conn.close()
 
 
 def process_runs(pid: int) -> bool:

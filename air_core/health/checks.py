@@ -75,7 +75,7 @@ def _timed(check: str, rank: int, fn: Any, timeout: float) -> CheckResult:
         )
     result = box[0]
     if isinstance(result, BaseException):
-        fix = fix_for(result)
+        fix = fix_for(result.__cause__ or result)  # a StorageError's cause: its message may name a bucket
         fix = "" if fix in str(result) else fix  # a StorageError's message ends with its fix already
         message = f"{type(result).__name__}: {result}"
         return CheckResult(check, "bad", message, fix, seconds=seconds, rank=rank)
@@ -102,7 +102,7 @@ def check_storage(
         return CheckResult("storage", "skipped", "no checkpoint root given.", rank=rank)
 
     def canary() -> CheckResult:
-        storage = Storage(root, storage_options=storage_options, retries=1, retry_backoff_seconds=0.2)
+        storage = Storage.probe(root, storage_options=storage_options)
         token = f"preflight-{socket.gethostname()}-{rank}-{uuid.uuid4().hex[:8]}"
         rel, named = probe_path(token), storage.display()
         said = named

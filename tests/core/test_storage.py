@@ -55,6 +55,31 @@ def test_probe_fails_before_training_when_destination_refuses_writes(tmp_path):
         AsyncCheckpointer(_flaky_root(), staging_dir=str(tmp_path), storage_options=opts)
 
 
+def test_a_probe_keeps_the_users_s3_settings_and_the_transfers_keep_their_retries(monkeypatch):
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    config = {
+        "connect_timeout": 7,
+        "retries": {"mode": "standard", "max_attempts": 9},
+        "s3": {"addressing_style": "path"},
+    }
+    options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}, "config_kwargs": config}
+    transfers = Storage("s3://air-run/job", storage_options=options, retries=5, retry_backoff_seconds=0.2)
+    probe = Storage.probe("s3://air-run/job", storage_options=options, beside=transfers)  # one session
+    clients = {}
+    for name, storage in (("transfers", transfers), ("probe", probe)):
+        storage.fs.connect()  # botocore's client, built from the options (no request)
+        clients[name] = storage.fs.s3.meta.config
+    assert clients["transfers"].retries == {"mode": "standard", "total_max_attempts": 10}, "patient as set"
+    assert clients["probe"].retries == {"mode": "standard", "total_max_attempts": 1}, "one request"
+    for client in clients.values():
+        assert client.connect_timeout == 7 and client.s3 == {"addressing_style": "path"}, (
+            "the user's settings"
+        )
+    # botocore rewrites max_attempts 9 as total_max_attempts 10 in the user's dict; the probe adds nothing
+    assert set(options) == {"client_kwargs", "config_kwargs"}, "the probe's session is its own"
+    assert options["config_kwargs"]["retries"]["total_max_attempts"] == 10, "the probe's one try is its own"
+
+
 def test_missing_backend_names_the_extra_to_install(tmp_path, monkeypatch):
     registry = importlib.import_module("fsspec.registry")  # as if gcsfs were not installed
     monkeypatch.setitem(

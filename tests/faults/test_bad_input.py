@@ -67,6 +67,20 @@ def test_missing_credentials_fail_at_construction(s3_root, tmp_path, monkeypatch
         AsyncCheckpointer(s3_root.url, storage_options=s3_root.storage_options, retries=0)
 
 
+@pytest.mark.timeout(30)  # botocore's and our retries took a minute (refused) or forever (silent)
+def test_an_unreachable_s3_endpoint_fails_at_construction_in_seconds_naming_it(dead_s3_endpoint, tmp_path):
+    options = {"client_kwargs": {"endpoint_url": dead_s3_endpoint}}
+    with pytest.raises(StorageError) as unreachable:
+        AsyncCheckpointer("s3://air-run/job", storage_options=options, staging_dir=str(tmp_path))
+    message = str(unreachable.value)
+    named = f"root='s3://air-run/job') cannot reach its storage at endpoint_url='{dead_s3_endpoint}'"
+    assert f"AsyncCheckpointer({named}" in message, message
+    assert "the network and storage_options: the endpoint" in message, (
+        f"the fix names the argument: {message}"
+    )
+    assert "bucket exists" not in message, f"the endpoint is wrong, not the bucket: {message}"
+
+
 @pytest.mark.slow
 def test_accelerate_resume_into_another_model_is_refused_before_any_step(tmp_path):
     plan = Plan("accelerate", 0, workers=0, s3=False, processes=1, launches=[])

@@ -107,6 +107,16 @@ def test_a_stopped_s3_server_and_one_that_never_answers_are_bad_within_the_timeo
     silent.close()
 
 
+@pytest.mark.timeout(30)  # the canary's retries took 17 s (refused) or the check's whole timeout (silent)
+def test_an_unreachable_s3_endpoint_is_bad_in_seconds_with_the_endpoint_as_the_fix(dead_s3_endpoint):
+    options = {"client_kwargs": {"endpoint_url": dead_s3_endpoint}}
+    result = check_storage("s3://air-run/job", storage_options=options, timeout=120)
+    assert result.status == "bad" and "the network and storage_options: the endpoint" in result.line(), (
+        result.line()
+    )
+    assert "bucket exists" not in result.line(), f"the endpoint is wrong, not the bucket: {result.line()}"
+
+
 def test_staging_and_memory_judge_the_expected_checkpoint_size(tmp_path):
     assert check_staging(str(tmp_path), expected_bytes=1 << 20).status == "ok"
     full = check_staging(str(tmp_path), expected_bytes=1 << 60)
