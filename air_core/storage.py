@@ -52,6 +52,8 @@ _UNANSWERED = {
 """botocore/aiohttp errors of an endpoint that refused the connection or never answered."""
 PROBE_TIMEOUT_SECONDS = 5.0
 """How long each request of a probe (``Storage.probe``) may take, its backend's retries included."""
+PROBE_ATTEMPTS = 3
+"""botocore's attempts per probe request (its backoff before the third: up to 2 s, within the bound)."""
 
 
 def redact(url: str) -> str:
@@ -147,8 +149,9 @@ class Storage:
     @classmethod
     def probe(cls, root: str, *, storage_options: dict[str, Any], beside: Storage | None = None) -> Storage:
         """A ``Storage`` of ``root`` for a check before training, which fails in seconds where the
-        endpoint refuses or never answers: one try, each request cut at ``PROBE_TIMEOUT_SECONDS``
-        (fsspec's ``timeout``, on an async backend such as s3fs), and s3:// without botocore's retries.
+        endpoint refuses or never answers: no retries of ours, each request cut at
+        ``PROBE_TIMEOUT_SECONDS`` (fsspec's ``timeout``, on an async backend such as s3fs), and s3://
+        with ``PROBE_ATTEMPTS`` of botocore's.
 
         Otherwise that costs botocore's retries times ours, a minute; and an S3 PUT to an endpoint that
         accepts the connection but never answers waits forever (aiohttp starts its read timeout only
@@ -458,13 +461,14 @@ class Put(NamedTuple):
 
 
 def _probe_options(root: str, storage_options: dict[str, Any]) -> dict[str, Any]:
-    """``storage_options`` for ``Storage.probe``: for s3://, botocore's ``config_kwargs`` with one
-    attempt, so that a refused connection fails at once with botocore's error naming the endpoint (the
-    user's other settings kept); other backends' options as given."""
+    """``storage_options`` for ``Storage.probe``: for s3://, botocore's ``config_kwargs`` with
+    ``PROBE_ATTEMPTS`` attempts, so that a refused connection fails within seconds with botocore's error
+    naming the endpoint, and a throttled probe (every rank of a large job probes at once) is tried again
+    within the probe's bound (the user's other settings kept); other backends' options as given."""
     if _EXTRAS.get(str(fsspec.core.split_protocol(root)[0])) != "s3":
         return storage_options
     config = dict(storage_options.get("config_kwargs") or {})
-    config["retries"] = {**(config.get("retries") or {}), "total_max_attempts": 1}
+    config["retries"] = {**(config.get("retries") or {}), "total_max_attempts": PROBE_ATTEMPTS}
     return {**storage_options, "config_kwargs": config}
 
 

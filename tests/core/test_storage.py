@@ -70,14 +70,14 @@ def test_a_probe_keeps_the_users_s3_settings_and_the_transfers_keep_their_retrie
         storage.fs.connect()  # botocore's client, built from the options (no request)
         clients[name] = storage.fs.s3.meta.config
     assert clients["transfers"].retries == {"mode": "standard", "total_max_attempts": 10}, "patient as set"
-    assert clients["probe"].retries == {"mode": "standard", "total_max_attempts": 1}, "one request"
+    assert clients["probe"].retries == {"mode": "standard", "total_max_attempts": 3}, "a throttle retried"
     for client in clients.values():
         assert client.connect_timeout == 7 and client.s3 == {"addressing_style": "path"}, (
             "the user's settings"
         )
     # botocore rewrites max_attempts 9 as total_max_attempts 10 in the user's dict; the probe adds nothing
     assert set(options) == {"client_kwargs", "config_kwargs"}, "the probe's session is its own"
-    assert options["config_kwargs"]["retries"]["total_max_attempts"] == 10, "the probe's one try is its own"
+    assert options["config_kwargs"]["retries"]["total_max_attempts"] == 10, "the probe's attempts are its own"
 
 
 def test_missing_backend_names_the_extra_to_install(tmp_path, monkeypatch):
