@@ -134,7 +134,6 @@ class AirCallback(Callback):
         self._quiet = contextlib.ExitStack()  # warnings filtered from the resume to the first batch
         self._rng_at_batch_end: RawRng | None = None  # what a validation right after it starts from
         self._rng_before_validation: dict[str, Any] | None = None
-        self._after_fit: dict[str, Any] | None = None  # the rank state a save after the fit holds
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``ddp_spawn``'s workers, ``deepcopy(trainer)``) starts without the session: its loaders,
@@ -155,7 +154,6 @@ class AirCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._after_fit = None  # a save after this fit holds this fit's end, if it ends
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         ours = sum(isinstance(c, AirCallback) for c in callbacks)
         if ours > 1:  # one fit, one session: its saves, data positions and SIGTERM flush
@@ -355,10 +353,8 @@ class AirCallback(Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        if self.session is None or self.session.closed:  # a save after the fit (a notebook's)
-            if self._after_fit is not None:
-                checkpoint[AIR_KEY] = {"rank_state": self._after_fit}
-            return
+        if self.session is None or self.session.closed:
+            return  # a save after fit (a notebook's): no data position to resume
         step = trainer.global_step
         part = self.session.rank_state()
         if self._local_name is not None:  # a local-tier save: its parts are the tier's
@@ -403,9 +399,8 @@ class AirCallback(Callback):
         part = states.get(trainer.global_rank)
         if any("loaders" not in s for s in states.values()) or (part is None and saved == trainer.world_size):
             logger.warning(
-                "AirCallback: this checkpoint holds no %s of rank %d (not written with AirCallback, saved "
-                "after a fit of several ranks or a failed one, or by an air-plugins version before 0.2); RNG "
-                "and data position are not restored, so the "
+                "AirCallback: this checkpoint holds no %s of rank %d (not written with AirCallback, or by "
+                "an air-plugins version before 0.2); RNG and data position are not restored, so the "
                 "resumed run may repeat or skip samples.",
                 "RNG and data position",
                 trainer.global_rank,
@@ -431,19 +426,7 @@ class AirCallback(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._keep_the_end(trainer)
             self._end(trainer)
-
-    def _keep_the_end(self, trainer: pl.Trainer) -> None:
-        """Keep the RNG and loader positions the fit ended with, for a save after it (a notebook's
-        ``trainer.save_checkpoint``, also after a ``validate`` or ``test`` that drew from the RNG): its loops,
-        weights and optimizer are the fit's end, and a fit resumed from it must go on as an uninterrupted
-        longer one would, as from ``ModelCheckpoint``'s save at that end. One rank only: Lightning saves on
-        rank 0 alone then, and the other ranks' parts have no commit to join. Not when the fit loaded a
-        checkpoint and never trained (its positions and RNG were not applied)."""
-        session = self.session
-        if session is not None and trainer.world_size == 1 and not session.positions.resuming:
-            self._after_fit = session.rank_state()
 
     def _end(self, trainer: pl.Trainer) -> None:
         """Close the session (commits what is in flight; goodput, MLflow), unhook ``ModelCheckpoint`` and

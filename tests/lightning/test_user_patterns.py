@@ -22,8 +22,6 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from air_core import CorruptCheckpointError
 from lightning_air import AirCallback, AirCheckpointIO, latest_checkpoint
 from lightning_air.callback import _continued_epoch_is_resumable
-from tests.lightning.model import Model, make_loader
-from tests.sameness import assert_same_run
 
 
 def _trainer(root, plugin, callbacks=(), **kw) -> pl.Trainer:
@@ -72,35 +70,6 @@ def test_a_save_after_fit_is_committed_when_it_returns_and_leaves_no_writer_open
     other = _trainer(tmp_path, AirCheckpointIO())  # a second Trainer on the same folder is not refused
     other.fit(BoringModel(), ckpt_path=path)
     assert other.global_step == 4
-
-
-def test_a_fit_resumed_from_a_save_after_fit_goes_on_as_an_uninterrupted_longer_fit(tmp_path):
-    """A notebook's ``fit(model, loader)`` then ``save_checkpoint``: the file holds the RNG and loader
-    positions the fit ended with (as ``ModelCheckpoint``'s save at that end does), so a new Trainer with
-    more epochs draws the next epoch's shuffle, augmentation and dropout as one longer fit, even when the
-    notebook drew from the RNG in between and the resume runs in another process's RNG."""
-
-    def fit(work, epochs: int, ckpt_path: str | None = None) -> pl.Trainer:
-        model = Model(str(work), 0, source="fit")
-        air = AirCallback(mlflow=False, preflight=False)
-        trainer = _trainer(work, AirCheckpointIO(), [air], max_steps=-1, max_epochs=epochs)
-        trainer.fit(model, make_loader("plain", 0), ckpt_path=ckpt_path)
-        torch.save(model.state_dict(), work / "final.pt")
-        return trainer
-
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    straight.mkdir(), resumed.mkdir()
-    pl.seed_everything(0)
-    fit(straight, 2)
-    pl.seed_everything(0)
-    trainer = fit(resumed, 1)
-    torch.randn(8)  # the notebook draws before it saves
-    path = str(resumed / "after_fit.ckpt")
-    trainer.save_checkpoint(path)
-    assert "rank_state" in torch.load(path, weights_only=False)["air"], "the fit's end is in the file"
-    pl.seed_everything(1)  # the resume's process has other RNG states
-    fit(resumed, 2, ckpt_path=path)
-    assert_same_run(resumed, straight)
 
 
 def test_fit_resumes_from_a_stock_checkpoint_in_another_folder_and_from_a_bare_file_name(
