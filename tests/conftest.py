@@ -156,17 +156,21 @@ def s3_endpoint() -> Iterator[str]:
     server.stop()
 
 
-@pytest.fixture
-def s3_root(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3Root:
-    """A new bucket per test, with fake credentials in the environment."""
-    import boto3
-
+def _fake_aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     for key, value in {
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
     }.items():
         monkeypatch.setenv(key, value)
+
+
+@pytest.fixture
+def s3_root(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3Root:
+    """A new bucket per test, with fake credentials in the environment."""
+    import boto3
+
+    _fake_aws_credentials(monkeypatch)
     bucket = f"air-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
     options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
@@ -177,12 +181,7 @@ def s3_root(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3Root:
 def dead_s3_endpoint(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """An S3 endpoint on 127.0.0.1 that refuses connections (a closed port), or accepts them and never
     answers (a socket that holds them), with fake credentials in the environment."""
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(key, value)
+    _fake_aws_credentials(monkeypatch)
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
