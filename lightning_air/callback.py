@@ -399,9 +399,10 @@ class AirCallback(Callback):
         part = states.get(trainer.global_rank)
         if any("loaders" not in s for s in states.values()) or (part is None and saved == trainer.world_size):
             logger.warning(
-                "AirCallback: this checkpoint holds no %s of rank %d (not written with AirCallback, or by "
-                "an air-plugins version before 0.2); RNG and data position are not restored, so the "
-                "resumed run may repeat or skip samples.",
+                "AirCallback: this checkpoint holds no %s of rank %d (not written during a fit with "
+                "AirCallback: a trainer.save_checkpoint after fit, another tool, or an air-plugins version "
+                "before 0.2); RNG and data position are not restored, so the resumed run may repeat or "
+                "skip samples (a ModelCheckpoint save of the fit holds them).",
                 "RNG and data position",
                 trainer.global_rank,
             )
