@@ -141,6 +141,7 @@ class Storage:
                 "path or a URL whose scheme fsspec knows (s3://, gs://, abfs://, file://, memory://), and "
                 "check storage_options."
             ) from exc
+        upload.answered_puts(self.fs)
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.base = os.path.abspath(base) if self.is_local else base.rstrip("/")
         self._bound: dict[str, float] = {}

@@ -114,6 +114,19 @@ def follows(fs: Any) -> bool:
     return type(fs).__module__.startswith("s3fs")
 
 
+def answered_puts(fs: Any) -> None:
+    """S3: PUTs without botocore's ``Expect: 100-continue``. aiohttp waits for the 100 with no timeout
+    (its read timeout starts once the body is sent), so an endpoint that accepts the connection and never
+    answers (a stuck proxy) held a save, or the root's probe, forever; with the body sent at once the
+    read timeout bounds the wait and the retries apply. The cost: a PUT the server refuses (bad
+    credentials) sends its body first. ``fs`` is the Storage's own instance (never shared)."""
+    if follows(fs):
+        from botocore.handlers import add_expect_header
+
+        fs.connect()  # botocore's client (no request); s3fs never makes another one by itself
+        fs.s3.meta.events.unregister("before-call.s3", add_expect_header)
+
+
 def put_file(fs: Any, local_path: str, path: str, growing: Growing | None = None) -> None:
     """Upload ``local_path`` (or the file ``growing`` follows) to ``path`` of ``fs``, all or nothing."""
     if follows(fs):

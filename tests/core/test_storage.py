@@ -80,6 +80,20 @@ def test_a_probe_keeps_the_users_s3_settings_and_the_transfers_keep_their_retrie
     assert options["config_kwargs"]["retries"]["total_max_attempts"] == 10, "the probe's attempts are its own"
 
 
+@pytest.mark.timeout(60)  # without the fix the silent endpoint's PUT waits for ever
+def test_a_put_to_an_endpoint_that_never_answers_ends_at_the_read_timeout(dead_s3_endpoint, tmp_path):
+    """An S3 endpoint that accepts the connection and never answers (a stuck proxy): botocore's
+    ``Expect: 100-continue`` made aiohttp wait for the 100 with no timeout, a save held for ever; the
+    Storage's PUTs go without it, so the read timeout and the retries bound them, as for any hang."""
+    config = {"read_timeout": 1, "connect_timeout": 1, "retries": {"total_max_attempts": 1}}
+    options = {"client_kwargs": {"endpoint_url": dead_s3_endpoint}, "config_kwargs": config}
+    storage = Storage("s3://air-run/job", storage_options=options, retries=0, retry_backoff_seconds=0)
+    part = tmp_path / "part.bin"
+    part.write_bytes(os.urandom(64 << 10))  # within the socket's buffers: the body is sent
+    with pytest.raises(StorageError, match="upload"):
+        storage.put_file(str(part), "part.bin")  # manifests and records (pipe_file): the same client
+
+
 def test_missing_backend_names_the_extra_to_install(tmp_path, monkeypatch):
     registry = importlib.import_module("fsspec.registry")  # as if gcsfs were not installed
     monkeypatch.setitem(
