@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from air_core import AsyncCheckpointer, CheckpointerConfig, ConfigError
+from air_core.session.config import SessionConfig
 
 
 @pytest.mark.parametrize(
@@ -53,17 +54,28 @@ def test_staging_dir_that_is_a_file_fails_before_training(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["file", "under a file"])
-def test_staging_dir_with_a_file_in_its_way_fails_when_the_settings_are_built(tmp_path, where):
-    """The settings an adapter builds at its construction refuse it, before any checkpointer exists."""
+@pytest.mark.parametrize(
+    ("setting", "fix"),
+    [("staging_dir", "Pass a folder on a local disk (NVMe)"), ("local_dir", "Pass a node-local folder")],
+)
+def test_a_local_folder_with_a_file_in_its_way_fails_when_the_settings_are_built(
+    tmp_path, where, setting, fix
+):
+    """The settings an adapter builds at its construction refuse it, before any checkpointer exists (not at
+    the first save, steps later, as a storage error naming the root's settings)."""
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    staging_dir = str(blocker if where == "file" else blocker / "air")
+    path = str(blocker if where == "file" else blocker / "air")
     with pytest.raises(ConfigError) as info:
-        CheckpointerConfig(root="s3://bucket/run", staging_dir=staging_dir, owner="AirPlugin")
+        if setting == "staging_dir":
+            CheckpointerConfig(root="s3://bucket/run", staging_dir=path, owner="AirPlugin")
+        else:
+            SessionConfig(local_every_n_steps=5, local_dir=path, owner="AirPlugin")
     message = str(info.value)
-    assert message.startswith(f"AirPlugin(staging_dir={staging_dir!r}):"), f"names staging_dir: {message}"
+    assert message.startswith(f"AirPlugin({setting}={path!r}):"), f"names {setting}: {message}"
     assert f"{blocker} exists and is not a folder" in message, f"says what is wrong: {message}"
-    assert "Pass a folder on a local disk (NVMe)" in message, f"gives the fix: {message}"
+    assert fix in message, f"gives the fix: {message}"
+    assert blocker.read_text() == "x", "nothing is written while checking"
 
 
 def test_storage_options_never_appear_in_errors(tmp_path):

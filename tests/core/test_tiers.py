@@ -358,21 +358,6 @@ def test_bad_tier_settings_fail_when_built_naming_the_setting(settings, named):
         SessionConfig(**settings)
 
 
-@pytest.mark.parametrize("where", ["file", "under a file"])
-def test_a_local_dir_that_cannot_be_a_folder_fails_when_built(tmp_path, where):
-    """Not at the first local save, steps later, as a storage error that names the root's settings."""
-    blocker = tmp_path / "a-file"
-    blocker.write_text("x")
-    local_dir = str(blocker if where == "file" else blocker / "air")
-    with pytest.raises(ConfigError) as info:
-        SessionConfig(local_every_n_steps=5, local_dir=local_dir, owner="AirPlugin")
-    message = str(info.value)
-    assert message.startswith(f"AirPlugin(local_dir={local_dir!r}):"), f"names local_dir: {message}"
-    assert f"{blocker} exists and is not a folder" in message, f"says what is wrong: {message}"
-    assert "Pass a node-local folder this process can write" in message, f"gives the fix: {message}"
-    assert blocker.read_text() == "x", "nothing is written while checking"
-
-
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write to any folder")
 def test_a_local_dir_this_process_may_not_write_fails_when_built(tmp_path):
     locked = tmp_path / "locked"
