@@ -77,6 +77,7 @@ class AsyncCheckpointer:
         lease_seconds: float = 30.0,
         recycle_files: bool = False,
         read_only: bool = False,
+        label: str = "",
         listeners: Iterable[Listener] = (),
     ) -> None:
         """Validate the settings, then check the destination and staging folder are usable.
@@ -105,6 +106,7 @@ class AsyncCheckpointer:
             lease_seconds=lease_seconds,
             recycle_files=recycle_files,
             read_only=read_only,
+            label=label,
         )
         cfg = self.config
         if not cfg.root:

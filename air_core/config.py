@@ -82,6 +82,10 @@ class CheckpointerConfig:
     read_only: bool = False
     """Open the root to list, verify and load only: no probe write, no lease, ``save`` refused.
     For tools that look at a root while a job may be writing it."""
+    label: str = ""
+    """How the writer's log lines and save errors name this checkpointer ("": ``rank N``): the local
+    tier's checkpointer is a one-rank one of each rank's own folder, so it names the job's rank; a job
+    with two checkpointers (weights and an EMA copy) can tell their lines apart."""
     owner: str = field(default="AsyncCheckpointer", compare=False, repr=False)
     """The class the user configured (named in errors): an adapter's, which passes these settings on."""
 

@@ -121,6 +121,7 @@ class Writer:
         fence: Callable[[str], None] | None = None,
     ) -> None:
         self._config = config
+        self._who = config.label or f"rank {config.rank}"  # in log lines and save errors
         self._storage = storage
         self._dest = destination
         self._pool = pool
@@ -226,8 +227,8 @@ class Writer:
             self._retain()
         except Exception:
             logger.warning(
-                "rank %d: retention after %s failed; will retry after the next commit",
-                self._config.rank,
+                "%s: retention after %s failed; will retry after the next commit",
+                self._who,
                 job.name,
                 exc_info=True,
             )
@@ -374,8 +375,8 @@ class Writer:
     def _succeed(self, job: SaveJob, run: _Progress, manifest: Manifest) -> None:
         self._phase(job, "committed")
         logger.info(
-            "rank %d committed checkpoint %s (step %d, %d bytes) in %.2fs",
-            self._config.rank,
+            "%s committed checkpoint %s (step %d, %d bytes) in %.2fs",
+            self._who,
             job.name,
             job.step,
             run.size,
@@ -396,7 +397,7 @@ class Writer:
         if run.phase == "serialize" and isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             fix = f" {self._dest.disk_full_fix(exc)}"  # storage errors name their own fix
         error = SaveError(
-            f"rank {cfg.rank}: saving checkpoint {job.name!r} (step {job.step}) failed during {run.phase}: "
+            f"{self._who}: saving checkpoint {job.name!r} (step {job.step}) failed during {run.phase}: "
             f"{type(exc).__name__}: {str(exc).rstrip('.')}.{fix} "
             "The previous committed checkpoint is untouched.",
             step=job.step,
@@ -421,7 +422,7 @@ class Writer:
             commit.write_failure(self._storage, record)
         except Exception as exc:
             logger.warning(
-                "rank %d: could not record for the other ranks that %s failed: %s", cfg.rank, job.name, exc
+                "%s: could not record for the other ranks that %s failed: %s", self._who, job.name, exc
             )
 
     # -- retention and deletes ----------------------------------------------------------------
@@ -448,18 +449,14 @@ class Writer:
                 if info.name not in self._deferred:
                     continue
                 if newest is not None and info.name == newest.name and info.name not in self._forced:
-                    logger.info(
-                        "rank %d: keeping %s until a newer checkpoint commits", self._config.rank, info.name
-                    )
+                    logger.info("%s: keeping %s until a newer checkpoint commits", self._who, info.name)
                     continue
                 catalog = self._delete(info, catalog)
                 self._deferred.discard(info.name)
             self._deferred &= {i.name for i in catalog.infos}
             self._forced &= self._deferred
         except Exception:
-            logger.warning(
-                "rank %d: deleting %s failed; will retry", self._config.rank, self._deferred, exc_info=True
-            )
+            logger.warning("%s: deleting %s failed; will retry", self._who, self._deferred, exc_info=True)
 
     def _delete(self, info: CheckpointInfo, catalog: Catalog) -> Catalog:
         self._fence(f"deleting checkpoint {info.name!r}")

@@ -126,6 +126,7 @@ class LocalTier:
             max_in_flight=1,
             on_busy="wait",
             recycle_files=True,  # each save is written over the files of the one it dropped (``spares.py``)
+            label=f"rank {rank}'s local tier",  # its checkpointer is a one-rank one (rank 0 of 1)
         )
         self.checkpointer = AsyncCheckpointer.from_config(config)
         self._group = group

@@ -19,6 +19,7 @@ import torch
 import tests.faultfs  # noqa: F401  (registers flaky://)
 from air_core import (
     AsyncCheckpointer,
+    CheckpointerConfig,
     ConfigError,
     CorruptCheckpointError,
     PhaseEvent,
@@ -702,3 +703,14 @@ def test_a_root_written_in_place_leaves_no_empty_node_folder_behind(tmp_path):
     with AsyncCheckpointer(root, read_only=True) as reader:
         assert reader.latest().step == 1
     assert not os.path.exists(spill), "a reader's too"
+
+
+def test_a_labelled_checkpointer_names_itself_by_its_label_in_log_lines(tmp_path, caplog):
+    """The local tier's checkpointer is a one-rank one (rank 0 of 1) of each rank's own folder: its lines
+    name the job's rank (``label``), not "rank 0" on every rank."""
+    config = CheckpointerConfig(root=str(tmp_path), label="rank 3's local tier")
+    caplog.set_level(logging.INFO, logger="air_core.writer")
+    with AsyncCheckpointer.from_config(config) as ckpt:
+        ckpt.save({"w": torch.zeros(4)}, step=1).result(timeout=60)
+    assert "rank 3's local tier committed checkpoint" in caplog.text
+    assert "rank 0" not in caplog.text
