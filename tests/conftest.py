@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -114,6 +115,24 @@ def own_environment() -> Iterator[None]:
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+# The threads a session or checkpointer owns, which its close ends. One a test leaves running outlives it
+# in this process: a SIGTERM handler still installed, saves and lease renewals in the background while
+# later tests fork loader workers (a forked child inherits whatever lock such a thread held then).
+SESSION_THREADS = ("air-sigterm", "air-goodput", "air-lease", "air-writer-r", "air-local-r", "air-watchdog")
+
+
+@pytest.fixture(autouse=True)
+def closes_what_it_opens() -> Iterator[None]:
+    """A test ends every session and checkpointer it opened (``close``, ``end_training``, a fit's end)."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5  # a close joins its threads; a thread may take a moment to end
+    while left := [t for t in set(threading.enumerate()) - before if t.name.startswith(SESSION_THREADS)]:
+        if time.monotonic() > deadline:
+            pytest.fail(f"the test left running what it opened (close it): {sorted(t.name for t in left)}")
+        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -340,6 +340,7 @@ def test_a_stateful_dispatching_loader_resumes_its_position(tmp_path):
     model, optimizer, loader = ids_loader(resumed)
     resumed.load_state(str(tmp_path / "root" / "mid"))
     assert run(resumed, model, optimizer, loader) == want[10:]
+    resumed.end_training()
 
 
 def test_prepared_loaders_pickle_and_end_training_releases_the_root(tmp_path):

@@ -31,19 +31,24 @@ from air_core.internals import (
 
 
 class _Seeds(Dataset):
-    """Each sample: the id of the worker that read it, its torch seed and its numpy key (as seeded)."""
+    """Each sample: the id of the worker that read it, its torch seed and its numpy key (as seeded).
+
+    No tensor: a worker passes a tensor through a file in /dev/shm, made on its queue's feeder thread,
+    which drops the sample when that fails (/dev/shm full for a moment: another test's job writing
+    there) and the loader then waits forever (hung CI twice). Bytes go through the pipe itself."""
 
     def __len__(self) -> int:
         return 2
 
-    def __getitem__(self, i: int) -> tuple[int, int, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[int, int, bytes]:
         info = get_worker_info()
         assert info is not None
-        return info.id, info.seed, torch.from_numpy(np.random.get_state()[1].astype(np.int64))
+        return info.id, info.seed, np.random.get_state()[1].tobytes()
 
 
-def _seeds_loader(**kwargs: object) -> DataLoader:
-    return DataLoader(_Seeds(), batch_size=None, num_workers=2, **kwargs)
+def _seeds_loader() -> DataLoader:
+    # a sample that never comes fails the test in a minute, naming the loader, not at pytest-timeout
+    return DataLoader(_Seeds(), batch_size=None, num_workers=2, timeout=60)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -120,7 +125,7 @@ def test_a_workers_numpy_generator_is_seeded_as_generate_state_says():
     keys = {worker: key for worker, _, key in iterator}
     for worker, key in keys.items():
         expected = np.random.RandomState(WORKER_NUMPY_SEED.imported()(base, worker)).get_state()[1]
-        assert key.tolist() == expected.astype(np.int64).tolist()
+        assert np.frombuffer(key, dtype=np.uint32).tolist() == expected.tolist()
 
 
 @pytest.mark.parametrize("workers", [0, 1])

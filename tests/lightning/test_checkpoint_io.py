@@ -109,8 +109,10 @@ def _asynchronous_plugin(**kw: Any) -> AirCheckpointIO:
 
 def _end_fit(plugin: AirCheckpointIO) -> None:
     """As a fit's end does: the strategy's teardown, then ``AirCallback`` closes its session."""
-    plugin.teardown()
-    plugin.session.close(0)
+    try:
+        plugin.teardown()
+    finally:  # a failed save raises from the teardown; the callback's ``on_exception`` then closes
+        plugin.session.close(0)
 
 
 def test_a_removal_whose_replacement_failed_keeps_the_newest_committed_checkpoint(tmp_path):
