@@ -23,6 +23,12 @@ from ..storage import Storage, fix_for
 
 Status = Literal["ok", "warn", "bad", "skipped"]
 SEVERITY: dict[str, int] = {"skipped": 0, "ok": 0, "warn": 1, "bad": 2}
+
+SHARED_MEMORY = "/dev/shm"
+SHARED_MEMORY_HEADROOM = 1 << 30
+"""What a folder on /dev/shm should leave free beside two checkpoints: PyTorch passes every tensor a
+loader worker (or ``torch.multiprocessing``) sends through a file there, and a worker that cannot make
+one drops the batch; its loader then waits forever, without an error (``timeout=0``, the default)."""
 """A status's weight; the worst one is the exit code of ``air preflight``."""
 
 
@@ -248,7 +254,28 @@ def _check_disk(
             rank=rank,
             data=data,
         )
+    if expected_bytes and free < 2 * expected_bytes + SHARED_MEMORY_HEADROOM and _shares_memory(probed):
+        return CheckResult(
+            check,
+            "warn",
+            f"{described}, shared with DataLoader workers: two checkpoints of {_gib(expected_bytes)} "
+            f"leave {_gib(free - 2 * expected_bytes)} of it, and a worker that cannot pass a batch "
+            "through /dev/shm drops it, so its loader waits forever.",
+            f"Leave it {_gib(SHARED_MEMORY_HEADROOM)} or more: a larger /dev/shm (docker run --shm-size, "
+            "a Kubernetes emptyDir with medium: Memory) or a folder on a local disk.",
+            seconds=seconds,
+            rank=rank,
+            data=data,
+        )
     return CheckResult(check, "ok", described + ".", seconds=seconds, rank=rank, data=data)
+
+
+def _shares_memory(folder: str) -> bool:
+    """Whether ``folder`` is on the filesystem of /dev/shm (``SHARED_MEMORY_HEADROOM``)."""
+    try:
+        return os.stat(folder).st_dev == os.stat(SHARED_MEMORY).st_dev
+    except OSError:  # no /dev/shm: PyTorch's shared memory is elsewhere
+        return False
 
 
 def _nearest_existing(path: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -330,6 +331,26 @@ def test_the_preflight_lands_in_the_goodput_log_air_report_and_mlflow(
     run = client.search_runs([client.get_experiment_by_name("preflight").experiment_id])[0]
     assert run.data.metrics["preflight_status"] == 0
     assert 0 < run.data.metrics["preflight_seconds"] < 60
+
+
+def test_a_local_tier_on_dev_shm_leaves_room_for_the_loader_workers_batches(tmp_path):
+    """A loader worker passes each batch through /dev/shm; with no room left there it drops the batch and
+    its loader waits forever. A tier that fits in /dev/shm but leaves it under 1 GiB is a warning; the
+    same need on a disk is not."""
+    from air_core.health.checks import SHARED_MEMORY_HEADROOM, check_local_tier
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    folder = f"/dev/shm/air-preflight-test-{os.getpid()}/local"  # not made: the check probes /dev/shm
+    free = shutil.disk_usage("/dev/shm").free
+    # the tier's own part and its partner's copy, each a newest and one in flight: 4 x need, half a GiB left
+    need = max((free - SHARED_MEMORY_HEADROOM // 2) // 4, 1)
+    shm = check_local_tier(folder, expected_bytes=need, copies=1, probe_bytes=1 << 20)
+    assert shm.status == "warn" and "DataLoader workers" in shm.message, shm.line()
+    assert "--shm-size" in shm.fix, shm.line()
+    need = min(need, shutil.disk_usage(tmp_path).free // 4)
+    disk = check_local_tier(str(tmp_path), expected_bytes=need, copies=1, probe_bytes=1 << 20)
+    assert disk.status == "ok", disk.line()
 
 
 def test_the_local_tier_folder_is_checked_against_what_the_tier_keeps(tmp_path):
