@@ -99,9 +99,12 @@ class HostBuffer:
         self.tensor = torch.empty(0, dtype=torch.uint8)
         self.pinned = False
         self.allocations = 0
+        self.no_shared_memory = ""  # why a shared buffer holds nothing (``_share``)
 
     def reserve(self, nbytes: int, *, pin: bool) -> int:
         """Make the buffer hold ``min(nbytes, capacity)`` bytes; return that size."""
+        if self.no_shared_memory:
+            return 0
         want = nbytes if self.capacity_bytes is None else min(nbytes, self.capacity_bytes)
         if want > self.tensor.numel() or (pin and not self.pinned):
             self.release()
@@ -109,14 +112,27 @@ class HostBuffer:
             size = want if self.capacity_bytes is None else min(self.capacity_bytes, want + want // 8)
             size = max(size, self.tensor.numel())
             tensor = torch.empty(size, dtype=torch.uint8)
-            if self.shared:
-                tensor.share_memory_()
+            if self.shared and not self._share(tensor):
+                return 0  # everything spills
             if pin:
                 _cuda_check(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), size, 0), "pin")
                 self.pinned = True
             self.tensor = tensor
             self.allocations += 1
         return min(want, self.tensor.numel())
+
+    def _share(self, tensor: torch.Tensor) -> bool:
+        """Move ``tensor`` into shared memory (/dev/shm), or, when that is full, make this buffer hold
+        nothing from now on: its snapshots spill to the staging folder (``spill_warning`` says why), and
+        /dev/shm stays to the loader workers, which pass every batch through it (one that cannot drops
+        the batch, and its loader waits forever)."""
+        try:
+            tensor.share_memory_()
+            return True
+        except RuntimeError as exc:  # PyTorch's message for ENOSPC / EFBIG from its shm allocator
+            self.capacity_bytes = 0
+            self.no_shared_memory = f"no room in /dev/shm for a {tensor.numel() >> 20} MiB buffer ({exc})"
+            return False
 
     def release(self) -> None:
         if self.pinned:
@@ -243,6 +259,12 @@ class Snapshot:
 
     def spill_warning(self, budget_bytes: int | None) -> str:
         """Why this snapshot spilled, and the fix (the checkpointer logs it once)."""
+        if self.buffer.no_shared_memory:
+            return (
+                f"writer='process': {self.buffer.no_shared_memory}: every save spills to staging_dir "
+                "instead, and the training thread waits for that disk write. Give /dev/shm more room "
+                "(docker run --shm-size, a Kubernetes emptyDir with medium: Memory), or use writer='thread'."
+            )
         return (
             f"host_budget_bytes={budget_bytes} is too small for this state ({self.nbytes} bytes; its "
             f"largest tensor is {max(slot.nbytes for slot in self.slots)} bytes): {self.spilled_bytes} "
