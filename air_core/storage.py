@@ -30,7 +30,7 @@ from fsspec.implementations.local import LocalFileSystem
 from . import download, upload
 from .directio import copy_file
 from .errors import ConfigError, StorageError
-from .layout import RESERVED_DIRS, TEMP_MARK, probe_path
+from .layout import META_DIR, RESERVED_DIRS, TEMP_MARK, probe_path
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -444,14 +444,27 @@ class Storage:
         except StorageError as exc:
             if not is_unanswered(exc.__cause__):
                 raise
-            given = getattr(self.fs, "endpoint_url", None) or getattr(self.fs, "client_kwargs", {}).get(
-                "endpoint_url"
-            )  # s3fs's, from storage_options
-            at = f" at endpoint_url={redact(given)!r}" if isinstance(given, str) else ""
-            raise StorageError(
-                f"AsyncCheckpointer(root={self.url!r}) cannot reach its storage{at}: {exc}"
-            ) from exc
+            raise self._unreachable(exc) from exc
         self.remove(rel)
+
+    def check_reachable(self) -> None:
+        """One read under the root (is its record folder there), so that a reader whose endpoint refuses
+        or never answers fails on a ``Storage.probe`` in seconds, naming the endpoint, rather than after
+        every retry of its first listing (more than ten minutes against a silent one). Any other answer,
+        an error included, is left to that listing, which reports it as before."""
+        meta = self.path(META_DIR)
+        try:
+            self.call("check", META_DIR, lambda: self.fs.exists(meta, **self._bound))
+        except StorageError as exc:
+            if is_unanswered(exc.__cause__):
+                raise self._unreachable(exc) from exc
+
+    def _unreachable(self, exc: StorageError) -> StorageError:
+        given = getattr(self.fs, "endpoint_url", None) or getattr(self.fs, "client_kwargs", {}).get(
+            "endpoint_url"
+        )  # s3fs's, from storage_options
+        at = f" at endpoint_url={redact(given)!r}" if isinstance(given, str) else ""
+        return StorageError(f"AsyncCheckpointer(root={self.url!r}) cannot reach its storage{at}: {exc}")
 
 
 class Put(NamedTuple):

@@ -153,6 +153,14 @@ def test_a_missing_bucket_is_exit_2_and_an_empty_prefix_is_an_empty_root(s3_root
     assert f"no checkpoints under {s3_root.url}" in capsys.readouterr().out
 
 
+@pytest.mark.timeout(60)  # botocore's and our retries: minutes (refused), more than ten (silent)
+def test_an_unreachable_endpoint_is_exit_2_in_seconds_naming_it(dead_s3_endpoint, capsys):
+    options = ["--storage-options", json.dumps({"client_kwargs": {"endpoint_url": dead_s3_endpoint}})]
+    assert main([*options, "ls", "s3://air-run/job"]) == 2
+    said = capsys.readouterr().err
+    assert f"cannot reach its storage at endpoint_url='{dead_s3_endpoint}'" in said, said
+
+
 def test_verify_of_a_root_with_nothing_committed_says_so(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()

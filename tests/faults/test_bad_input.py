@@ -68,10 +68,17 @@ def test_missing_credentials_fail_at_construction(s3_root, tmp_path, monkeypatch
 
 
 @pytest.mark.timeout(30)  # botocore's and our retries took a minute (refused) or forever (silent)
-def test_an_unreachable_s3_endpoint_fails_at_construction_in_seconds_naming_it(dead_s3_endpoint, tmp_path):
+@pytest.mark.parametrize("read_only", [False, True], ids=["writer", "reader"])
+def test_an_unreachable_s3_endpoint_fails_at_construction_in_seconds_naming_it(
+    dead_s3_endpoint, tmp_path, read_only
+):
+    """A reader too (``latest_checkpoint``, ``air ls``): its first listing waited through every retry,
+    more than ten minutes against an endpoint that never answers."""
     options = {"client_kwargs": {"endpoint_url": dead_s3_endpoint}}
     with pytest.raises(StorageError) as unreachable:
-        AsyncCheckpointer("s3://air-run/job", storage_options=options, staging_dir=str(tmp_path))
+        AsyncCheckpointer(
+            "s3://air-run/job", storage_options=options, staging_dir=str(tmp_path), read_only=read_only
+        )
     message = str(unreachable.value)
     named = f"root='s3://air-run/job') cannot reach its storage at endpoint_url='{dead_s3_endpoint}'"
     assert f"AsyncCheckpointer({named}" in message, message
