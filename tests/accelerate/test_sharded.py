@@ -27,7 +27,7 @@ from tests.accelerate.runs import JOB, run_job, stats
 from tests.concurrent_jobs import finish, start
 from tests.conftest import REPO
 from tests.sameness import assert_same_run, assert_same_state, assert_tier_read_in_place, records
-from tests.torchrun_nodes import lose_node_b
+from tests.torchrun_nodes import lose_node_b, restored_on_c
 from tests.zygote import python
 
 pytestmark = pytest.mark.slow
@@ -78,11 +78,12 @@ def test_a_replaced_node_gets_its_shards_from_the_partner_and_resumes_exactly(sa
     assert "resuming from local tier step 6 (replica)" in log, log[-4000:]
     assert "from node A, rank 1: from node A" in log, "the new node's parts came from A"
     assert_same_run(tmp_path, saved, ranks=2)
-    folders = sorted(tmp_path.glob("local-C/*/restore-00001/step-6/*_0"))  # the model's, the optimizer's
+    rank, restored = restored_on_c(tmp_path)
+    folders = sorted(restored.glob("step-6/*_0"))  # the model's, the optimizer's
     assert len(folders) == 2, folders
     for folder in folders:  # __<rank>_0: a rank's shards; __<rank>_1: the whole items DCP gave it
         on_c = sorted(p.name for p in folder.glob("__*.distcp"))
-        assert "__1_0.distcp" in on_c and "__0_0.distcp" not in on_c, f"C's own shards, not rank 0's: {on_c}"
+        assert f"__{rank}_0.distcp" in on_c and f"__{1 - rank}_0.distcp" not in on_c, f"C's own: {on_c}"
 
 
 def test_a_two_process_fsdp2_checkpoint_continues_on_one_and_three_processes(saved, tmp_path_factory):

@@ -24,7 +24,7 @@ from tests.conftest import REPO
 from tests.lightning.model import N_SAMPLES
 from tests.lightning.test_crash_resume import run_job
 from tests.sameness import assert_same_run, assert_tier_read_in_place, records
-from tests.torchrun_nodes import lose_node_b
+from tests.torchrun_nodes import lose_node_b, restored_on_c
 from tests.zygote import python
 
 JOB = os.path.join(REPO, "tests/lightning/sharded_job.py")
@@ -78,8 +78,9 @@ def test_a_replaced_node_gets_its_shards_from_the_partner_and_the_fit_resumes_ex
     assert "resuming from local tier step 6 (replica)" in log, log[-4000:]
     assert "from node A, rank 1: from node A" in log, "the new node's parts came from A"
     assert_same_run(tmp_path, reference, ranks=2)
-    on_c = sorted(p.name for p in tmp_path.glob("local-C/*/restore-00001/*/__*.distcp"))
-    assert "__1_0.distcp" in on_c and "__0_0.distcp" not in on_c, f"C's own shards, not rank 0's: {on_c}"
+    rank, restored = restored_on_c(tmp_path)
+    on_c = sorted(p.name for p in restored.glob("*/__*.distcp"))
+    assert f"__{rank}_0.distcp" in on_c and f"__{1 - rank}_0.distcp" not in on_c, f"C's own: {on_c}"
 
 
 @pytest.mark.slow
