@@ -124,7 +124,8 @@ class Storage:
         self._retries = retries
         self._backoff = retry_backoff_seconds
         try:
-            self.fs, base = fsspec.core.url_to_fs(root, skip_instance_cache=True, **storage_options)
+            options = _plain_copy(storage_options)
+            self.fs, base = fsspec.core.url_to_fs(root, skip_instance_cache=True, **options)
         except ImportError as exc:
             scheme = root.split("://", 1)[0]
             extra = _EXTRAS.get(scheme)
@@ -472,6 +473,13 @@ class Put(NamedTuple):
 
     size: int
     linked: bool
+
+
+def _plain_copy(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with every nested plain dict copied (other values shared): botocore rewrites the
+    ``retries`` of ``config_kwargs`` in place (``max_attempts: 2`` became ``total_max_attempts: 3``), and
+    the dict is the user's, or their saved config's."""
+    return {k: _plain_copy(v) if type(v) is dict else v for k, v in options.items()}
 
 
 def _probe_options(root: str, storage_options: dict[str, Any]) -> dict[str, Any]:
