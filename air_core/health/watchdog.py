@@ -17,6 +17,7 @@ import faulthandler
 import json
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -228,6 +229,23 @@ def dump_stacks() -> str:
         return f"(stacks unavailable: {exc})\n"
 
 
+def waits_for_a_batch(stacks: str, thread_id: int | None) -> bool:
+    """Whether the thread ``thread_id`` waits in a DataLoader for a batch, in ``stacks`` (``dump_stacks``:
+    a block per thread, its header naming the id as ``0x%016x``, blocks apart by a blank line)."""
+    if thread_id is None or f"hread 0x{thread_id:016x}" not in stacks:
+        return False
+    frames = stacks.split(f"hread 0x{thread_id:016x}", 1)[1].split("\n\n", 1)[0]
+    return "in _try_get_data" in frames
+
+
+def shared_memory_free() -> str:
+    """The free space of /dev/shm, where loader workers pass their batches, for the hang report."""
+    try:
+        return f"{shutil.disk_usage('/dev/shm').free >> 20} MiB"
+    except OSError:
+        return "no /dev/shm"
+
+
 class ExitOnHang:
     """A ``Watchdog``'s ``on_hang``: report the hang, then end the process with ``HANG_EXIT_CODE``.
 
@@ -273,6 +291,11 @@ class ExitOnHang:
             f"{where} under the checkpoint root); exiting with {HANG_EXIT_CODE} for the launcher to restart "
             "the job from its newest commit."
         )
+        if waits_for_a_batch(stacks, hang.thread_id):
+            header += (
+                " It waits in a DataLoader for a batch: a loader worker is slow or stuck, or dropped the "
+                f"batch because /dev/shm had no room for it ({shared_memory_free()} free there now)."
+            )
         event: dict[str, object] = {"e": "hang", "launch": self._launch_id, "rank": self._rank, "host": host}
         event |= {"s": hang.step, "t": hang.time, "since": hang.seconds, "limit": hang.limit_seconds}
 

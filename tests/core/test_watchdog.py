@@ -4,13 +4,15 @@ the report it leaves beside the checkpoints, and the exit that nothing can stop.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
 import pytest
+from torch.utils.data import DataLoader, Dataset
 
 from air_core import ConfigError
-from air_core.health.watchdog import HANG_EXIT_CODE, ExitOnHang, Hang, Watchdog, restart_hazard
+from air_core.health.watchdog import HANG_EXIT_CODE, ExitOnHang, Hang, Watchdog, dump_stacks, restart_hazard
 from air_core.session import SessionConfig
 from air_core.session.goodput import analyze, read_events
 from air_core.storage import Storage
@@ -169,6 +171,39 @@ def test_exit_on_hang_leaves_the_stacks_and_a_record_beside_the_checkpoints_then
     record = json.loads(storage.read_bytes(f".air-events/hang-{'L' * 32}-rank00001.json"))
     assert (record["rank"], record["s"], record["since"]) == (1, 41, 12.5), record
     assert records == [record], "rank 0's goodput log gets the same record"
+
+
+class _SlowSample(Dataset):
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(5)
+        return i
+
+
+def test_a_hang_in_a_dataloader_fetch_says_what_can_keep_it_there(caplog):
+    """A loader worker that cannot pass a batch through a full /dev/shm drops it and the training thread
+    waits for ever without an error: the hang report says so when that thread waits in a loader."""
+    got: list[int] = []
+    fetching = threading.Thread(target=lambda: got.extend(DataLoader(_SlowSample(), num_workers=1)))
+    fetching.start()
+    deadline = time.monotonic() + 4
+    while "_try_get_data" not in dump_stacks() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    exits: list[int] = []
+    with caplog.at_level(logging.ERROR, logger="air_core.health.watchdog"):
+        ExitOnHang(who="Test", rank=0, launch_id="x" * 32, exit=exits.append)(
+            Hang(12.5, 10.0, 3, time.time(), fetching.ident)
+        )
+        ExitOnHang(who="Test", rank=0, launch_id="x" * 32, exit=exits.append)(
+            Hang(12.5, 10.0, 3, time.time(), threading.get_ident())
+        )
+    fetching.join()
+    assert got == [0] and exits == [HANG_EXIT_CODE] * 2
+    fetch, other = [r.getMessage().split("\n", 1)[0] for r in caplog.records]
+    assert "It waits in a DataLoader for a batch" in fetch and "/dev/shm" in fetch, fetch
+    assert "DataLoader" not in other, "a thread elsewhere: no such line"
 
 
 def test_exit_on_hang_exits_even_when_the_storage_hangs():
