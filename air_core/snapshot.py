@@ -130,7 +130,6 @@ class HostBuffer:
             tensor.share_memory_()
             return True
         except RuntimeError as exc:  # PyTorch's message for ENOSPC / EFBIG from its shm allocator
-            self.capacity_bytes = 0
             self.no_shared_memory = f"no room in /dev/shm for a {tensor.numel() >> 20} MiB buffer ({exc})"
             return False
 

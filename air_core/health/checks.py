@@ -23,13 +23,13 @@ from ..storage import Storage, fix_for
 
 Status = Literal["ok", "warn", "bad", "skipped"]
 SEVERITY: dict[str, int] = {"skipped": 0, "ok": 0, "warn": 1, "bad": 2}
+"""A status's weight; the worst one is the exit code of ``air preflight``."""
 
 SHARED_MEMORY = "/dev/shm"
 SHARED_MEMORY_HEADROOM = 1 << 30
 """What a folder on /dev/shm should leave free beside two checkpoints: PyTorch passes every tensor a
 loader worker (or ``torch.multiprocessing``) sends through a file there, and a worker that cannot make
 one drops the batch; its loader then waits forever, without an error (``timeout=0``, the default)."""
-"""A status's weight; the worst one is the exit code of ``air preflight``."""
 
 
 @dataclass

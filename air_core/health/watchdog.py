@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from ..layout import hang_record_path, hang_stacks_path
+from .checks import SHARED_MEMORY
 
 logger = logging.getLogger(__name__)
 
@@ -241,9 +242,9 @@ def waits_for_a_batch(stacks: str, thread_id: int | None) -> bool:
 def shared_memory_free() -> str:
     """The free space of /dev/shm, where loader workers pass their batches, for the hang report."""
     try:
-        return f"{shutil.disk_usage('/dev/shm').free >> 20} MiB"
+        return f"{shutil.disk_usage(SHARED_MEMORY).free >> 20} MiB"
     except OSError:
-        return "no /dev/shm"
+        return f"no {SHARED_MEMORY}"
 
 
 class ExitOnHang:
