@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -223,6 +224,16 @@ def dead_s3_endpoint(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     server.close()
     for conn in held:
         conn.close()
+
+
+def with_private_shm(command: list[str], size: str = "4m") -> list[str]:
+    """``command`` run with a /dev/shm of its own of ``size`` (a tmpfs in a mount namespace of its
+    own): a small or full /dev/shm, as in a default Docker container, without touching the host's. Skips
+    the test where ``unshare -m`` is not permitted (it needs CAP_SYS_ADMIN)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
+        pytest.skip("making a private /dev/shm needs unshare -m (CAP_SYS_ADMIN)")
+    mount = f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$@"'
+    return ["unshare", "-m", "sh", "-c", mount, "-", *command]
 
 
 def process_runs(pid: int) -> bool:

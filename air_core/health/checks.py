@@ -288,9 +288,16 @@ def _nearest_existing(path: str) -> str:
 
 
 def check_memory(
-    host_budget_bytes: int | None, *, expected_bytes: int | None, rank: int = 0, ranks_on_host: int = 1
+    host_budget_bytes: int | None,
+    *,
+    expected_bytes: int | None,
+    rank: int = 0,
+    ranks_on_host: int = 1,
+    shared: bool = False,
 ) -> CheckResult:
-    """Available host memory against the staging buffers this host's ranks will hold."""
+    """Available host memory against the staging buffers this host's ranks will hold; ``shared``
+    (``writer="process"``): they live in /dev/shm, which must hold them beside the loader workers' room
+    (``SHARED_MEMORY_HEADROOM``), or their saves spill (``snapshot.HostBuffer``)."""
     available = available_memory()
     if available is None:
         return CheckResult("memory", "skipped", "available memory unknown on this system.", rank=rank)
@@ -320,7 +327,27 @@ def check_memory(
             rank=rank,
             data=data,
         )
+    shm_free = _free(SHARED_MEMORY) if shared else None
+    if shm_free is not None and need + SHARED_MEMORY_HEADROOM > shm_free:
+        return CheckResult(
+            "memory",
+            "warn",
+            f"{described}; writer='process' keeps them in /dev/shm, which has {_gib(shm_free)} free and "
+            f"must keep {_gib(SHARED_MEMORY_HEADROOM)} for the loader workers' batches: saves will spill "
+            "to staging_dir.",
+            "Give /dev/shm more room (docker run --shm-size, a Kubernetes emptyDir with medium: Memory), "
+            "or use writer='thread'.",
+            rank=rank,
+            data=data,
+        )
     return CheckResult("memory", "ok", described + ".", rank=rank, data=data)
+
+
+def _free(folder: str) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:  # no /dev/shm: nothing to weigh
+        return None
 
 
 def available_memory() -> int | None:

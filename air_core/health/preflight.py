@@ -93,11 +93,13 @@ def run_preflight(
     clock: Clock | None = None,
     local_dir: str | None = None,
     local_copies: int = 0,
+    shared_buffers: bool = False,
 ) -> PreflightReport:
     """Run ``checks`` on this rank and, with ``world_size > 1``, exchange results over the default
     process group (every rank must call this). ``expected_bytes``: this rank's share of a checkpoint
     (None: the size checks only report free space). ``local_dir``: the local tier's folder (``local``
-    checks it; None: no tier), where this rank keeps ``local_copies`` copies of partners' parts."""
+    checks it; None: no tier), where this rank keeps ``local_copies`` copies of partners' parts.
+    ``shared_buffers``: the staging buffers live in /dev/shm (``writer="process"``)."""
     started = time.perf_counter()
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     mine: list[CheckResult] = []
@@ -116,7 +118,11 @@ def run_preflight(
     if "memory" in checks:
         mine.append(
             check_memory(
-                host_budget_bytes, expected_bytes=expected_bytes, rank=rank, ranks_on_host=local_ranks
+                host_budget_bytes,
+                expected_bytes=expected_bytes,
+                rank=rank,
+                ranks_on_host=local_ranks,
+                shared=shared_buffers,
             )
         )
     if "gpu" in checks:

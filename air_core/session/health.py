@@ -80,6 +80,7 @@ class SessionHealth:
             world_size=self.world_size,
             local_dir=self.config.local_dir if self.config.local_every_n_steps else None,
             local_copies=self.config.replication_factor - 1,
+            shared_buffers=checkpointer.writer == "process",
         )
         self.report = report
         if self.rank == 0:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from air_core import (
     SaveRecord,
 )
 from air_core.snapshot import spill_name
-from tests.conftest import REPO, process_runs
+from tests.conftest import REPO, process_runs, with_private_shm
 
 
 class Recorder:
@@ -331,8 +330,6 @@ def test_a_process_writer_without_room_in_dev_shm_spills_its_saves_and_says_why(
     one failed the first save with PyTorch's traceback from deep inside ``share_memory_``; the saves now
     spill to the staging folder (as over the host budget), once said with the fix, and /dev/shm is left
     to the loader workers. A private 4 MiB /dev/shm (a mount namespace of the job's own) stands for it."""
-    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
-        pytest.skip("making a private /dev/shm needs unshare -m (CAP_SYS_ADMIN)")
     root = str(tmp_path / "root")
     body = f"""import logging
 logging.basicConfig(level=logging.WARNING)
@@ -341,7 +338,7 @@ with AsyncCheckpointer({root!r}, writer='process', staging_dir={str(tmp_path / "
         ckpt.save({{'w': torch.arange(4e6) + step}}, step=step).result(timeout=60)"""
     command = _script(tmp_path / "train.py", body, guarded=True)
     done = subprocess.run(
-        ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=4m tmpfs /dev/shm && exec "$@"', "-", *command],
+        with_private_shm(command),
         capture_output=True,
         text=True,
         timeout=120,

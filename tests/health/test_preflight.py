@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -18,7 +19,7 @@ from air_core import HealthCheckError
 from air_core.cli import main as air
 from air_core.health import gpu, run_preflight
 from air_core.health.checks import check_memory, check_staging, check_storage
-from tests.conftest import REPO, run_python
+from tests.conftest import REPO, run_python, with_private_shm
 from tests.zygote import python
 
 WORKER = os.path.join(REPO, "tests/health/preflight_worker.py")
@@ -351,6 +352,28 @@ def test_a_local_tier_on_dev_shm_leaves_room_for_the_loader_workers_batches(tmp_
     need = min(need, shutil.disk_usage(tmp_path).free // 4)
     disk = check_local_tier(str(tmp_path), expected_bytes=need, copies=1, probe_bytes=1 << 20)
     assert disk.status == "ok", disk.line()
+
+
+def test_a_process_writers_buffers_are_weighed_against_dev_shm():
+    """``writer="process"`` keeps its buffers in /dev/shm (64 MiB in a default Docker container): too
+    small for them beside the loader workers' room, its saves spill; pre-flight says so first."""
+    code = """
+from air_core.health.checks import check_memory
+for shared in (True, False):
+    print(check_memory(64 << 20, expected_bytes=None, shared=shared).line())
+"""
+    done = subprocess.run(
+        with_private_shm([sys.executable, "-c", code]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared, thread = done.stdout.splitlines()
+    assert shared.startswith("WARN") and "writer='process' keeps them in /dev/shm" in shared, shared
+    assert "--shm-size" in shared and "writer='thread'" in shared, shared
+    assert thread.startswith("OK"), thread
 
 
 def test_the_local_tier_folder_is_checked_against_what_the_tier_keeps(tmp_path):
