@@ -30,6 +30,7 @@ SHARED_MEMORY_HEADROOM = 1 << 30
 """What a folder on /dev/shm should leave free beside two checkpoints: PyTorch passes every tensor a
 loader worker (or ``torch.multiprocessing``) sends through a file there, and a worker that cannot make
 one drops the batch; its loader then waits forever, without an error (``timeout=0``, the default)."""
+MORE_SHARED_MEMORY = "a larger /dev/shm (docker run --shm-size, a Kubernetes emptyDir with medium: Memory)"
 
 
 @dataclass
@@ -261,8 +262,8 @@ def _check_disk(
             f"{described}, shared with DataLoader workers: two checkpoints of {_gib(expected_bytes)} "
             f"leave {_gib(free - 2 * expected_bytes)} of it, and a worker that cannot pass a batch "
             "through /dev/shm drops it, so its loader waits forever.",
-            f"Leave it {_gib(SHARED_MEMORY_HEADROOM)} or more: a larger /dev/shm (docker run --shm-size, "
-            "a Kubernetes emptyDir with medium: Memory) or a folder on a local disk.",
+            f"Leave it {_gib(SHARED_MEMORY_HEADROOM)} or more: {MORE_SHARED_MEMORY} or a folder on a local "
+            "disk.",
             seconds=seconds,
             rank=rank,
             data=data,
@@ -327,7 +328,7 @@ def check_memory(
             rank=rank,
             data=data,
         )
-    shm_free = _free(SHARED_MEMORY) if shared else None
+    shm_free = shared_memory_free() if shared else None
     if shm_free is not None and need + SHARED_MEMORY_HEADROOM > shm_free:
         return CheckResult(
             "memory",
@@ -335,18 +336,18 @@ def check_memory(
             f"{described}; writer='process' keeps them in /dev/shm, which has {_gib(shm_free)} free and "
             f"must keep {_gib(SHARED_MEMORY_HEADROOM)} for the loader workers' batches: saves will spill "
             "to staging_dir.",
-            "Give /dev/shm more room (docker run --shm-size, a Kubernetes emptyDir with medium: Memory), "
-            "or use writer='thread'.",
+            f"Give it more room: {MORE_SHARED_MEMORY}, or use writer='thread'.",
             rank=rank,
             data=data,
         )
     return CheckResult("memory", "ok", described + ".", rank=rank, data=data)
 
 
-def _free(folder: str) -> int | None:
+def shared_memory_free() -> int | None:
+    """The free bytes of /dev/shm, where loader workers pass their batches (None: there is none)."""
     try:
-        return shutil.disk_usage(folder).free
-    except OSError:  # no /dev/shm: nothing to weigh
+        return shutil.disk_usage(SHARED_MEMORY).free
+    except OSError:
         return None
 
 

@@ -17,7 +17,6 @@ import faulthandler
 import json
 import logging
 import os
-import shutil
 import socket
 import tempfile
 import threading
@@ -27,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from ..layout import hang_record_path, hang_stacks_path
-from .checks import SHARED_MEMORY
+from .checks import shared_memory_free
 
 logger = logging.getLogger(__name__)
 
@@ -233,18 +232,10 @@ def dump_stacks() -> str:
 def waits_for_a_batch(stacks: str, thread_id: int | None) -> bool:
     """Whether the thread ``thread_id`` waits in a DataLoader for a batch, in ``stacks`` (``dump_stacks``:
     a block per thread, its header naming the id as ``0x%016x``, blocks apart by a blank line)."""
-    if thread_id is None or f"hread 0x{thread_id:016x}" not in stacks:
+    if thread_id is None:
         return False
-    frames = stacks.split(f"hread 0x{thread_id:016x}", 1)[1].split("\n\n", 1)[0]
-    return "in _try_get_data" in frames
-
-
-def shared_memory_free() -> str:
-    """The free space of /dev/shm, where loader workers pass their batches, for the hang report."""
-    try:
-        return f"{shutil.disk_usage(SHARED_MEMORY).free >> 20} MiB"
-    except OSError:
-        return f"no {SHARED_MEMORY}"
+    _, found, rest = stacks.partition(f"hread 0x{thread_id:016x}")
+    return bool(found) and "in _try_get_data" in rest.split("\n\n", 1)[0]
 
 
 class ExitOnHang:
@@ -293,9 +284,11 @@ class ExitOnHang:
             "the job from its newest commit."
         )
         if waits_for_a_batch(stacks, hang.thread_id):
+            free = shared_memory_free()
+            room = "no /dev/shm" if free is None else f"{free >> 20} MiB free there now"
             header += (
                 " It waits in a DataLoader for a batch: a loader worker is slow or stuck, or dropped the "
-                f"batch because /dev/shm had no room for it ({shared_memory_free()} free there now)."
+                f"batch because /dev/shm had no room for it ({room})."
             )
         event: dict[str, object] = {"e": "hang", "launch": self._launch_id, "rank": self._rank, "host": host}
         event |= {"s": hang.step, "t": hang.time, "since": hang.seconds, "limit": hang.limit_seconds}
