@@ -102,7 +102,7 @@ class AirCallback(Callback):
             ranks of other nodes before the next optimizer step (at most this many steps lost). Sharded
             strategies save each rank's shards. Resume with ``fit(ckpt_path=lightning_air.NEWEST)``: the
             newest step every rank's state exists for, here, on a partner or under
-            ``ModelCheckpoint.dirpath``.
+            ``ModelCheckpoint.dirpath``. None or 0: off.
         local_dir: that node-local folder (NVMe or ``/dev/shm``). Without ``local_every_n_steps`` it is
             unused, and a warning says so.
         replication_factor: copies of each rank's local checkpoint, its own included.

@@ -70,7 +70,7 @@ class AirTrainerCallback(TrainerCallback):
             (the files a save writes, not uploaded; ``save_steps`` checkpoints at the root are unchanged),
             copied to ``replication_factor - 1`` processes of other nodes before the next optimizer step
             (at most this many steps lost). ``train(resume_from_checkpoint=True)`` then continues from the
-            newest step every process's state exists for, here, on a partner or at the root. None: off.
+            newest step every process's state exists for, here, on a partner or at the root. None or 0: off.
         local_dir: that node-local folder (NVMe or ``/dev/shm``). Without ``local_every_n_steps`` it is
             unused, and a warning says so.
         replication_factor: copies of each process's local checkpoint, its own included (2: one partner

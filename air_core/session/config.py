@@ -62,7 +62,7 @@ class SessionConfig:
     replicated to ``replication_factor - 1`` partner ranks on other nodes; the optimizer step after a local
     save waits until every rank's is committed and copied, so a failure loses at most this many steps. A
     restart resumes from the newest step every rank's state exists for in any tier. None: off (the root's
-    saves only)."""
+    saves only); 0 means off too, as ``every_n_train_steps=0`` does in Lightning."""
     local_dir: str | None = None
     """The node-local folder of that tier (NVMe or ``/dev/shm``); needed with ``local_every_n_steps``, and
     then refused when built if a file is in its place or this process may not write there. Given without
@@ -119,8 +119,11 @@ class SessionConfig:
 
     def _check_tier_settings(self, bad: Callable[[str, object, str], ConfigError]) -> None:
         k = self.local_every_n_steps
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise bad("local_every_n_steps", k, "must be a number of steps >= 1, or None: no local tier.")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise bad("local_every_n_steps", k, "must be a number of steps >= 1, or 0 or None: no local tier.")
+        if k == 0:  # off, as ModelCheckpoint(every_n_train_steps=0) and TrainingArguments(save_steps=0) mean
+            k = None
+            object.__setattr__(self, "local_every_n_steps", None)
         d = self.local_dir
         if d is not None and (not isinstance(d, str) or not d.strip() or "://" in d):
             why = "must be a folder on this node's disk (NVMe or /dev/shm), e.g. '/local_nvme/air'."
@@ -130,7 +133,7 @@ class SessionConfig:
             raise bad("local_dir", d, why)
         if k is None and d is not None:  # a warning: a YAML config may keep local_dir with the tier off
             logger.warning(
-                "%s(local_dir=%r) is unused: local_every_n_steps is None, so no local tier runs. Pass "
+                "%s(local_dir=%r) is unused: local_every_n_steps is off, so no local tier runs. Pass "
                 "local_every_n_steps=K to checkpoint there every K steps, or drop local_dir.",
                 self.owner,
                 d,

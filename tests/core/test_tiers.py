@@ -348,7 +348,7 @@ def test_a_remembered_check_serves_the_next_check_of_the_unchanged_file_once(tmp
     ("settings", "named"),
     [
         ({"local_every_n_steps": 5}, "local_dir"),
-        ({"local_every_n_steps": 0, "local_dir": "/tmp/x"}, "local_every_n_steps"),
+        ({"local_every_n_steps": -1, "local_dir": "/tmp/x"}, "local_every_n_steps"),
         ({"local_every_n_steps": 5, "local_dir": "s3://bucket/x"}, "local_dir"),
         ({"replication_factor": 0}, "replication_factor"),
     ],
@@ -366,6 +366,18 @@ def test_a_local_dir_this_process_may_not_write_fails_when_built(tmp_path):
         SessionConfig(local_every_n_steps=5, local_dir=str(locked / "air"))
 
 
+def test_local_every_n_steps_0_is_off_as_every_n_train_steps_0_is(tmp_path, caplog):
+    """Lightning's ``every_n_train_steps=0`` and transformers' ``save_steps``-style settings read 0 as off;
+    a YAML config written that way must not fail (nor start a tier)."""
+    assert SessionConfig(local_every_n_steps=0).local_every_n_steps is None
+    with caplog.at_level(logging.WARNING, logger="air_core.session.config"):
+        config = SessionConfig(local_every_n_steps=0, local_dir=str(tmp_path / "local"))
+    assert config.local_every_n_steps is None and config.local_dir is None
+    assert any("local_every_n_steps is off" in r.getMessage() for r in caplog.records), "local_dir unused: said"
+    with pytest.raises(ConfigError, match=r"local_every_n_steps=-1\): must be a number of steps >= 1, or 0"):
+        SessionConfig(local_every_n_steps=-1, local_dir=str(tmp_path / "local"))
+
+
 def test_a_local_dir_without_local_every_n_steps_warns_once_when_built(tmp_path, caplog):
     """Not an error (a YAML config may keep local_dir with the tier off), but never silent."""
     with caplog.at_level(logging.WARNING, logger="air_core.session.config"):
@@ -374,6 +386,6 @@ def test_a_local_dir_without_local_every_n_steps_warns_once_when_built(tmp_path,
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, f"one warning, when built: {warnings}"
     assert warnings[0].startswith("AirCallback(local_dir="), warnings[0]
-    assert "local_every_n_steps is None, so no local tier runs" in warnings[0], warnings[0]
+    assert "local_every_n_steps is off, so no local tier runs" in warnings[0], warnings[0]
     assert config.local_dir is None, "held as off"
     assert not (tmp_path / "local").exists(), "no folder made for a tier that is off"
