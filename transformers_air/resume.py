@@ -9,6 +9,7 @@ local cache (a local root is read in place) and returns a folder holding exactly
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import re
@@ -27,7 +28,9 @@ from .layout import TRAINER_STATE_NAME, air_file
 
 logger = logging.getLogger(__name__)
 _CHECKPOINT = re.compile(r"checkpoint-([0-9]+)")
-_views: list[str] = []
+_VIEW_PREFIX, _OWNER = "air-resume-", ".owner"
+_views: dict[str, int] = {}
+"""This process's views (``_view``) -> the descriptor holding each one's owner lock."""
 fetched: dict[str, tuple[str, RestoreRecord]] = {}
 """Each folder ``latest_checkpoint`` returned -> the root's location and how its fetch went: a
 ``train()`` resuming from it counts that fetch in its restore (``AirTrainerCallback.begin``)."""
@@ -160,20 +163,57 @@ def rank_states(folder: str, session: TrainingSession, *, what: str) -> dict[int
 
 def _view(paths: dict[str, str], folder: str) -> str:
     """A new local folder named ``folder`` holding links to exactly ``paths``' files under ``folder/``
-    (removed when the process exits)."""
-    base = tempfile.mkdtemp(prefix="air-resume-")
+    (removed when the process exits, or by a later process where this one was killed)."""
+    _remove_orphaned_views()
+    base = tempfile.mkdtemp(prefix=_VIEW_PREFIX)
     if not _views:
         atexit.register(_remove_views)
-    _views.append(base)
+    _views[base] = _own(base)
     view = os.path.join(base, folder)
     os.makedirs(view)
     link_files(paths, folder, view)
     return view
 
 
+def _own(base: str) -> int:
+    """A POSIX lock on ``base``'s owner file, held while this process lives (its forks do not hold it).
+    Taken before the file gets its name, so another process never finds it unlocked while we live."""
+    import fcntl
+
+    fd = os.open(os.path.join(base, ".owner.new"), os.O_WRONLY | os.O_CREAT, 0o600)
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.rename(os.path.join(base, ".owner.new"), os.path.join(base, _OWNER))
+    return fd
+
+
+def _remove_orphaned_views() -> None:
+    """Remove the views of processes killed before their ``atexit`` ran: their owner file is unlocked."""
+    import fcntl
+
+    top = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(top):
+            base = os.path.join(top, name)
+            if not name.startswith(_VIEW_PREFIX) or base in _views:  # our own lock would not keep us out
+                continue
+            try:
+                fd = os.open(os.path.join(base, _OWNER), os.O_WRONLY)
+            except OSError:  # being made, or not ours to judge
+                continue
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # its process lives
+                continue
+            finally:
+                os.close(fd)
+            shutil.rmtree(base, ignore_errors=True)
+            logger.debug("removed %s, the resume view of a process that was killed", base)
+
+
 def _remove_views() -> None:
-    for view in _views:
-        shutil.rmtree(view, ignore_errors=True)
+    for base, fd in _views.items():
+        shutil.rmtree(base, ignore_errors=True)
+        os.close(fd)
 
 
 def _rank_and_world() -> tuple[int, int]:

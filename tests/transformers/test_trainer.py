@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 
 import pytest
@@ -20,6 +24,7 @@ from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 from air_core import AsyncCheckpointer, ConfigError
 from tests.transformers.job import Tokens, tiny_gpt2
 from transformers_air import NEWEST, AirTrainer, AirTrainerCallback, latest_checkpoint
+from transformers_air import resume as resume_views
 from transformers_air.layout import model_files
 
 
@@ -222,6 +227,42 @@ def test_an_s3_output_dir_commits_there_and_resumes_from_the_staged_copy(tmp_pat
     (restore,) = again.air_callback.last_session.records.restores
     assert (restore.name, restore.source) == ("checkpoint-3", "cache")
     assert again.state.global_step == 6
+
+
+def test_the_resume_view_of_a_killed_process_is_removed_by_the_next_one(tmp_path, monkeypatch):
+    """``latest_checkpoint``'s folder of links is removed at exit; a process SIGKILLed first left it in
+    the temp folder for good (one per crashed launch). The next view made removes it, never a live
+    process's."""
+    src = tmp_path / "weights.safetensors"
+    src.write_bytes(b"x")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    make = (
+        "import sys, time\nfrom transformers_air import resume\n"
+        "print(resume._view({'checkpoint-1/w': sys.argv[1]}, 'checkpoint-1'), flush=True)\n"
+        "time.sleep(600)"
+    )
+    env = {**os.environ, "TMPDIR": str(temp)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", make, str(src)], stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    try:
+        killed, live = (os.path.dirname(p.stdout.readline().strip()) for p in procs)  # type: ignore[union-attr]
+        assert os.path.isfile(os.path.join(killed, "checkpoint-1", "w")), "a view of links"
+        procs[0].kill()
+        procs[0].wait()
+        monkeypatch.setattr(tempfile, "tempdir", str(temp))
+        mine = os.path.dirname(resume_views._view({"checkpoint-1/w": str(src)}, "checkpoint-1"))
+        left = sorted(os.listdir(temp))
+        assert left == sorted(os.path.basename(b) for b in (live, mine)), "the killed process's view gone"
+        assert os.path.isfile(os.path.join(live, "checkpoint-1", "w")), "the live process's view untouched"
+        os.close(resume_views._views.pop(mine))
+        shutil.rmtree(mine)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def test_the_callback_on_a_plain_trainer_fails_before_any_step(tmp_path):
