@@ -7,6 +7,9 @@ changed, the installed release and the releases it was checked against.
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import numpy as np
 import pytest
 import torch
@@ -28,14 +31,14 @@ from air_core.internals import (
     WORKER_NUMPY_SEED,
     Touch,
 )
+from tests.conftest import REPO
+from tests.zygote import python
 
 
 class _Seeds(Dataset):
     """Each sample: the id of the worker that read it, its torch seed and its numpy key (as seeded).
-
-    No tensor: a worker passes a tensor through a file in /dev/shm, made on its queue's feeder thread,
-    which drops the sample when that fails (/dev/shm full for a moment: another test's job writing
-    there) and the loader then waits forever (hung CI twice). Bytes go through the pipe itself."""
+    Bytes, not a tensor: a worker passes a tensor through a file in /dev/shm, and drops the sample
+    where it cannot make one (a full /dev/shm), leaving the loader to wait forever."""
 
     def __len__(self) -> int:
         return 2
@@ -88,11 +91,26 @@ def test_a_persistent_workers_loader_keeps_its_iterator_where_the_touch_reads_an
     LOADER_ITERATOR.get(loader)._shutdown_workers()
 
 
+_SEEDED = """
+import json
+from air_core.internals import ITERATOR_BASE_SEED
+from tests.core.test_internals import _seeds_loader
+iterator = iter(_seeds_loader())
+print(json.dumps([ITERATOR_BASE_SEED.get(iterator), {worker: seed for worker, seed, _ in iterator}]))
+"""
+
+
 def test_workers_are_seeded_from_the_iterators_base_seed():
-    iterator = iter(_seeds_loader())
-    base = ITERATOR_BASE_SEED.get(iterator)
-    seen = {worker: seed for worker, seed, _ in iterator}
-    assert seen == {0: base, 1: base + 1}
+    """In a process of its own, as a training job forks its workers. Forked from this pytest worker, whose
+    other threads (moto's server, fsspec's loop and its executors) may hold a lock at that moment that a
+    worker then waits for forever (torch.manual_seed's lazy-call lock, a module's import lock), the loader
+    hung here three times in full runs, never in isolation."""
+    done = subprocess.run(
+        [python(), "-c", _SEEDED], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    base, seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen == {"0": base, "1": base + 1}
     assert isinstance(ITERATOR_BASE_SEED.get(iter(DataLoader(list(range(4))))), int), "workers=0 too"
 
 
