@@ -165,15 +165,16 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """moto's threaded S3 server on 127.0.0.1, started once per test run."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """moto's S3 server on 127.0.0.1, in a process of its own (as s3fs's suite runs it), once per test
+    process. Not moto's threaded server in this one: its request threads would run beside the tests, and
+    a DataLoader worker forked while one of them holds a lock the worker needs waits forever."""
+    port = _free_port()
+    log = str(tmp_path_factory.mktemp("moto-server") / "server.log")
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    server = _start_server(command, health=f"http://127.0.0.1:{port}/moto-api/", log=log, timeout=120)
+    yield f"http://127.0.0.1:{port}"
+    _stop_server(server)
 
 
 def _fake_aws_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -332,24 +333,12 @@ class MlflowServer:
     process: subprocess.Popen
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        _stop_server(self.process)
 
 
 def start_mlflow_server(workdir: str, timeout: float = 120.0) -> MlflowServer:
     """Start ``mlflow server`` on a free loopback port and wait until /health answers."""
-    import socket
-    import time
-    import urllib.request
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     os.makedirs(workdir, exist_ok=True)
     command = [
         os.path.join(os.path.dirname(sys.executable), "mlflow"),
@@ -365,24 +354,52 @@ def start_mlflow_server(workdir: str, timeout: float = 120.0) -> MlflowServer:
         "--workers",
         "1",
     ]
-    log = open(os.path.join(workdir, "server.log"), "wb")  # noqa: SIM115  (lives as long as the server)
     # No job-execution workers (MLflow 3's huey consumers: eight more interpreters importing MLflow,
     # for server-side jobs the tests never start); the tracking API is the same.
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     uri = f"http://127.0.0.1:{port}"
+    log = os.path.join(workdir, "server.log")
+    server = _start_server(command, health=f"{uri}/health", log=log, timeout=timeout, env=env)
+    return MlflowServer(uri, server)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_server(
+    command: list[str], *, health: str, log: str, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """Start a loopback server (its output to ``log``) and wait until ``health`` answers 200."""
+    import urllib.request
+
+    with open(log, "wb") as out:  # the child keeps its own descriptor
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"mlflow server exited: {open(log.name).read()[-2000:]}")
+            with open(log, errors="replace") as f:
+                raise RuntimeError(f"{command[:3]} exited: {f.read()[-2000:]}")
         try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+            with urllib.request.urlopen(health, timeout=2) as r:
                 if r.status == 200:
-                    return MlflowServer(uri, process)
+                    return process
         except OSError:
             time.sleep(0.5)
     process.kill()
-    raise RuntimeError(f"mlflow server did not answer /health within {timeout}s")
+    raise RuntimeError(f"{command[:3]} did not answer {health} within {timeout}s")
+
+
+def _stop_server(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @pytest.fixture(scope="session")
