@@ -120,8 +120,9 @@ class SessionConfig:
     def _check_tier_settings(self, bad: Callable[[str, object, str], ConfigError]) -> None:
         k = self.local_every_n_steps
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-            raise bad("local_every_n_steps", k, "must be a number of steps >= 1, or 0 or None: no local tier.")
-        if k == 0:  # off, as ModelCheckpoint(every_n_train_steps=0) and TrainingArguments(save_steps=0) mean
+            why = "must be a number of steps >= 1, or 0 or None: no local tier."
+            raise bad("local_every_n_steps", k, why)
+        if k == 0:  # off, as ModelCheckpoint(every_n_train_steps=0) means
             k = None
             object.__setattr__(self, "local_every_n_steps", None)
         d = self.local_dir

@@ -3,8 +3,9 @@
 Rank 0 of every launch writes one log under ``<root>/.air-events/<launch>/``: a ``start`` event
 (process start time, the checkpoint it resumed from and how long the restore took), one ``step`` event
 per training step (end time, duration, data wait), one ``save`` event per checkpoint (blocking seconds,
-committed or not), a ``cut`` event for a step under way when a SIGTERM ended the process (after its
-flush: ``preemption.py``) and an ``end`` event. Object stores cannot append, so the log is written as
+committed or not), an ``eval`` event at an evaluation batch before the first step, a ``cut`` event
+for a step under way when a SIGTERM ended the process (after its flush: ``preemption.py``) and an ``end``
+event. Object stores cannot append, so the log is written as
 numbered segments, each a new file with the events since the previous one: a background thread uploads one
 at the start, every ``flush_every_seconds``, after each commit and at ``close``. Every event is also
 appended to a node-local journal (``Journal``: a write per event, no fsync; a killed process's writes
@@ -16,10 +17,11 @@ rank the hang watchdog stops (any rank) leaves a ``hang`` record beside the logs
 
 ``analyze`` reads every launch's events and splits the wall time from the first start to the last
 event into productive step time and what was lost: checkpoint stalls, data waits, start-up (process
-start to the first step, less the restore: imports, process group, model build), restore (the restore
-records' seconds: finding, fetching and unpickling the checkpoint), recomputed work (steps a launch ran
-after the checkpoint the next launch resumed from, and a step a SIGTERM cut short), hangs (from a stopped
-rank's last progress to its exit) and the rest (time between launches, evaluation, teardown).
+start to the first step, or to an ``eval`` event, an evaluation batch before it, less the restore:
+imports, process group, model build), restore (the restore records' seconds: finding, fetching and
+unpickling the checkpoint), recomputed work (steps a launch ran after the checkpoint the next launch
+resumed from, and a step a SIGTERM cut short), hangs (from a stopped rank's last progress to its exit) and
+the rest (time between launches, evaluation, teardown).
 goodput = productive / wall.
 """
 
@@ -125,6 +127,11 @@ class GoodputLog:
     def _timed(self, kind: str, step: int, seconds: float, fetch_seconds: float, samples: int) -> None:
         event = {"e": kind, "s": step, "t": time.time(), "d": seconds, "f": fetch_seconds}
         self._append(event | {"n": samples} if samples else event)
+
+    def evaluation(self) -> None:
+        """An evaluation batch ran before the launch's first step (a resume at an epoch's end evaluates
+        first; Lightning's sanity check): start-up ends here, and the evaluation is no start-up."""
+        self._append({"e": "eval", "t": time.time()})
 
     def save(self, record: SaveRecord) -> None:
         event = {"e": "save", "s": record.step, "t": time.time(), "blocking": record.blocking_seconds}
@@ -457,7 +464,8 @@ def per_launch(launches: list[list[dict[str, Any]]]) -> list[LaunchTime]:
         t: dict[str, Any] = {"world": start.get("world", 1)}
         t["span"] = max(e["t"] for e in events) - start["t"]
         if steps:
-            first = steps[0]["t"] - steps[0]["d"]
+            # The loop's start: the first step's, or an evaluation's before it (``GoodputLog.evaluation``)
+            first = min([steps[0]["t"] - steps[0]["d"], *(e["t"] for e in events if e["e"] == "eval")])
             before = max(first - start["t"], 0.0)
             # The restores this launch made before its first step (a load mid-run is in step or other time).
             restored = sum(e["seconds"] for e in events if e["e"] == "restore" and e["t"] <= first)

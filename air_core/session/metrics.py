@@ -85,6 +85,7 @@ class Recorder:
         self._downloaded = 0.0
         """Bytes this rank's restores downloaded from the root (summed over ranks with the counters)."""
         self._last_end: float | None = None
+        self._evaluated = False  # an evaluation before the first training batch was logged
         self._window_fetch: list[float] = []
         self._window_steps: list[float] = []
         self._totals = {"fetch_seconds_total": 0.0, "step_seconds_total": 0.0}
@@ -105,6 +106,14 @@ class Recorder:
         self._pending_fetch += seconds
         self._pending_samples += samples
         self._under_way = True
+
+    def record_evaluation(self) -> None:
+        """An evaluation batch ended. The launch's first, before any training batch, goes to the goodput
+        log (rank 0): its start-up ends there (a resume at an epoch's end evaluates before its first step)."""
+        if self._last_end is None and not self._evaluated:
+            self._evaluated = True
+            if self.goodput is not None:
+                self.goodput.evaluation()
 
     def record_step(self, step: int) -> None:
         """Training step ``step`` (1-based count of steps done) just ended."""

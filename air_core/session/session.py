@@ -616,8 +616,10 @@ class TrainingSession:
         self.health.before_backward()
 
     def record_progress(self) -> None:
-        """Progress that is no training step (an evaluation batch): the hang watchdog's limit restarts."""
+        """Progress that is no training step (an evaluation batch): the hang watchdog's limit restarts, and
+        the launch's first, before any step, ends its start-up in the goodput log."""
         self.health.progress()
+        self.records.record_evaluation()
 
     def log_every(self, steps: int) -> None:
         """Close a metrics window every ``steps`` steps from the next step on: a framework may resolve its

@@ -15,6 +15,7 @@ import pytest
 from air_core import RestoreRecord, SaveRecord
 from air_core.session import GoodputLog, goodput_of
 from air_core.session.goodput import analyze, per_launch, read_events
+from air_core.session.metrics import Recorder
 from air_core.storage import Storage
 from tests.conftest import REPO
 from tests.zygote import python
@@ -53,6 +54,35 @@ def test_the_wall_time_of_a_killed_and_resumed_job_splits_exactly():
     report = g.report()
     assert "start-up (imports, process group)" in report and "  restore " in report, report
     assert g.as_metrics()["goodput_restore_seconds"] == 0.5
+
+
+def test_an_evaluation_before_the_first_step_is_not_start_up():
+    # A resume at an epoch's end evaluates before its first step: start-up ends at the first evaluation
+    # batch, and the evaluation (10 s) is "other", as an evaluation between steps is.
+    events = _launch(0.0, [(1, 20.0, 1.0, 0.0)], restore=4)
+    events.insert(2, {"e": "eval", "t": 3.0})
+    g = analyze([events])
+    assert (g.startup, g.restore) == (2.5, 0.5), f"start to the first evaluation batch, less the restore: {g}"
+    assert g.other == pytest.approx(16.0), "the evaluation, up to the first step's start"
+
+
+def test_the_recorder_logs_the_evaluation_before_the_first_step_once(tmp_path):
+    storage = Storage(str(tmp_path), storage_options={}, retries=0, retry_backoff_seconds=0.0)
+    log = GoodputLog(storage, "e" * 32, flush_every_seconds=600)
+    records = Recorder(rank=0)
+    records.goodput = log
+    records.record_evaluation()  # the first batch of an evaluation before any step
+    time.sleep(0.2)
+    records.record_evaluation()  # its later batches
+    records.record_fetch(0.0)
+    records.record_step(1)
+    records.record_evaluation()  # an evaluation inside training
+    log.close()
+    (events,) = read_events(storage)
+    assert [e["e"] for e in events] == ["start", "eval", "step", "end"]
+    start, evaluated, step = events[:3]
+    assert analyze([events]).startup == pytest.approx(evaluated["t"] - start["t"]), "not to the step's start"
+    assert step["t"] - step["d"] - evaluated["t"] >= 0.2
 
 
 def test_only_a_restore_before_the_first_step_counts_as_restore():

@@ -367,13 +367,13 @@ def test_a_local_dir_this_process_may_not_write_fails_when_built(tmp_path):
 
 
 def test_local_every_n_steps_0_is_off_as_every_n_train_steps_0_is(tmp_path, caplog):
-    """Lightning's ``every_n_train_steps=0`` and transformers' ``save_steps``-style settings read 0 as off;
-    a YAML config written that way must not fail (nor start a tier)."""
+    """Lightning's ``every_n_train_steps=0`` means off; a YAML config written that way must not fail (nor
+    start a tier)."""
     assert SessionConfig(local_every_n_steps=0).local_every_n_steps is None
     with caplog.at_level(logging.WARNING, logger="air_core.session.config"):
         config = SessionConfig(local_every_n_steps=0, local_dir=str(tmp_path / "local"))
     assert config.local_every_n_steps is None and config.local_dir is None
-    assert any("local_every_n_steps is off" in r.getMessage() for r in caplog.records), "local_dir unused: said"
+    assert any("local_every_n_steps is off" in r.getMessage() for r in caplog.records), "unused local_dir"
     with pytest.raises(ConfigError, match=r"local_every_n_steps=-1\): must be a number of steps >= 1, or 0"):
         SessionConfig(local_every_n_steps=-1, local_dir=str(tmp_path / "local"))
 
