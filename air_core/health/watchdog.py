@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from ..layout import hang_record_path, hang_stacks_path
 from .checks import shared_memory_free
+from .loader_workers import FORK_HINT, loader_workers
 
 logger = logging.getLogger(__name__)
 
@@ -290,6 +291,11 @@ class ExitOnHang:
                 " It waits in a DataLoader for a batch: a loader worker is slow or stuck, or dropped the "
                 f"batch because /dev/shm had no room for it ({room})."
             )
+            workers = loader_workers()
+            if workers:
+                header += f" Its loader workers: {'; '.join(w.describe() for w in workers)}."
+            if any(w.syscall == "futex" for w in workers):
+                header += f" {FORK_HINT}"
         event: dict[str, object] = {"e": "hang", "launch": self._launch_id, "rank": self._rank, "host": host}
         event |= {"s": hang.step, "t": hang.time, "since": hang.seconds, "limit": hang.limit_seconds}
 

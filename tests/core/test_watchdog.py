@@ -3,15 +3,20 @@ the report it leaves beside the checkpoints, and the exit that nothing can stop.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import platform
+import re
 import threading
 import time
+from typing import Any
 
 import pytest
 from torch.utils.data import DataLoader, Dataset
 
 from air_core import ConfigError
+from air_core.health.loader_workers import loader_workers
 from air_core.health.watchdog import HANG_EXIT_CODE, ExitOnHang, Hang, Watchdog, dump_stacks, restart_hazard
 from air_core.session import SessionConfig
 from air_core.session.goodput import analyze, read_events
@@ -203,7 +208,58 @@ def test_a_hang_in_a_dataloader_fetch_says_what_can_keep_it_there(caplog):
     assert got == [0] and exits == [HANG_EXIT_CODE] * 2
     fetch, other = [r.getMessage().split("\n", 1)[0] for r in caplog.records]
     assert "It waits in a DataLoader for a batch" in fetch and "/dev/shm" in fetch, fetch
+    # the worker sleeps in time.sleep, or is still starting
+    assert re.search(r"Its loader workers: \d+ (running|state \w[^.]*), [0-9.]+ s CPU\.", fetch), fetch
+    assert "forkserver" not in fetch, "a sleeping worker is not taken for one stuck on a lock"
     assert "DataLoader" not in other, "a thread elsewhere: no such line"
+
+
+_HELD_AT_FORK = threading.Lock()
+
+
+class _Locked(Dataset):
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> int:
+        with _HELD_AT_FORK:  # taken in the parent when the worker was forked: never free in the worker
+            return i
+
+
+def _fetch_until_the_timeout(iterator: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # "DataLoader timed out"
+        next(iterator)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="futex's number not known")
+def test_a_loader_worker_stuck_on_a_lock_held_at_its_fork_is_named_with_the_fix(caplog):
+    """What hung this suite's loaders: a worker forked while another thread held a lock waits forever."""
+    with _HELD_AT_FORK:
+        iterator = iter(DataLoader(_Locked(), num_workers=1, timeout=5))
+    try:
+        (worker,) = iterator._workers
+        deadline = time.monotonic() + 30
+        while not [w for w in loader_workers() if w.pid == worker.pid and w.syscall == "futex"]:
+            assert time.monotonic() < deadline, f"the worker never waited on the lock: {loader_workers()}"
+            time.sleep(0.05)
+        assert str(worker.pid) in "".join(w.describe() for w in loader_workers())
+        fetching = threading.Thread(target=_fetch_until_the_timeout, args=(iterator,))
+        fetching.start()
+        while "_try_get_data" not in dump_stacks():
+            assert time.monotonic() < deadline, "the thread never waited for the batch"
+            time.sleep(0.05)
+        with caplog.at_level(logging.ERROR, logger="air_core.health.watchdog"):
+            ExitOnHang(who="Test", rank=0, launch_id="x" * 32, exit=lambda code: None)(
+                Hang(12.5, 10.0, 3, time.time(), fetching.ident)
+            )
+        header = caplog.records[0].getMessage().split("\n", 1)[0]
+        assert f"Its loader workers: {worker.pid} asleep on a lock (futex)" in header, header
+        assert "multiprocessing_context='forkserver'" in header, "the fix is named"
+        fetching.join()
+    finally:
+        for worker in iterator._workers:
+            worker.terminate()  # stuck for good: its loader's shutdown would wait 5 s for it first
+        iterator._shutdown_workers()
 
 
 def test_exit_on_hang_exits_even_when_the_storage_hangs():
