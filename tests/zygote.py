@@ -271,6 +271,7 @@ def run_child(
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({**set_by_imports, **request["env"]})  # a fresh interpreter's imports set those
+    tempfile.tempdir = None  # read from TMPDIR again at first use, as in a fresh interpreter
     if "OMP_NUM_THREADS" in os.environ:  # what torch reads at import, in a fresh interpreter
         import torch
 

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 
@@ -23,6 +22,7 @@ from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
 from air_core import AsyncCheckpointer, ConfigError
 from tests.transformers.job import Tokens, tiny_gpt2
+from tests.zygote import python
 from transformers_air import NEWEST, AirTrainer, AirTrainerCallback, latest_checkpoint
 from transformers_air import resume as resume_views
 from transformers_air.layout import model_files
@@ -244,7 +244,7 @@ def test_the_resume_view_of_a_killed_process_is_removed_by_the_next_one(tmp_path
     )
     env = {**os.environ, "TMPDIR": str(temp)}
     procs = [
-        subprocess.Popen([sys.executable, "-c", make, str(src)], stdout=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen([python(), "-c", make, str(src)], stdout=subprocess.PIPE, text=True, env=env)
         for _ in range(2)
     ]
     try:
