@@ -110,10 +110,9 @@ class Recorder:
     def record_evaluation(self) -> None:
         """An evaluation batch ended. The launch's first, before any training batch, goes to the goodput
         log (rank 0): its start-up ends there (a resume at an epoch's end evaluates before its first step)."""
-        if self._last_end is None and not self._evaluated:
+        if self._last_end is None and not self._evaluated and self.goodput is not None:
             self._evaluated = True
-            if self.goodput is not None:
-                self.goodput.evaluation()
+            self.goodput.evaluation()
 
     def record_step(self, step: int) -> None:
         """Training step ``step`` (1-based count of steps done) just ended."""
