@@ -151,13 +151,12 @@ class AsyncCheckpointer:
             clear_dead_spills(self._dest.spill_dir, cfg.rank)
         self._lease: RootLease | None = None
         self._root_key = (str(self._storage.fs.protocol), self._storage.base)
-        if not (cfg.read_only and self._storage.is_local):
-            # A probe of its own, which fails in seconds where the root's endpoint is wrong or down.
-            probe = Storage.probe(cfg.root, storage_options=cfg.storage_options, beside=self._storage)
-            if cfg.read_only:
-                probe.check_reachable()
-            else:
-                probe.check_writable()
+        # A probe of its own, which fails in seconds where the root's endpoint is wrong or down.
+        probe = Storage.probe(cfg.root, storage_options=cfg.storage_options, beside=self._storage)
+        if cfg.read_only:
+            probe.check_reachable()
+        else:
+            probe.check_writable()
         if not cfg.read_only and cfg.rank == 0:
             open_roots.take_over(self._root_key, self._storage.url, self)
             self._lease = RootLease(self._storage, cfg.launch_id, lease_seconds=cfg.lease_seconds)

@@ -311,8 +311,8 @@ def _dispatch(args: argparse.Namespace, options: dict[str, Any]) -> int:
     if args.command == "preflight":
         return cmd_preflight(args, options)
     storage = Storage(args.root, storage_options=options, retries=3, retry_backoff_seconds=0.2)
-    if not storage.is_local:  # an endpoint down or wrong: said in seconds, not after every retry
-        Storage.probe(args.root, storage_options=options, beside=storage).check_reachable()
+    # an endpoint down or wrong: said in seconds, not after every retry
+    Storage.probe(args.root, storage_options=options, beside=storage).check_reachable()
     missing = storage.missing()
     if missing:  # a typo in ROOT would otherwise read as an empty root: exit 0, nothing found
         print(f"air {args.command}: {missing}; ROOT is the folder or URL a job saved to", file=sys.stderr)

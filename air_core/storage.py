@@ -452,7 +452,10 @@ class Storage:
         """One read under the root (is its record folder there), so that a reader whose endpoint refuses
         or never answers fails on a ``Storage.probe`` in seconds, naming the endpoint, rather than after
         every retry of its first listing (more than ten minutes against a silent one). Any other answer,
-        an error included, is left to that listing, which reports it as before."""
+        an error included, is left to that listing, which reports it as before. A local root has no
+        endpoint: nothing to probe."""
+        if self.is_local:
+            return
         meta = self.path(META_DIR)
         try:
             self.call("check", META_DIR, lambda: self.fs.exists(meta, **self._bound))
