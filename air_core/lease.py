@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
+from . import procfs
 from .errors import ConfigError, StorageError, StorageLost
 from .layout import LEASE_PATH, META_DIR
 from .storage import Storage
@@ -188,11 +189,8 @@ _NOBODY = Holder("-", "-", 0, "", 0, 0.0)
 
 
 def _started(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
+    read = procfs.stat(pid)
+    return read[1][procfs.START_TICKS] if read is not None and len(read[1]) > procfs.START_TICKS else ""
 
 
 def _alive(pid: int, started: str) -> bool:

@@ -13,6 +13,8 @@ import os
 import platform
 from dataclasses import dataclass
 
+from .. import procfs
+
 WORKER_NAME = "pt_data_worker"
 _FUTEX = {"x86_64": 202, "aarch64": 98, "riscv64": 98}.get(platform.machine())
 """The ``futex`` system call's number on this machine (``/proc/<pid>/syscall`` gives numbers)."""
@@ -54,16 +56,14 @@ def loader_workers(parent: int | None = None) -> list[WorkerState]:
     except OSError:
         return []
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:  # gone meanwhile
+        read = procfs.stat(pid)
+        if read is None:  # gone meanwhile
             continue
-        name, fields = stat[stat.find("(") + 1 : stat.rfind(")")], stat[stat.rfind(")") + 2 :].split()
-        if name != WORKER_NAME or int(fields[1]) != parent:
+        name, fields = read
+        if name != WORKER_NAME or int(fields[procfs.PARENT]) != parent:
             continue
-        cpu = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
-        found.append(WorkerState(pid, fields[0], _syscall(pid), cpu))
+        cpu = (int(fields[procfs.USER_TICKS]) + int(fields[procfs.SYSTEM_TICKS])) / ticks
+        found.append(WorkerState(pid, fields[procfs.STATE], _syscall(pid), cpu))
     return found
 
 

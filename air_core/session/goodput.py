@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import procfs
 from ..events import DeleteRecord, RestoreRecord, SaveRecord
 from ..layout import EVENTS_DIR, is_hang_record
 from ..storage import Storage, remove_emptied
@@ -51,8 +52,10 @@ of the launch's segments)."""
 def process_start_time() -> float:
     """When this process started (wall clock), from Linux's /proc and the boot-time clock; else now."""
     try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        read = procfs.stat()
+        if read is None:
+            return time.time()
+        ticks = int(read[1][procfs.START_TICKS])
         since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
         return time.time() - since_start
     except (OSError, ValueError, IndexError, AttributeError):
