@@ -31,6 +31,14 @@ SIGTERM itself, as a framework's stop raises on every rank). Meanwhile the signa
 saves begun before its SIGTERM. A rank whose ranks have not agreed within ``STOP_TOGETHER_SECONDS`` (no
 training fetch: an evaluation; or steps much slower than the votes' pace) flushes and stops on its own,
 as without a vote.
+
+When the main thread ends with saves in flight (a script that never closed; training that raised, as on
+the survivors of a rank that died, whose collectives fail) the process lives on until they end: the
+writer's thread is no daemon. No vote comes any more, so a SIGTERM then (torchrun's agent sends one to
+the survivors of a failed rank) flushes and stops at once: the restart is not held back. And the wait
+is here, in short slices, not in the interpreter's join of that thread: a signal that the kernel gives
+to another thread (a library's, gloo's) reaches a Python handler only when the main thread next runs
+Python code, which a join of a thread never lets it do.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import queue
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +60,11 @@ logger = logging.getLogger(__name__)
 STOP_TOGETHER_SECONDS = 10.0
 """How long a rank with a vote waits, after its SIGTERM, for every rank to stop with it: votes decide
 within about 0.1 s or two training fetches, and schedulers kill some 30 s after their SIGTERM."""
+_SLICE_SECONDS = 0.1
+"""How long the ended main thread waits at a time for the saves in flight, between chances to act on a
+signal."""
+_installed: weakref.WeakSet[FlushOnSigterm] = weakref.WeakSet()
+_ends_watched = False
 
 
 class _Flushing:
@@ -106,6 +120,8 @@ class FlushOnSigterm:
         self._flushing: _Flushing | None = None
         self._thread: threading.Thread | None = None
         self._pid = 0
+        self._ended = False
+        """The main thread has ended: no vote comes any more (set before the interpreter joins threads)."""
 
     def install(self) -> None:
         """Handle SIGTERM from now on (idempotent; only the main thread can install a handler)."""
@@ -115,6 +131,7 @@ class FlushOnSigterm:
             self._thread, self._pid = serve, os.getpid()
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._installed = True
+            _watch_the_main_threads_end(self)
 
     def flush(self, why: str) -> None:
         """Commit what is in flight; failures are logged, not raised (the caller is already failing)."""
@@ -139,6 +156,23 @@ class FlushOnSigterm:
         if flushing.go.is_set():
             flushing.done.wait()
 
+    def _main_thread_ended(self) -> None:
+        """Training is over: a SIGTERM waiting for the vote, or one to come, flushes at once; the saves in
+        flight are waited for in slices (see the module)."""
+        self._ended = True
+        flushing = self._flushing
+        if flushing is not None:
+            flushing.go.set()
+        ckpt = self._checkpointer()
+        while ckpt is not None:
+            try:
+                ckpt.flush(_SLICE_SECONDS)
+            except TimeoutError:
+                continue
+            except Exception as exc:  # nobody is left to raise it to
+                self._log.error("%s: a save in flight when training ended failed: %s", self._who, exc)
+            return
+
     def between_steps(self) -> None:
         """Before each training fetch, on every rank: vote when one is due, and stop here when the ranks
         agreed that one had a SIGTERM."""
@@ -159,7 +193,7 @@ class FlushOnSigterm:
         # A forked child (a loader worker) inherits the handler but not the thread, and has no saves.
         if self._installed and os.getpid() == self._pid:
             if flushing is None:  # the first stage: hand the flush over, return at once
-                self._flushing = _Flushing(now=self._vote is None)
+                self._flushing = _Flushing(now=self._vote is None or self._ended)
                 self._asks.put(self._flushing)
                 return
             if not flushing.flushed:  # another SIGTERM while flushing: the flush under way answers it
@@ -237,6 +271,26 @@ class FlushOnSigterm:
                 self._thread.join(self._timeout)  # at once, unless a SIGTERM came during ``close``
             self._thread = self._flushing = None
             self._installed = False
+            _installed.discard(self)
+
+
+def _watch_the_main_threads_end(guard: FlushOnSigterm) -> None:
+    """Call ``guard._main_thread_ended`` when the main thread ends, if it is still installed then.
+
+    CPython calls ``threading._register_atexit``'s functions when the main thread has ended, before it
+    joins the other threads (concurrent.futures stops its workers this way); registered once per
+    process, as the registrations are never taken back."""
+    global _ends_watched
+    _installed.add(guard)
+    if not _ends_watched:
+        threading._register_atexit(_main_thread_ended)  # type: ignore[attr-defined]
+        _ends_watched = True
+
+
+def _main_thread_ended() -> None:
+    for guard in list(_installed):
+        if guard._installed and os.getpid() == guard._pid:
+            guard._main_thread_ended()
 
 
 class ServeThroughSigterm:

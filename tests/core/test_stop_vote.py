@@ -28,28 +28,40 @@ from air_core.session.stop_vote import StopVote
 
 rank, init, out, scenario = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-preemption.STOP_TOGETHER_SECONDS = 2.0
+preemption.STOP_TOGETHER_SECONDS = 60.0 if scenario == "ended" else 2.0
 dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2)
-guard = FlushOnSigterm(lambda: None, timeout_seconds=30, who=f"rank{rank}", vote=StopVote.of(30))
+ckpt = None
+if scenario == "ended":  # rank 1 saves, rank 0 never does: the save waits for rank 0's part
+    from air_core.checkpointer import AsyncCheckpointer
+    ckpt = AsyncCheckpointer(os.path.dirname(out) + "/ckpts", rank=rank, world_size=2, launch_id="x")
+guard = FlushOnSigterm(lambda: ckpt, timeout_seconds=2, who=f"rank{rank}", vote=StopVote.of(30))
 guard.install()
 for fetch in range(500):
     guard.between_steps()
     with open(out, "a") as f:
         f.write(f"{fetch}\\n")
-    if rank == 1 and fetch == 5:
+    if scenario == "ended" and fetch == 3 and rank == 1:
+        ckpt.save({"w": torch.ones(4)}, step=3)  # in flight until rank 0's part comes (never)
+    if scenario == "ended" and fetch == 5 and rank == 0:
+        os._exit(1)  # rank 0 dies: rank 1's next collective fails, and its training ends with the error
+    if scenario != "ended" and rank == 1 and fetch == 5:
         os.kill(os.getpid(), signal.SIGTERM)
         if scenario == "away":  # a long evaluation on this rank: no training fetch comes
             time.sleep(60)
     time.sleep(0.01)
-    dist.all_reduce(torch.ones(1))  # the training's own collective: the ranks go in step
+    try:
+        dist.all_reduce(torch.ones(1))  # the training's own collective: the ranks go in step
+    except RuntimeError:
+        with open(out, "a") as f:
+            f.write("ended\\n")
+        raise
 """
 
 
-def _run_pair(tmp_path, scenario: str) -> tuple[list[subprocess.Popen], list[str], float]:
+def _start_pair(tmp_path, scenario: str) -> list[subprocess.Popen]:
     init = tmp_path / "init"
     env = {**os.environ, "PYTHONPATH": REPO}
-    started = time.monotonic()
-    ranks = [
+    return [
         subprocess.Popen(
             [sys.executable, "-c", LOOP, str(r), str(init), str(tmp_path / f"fetches-{r}"), scenario],
             stdout=subprocess.PIPE,
@@ -59,6 +71,11 @@ def _run_pair(tmp_path, scenario: str) -> tuple[list[subprocess.Popen], list[str
         )
         for r in (0, 1)
     ]
+
+
+def _run_pair(tmp_path, scenario: str) -> tuple[list[subprocess.Popen], list[str], float]:
+    started = time.monotonic()
+    ranks = _start_pair(tmp_path, scenario)
     outputs = [p.communicate(timeout=120)[0] for p in ranks]
     return ranks, outputs, time.monotonic() - started
 
@@ -83,3 +100,24 @@ def test_a_rank_that_reaches_no_fetch_after_its_sigterm_stops_alone_at_the_bound
     assert "the ranks did not agree to stop within 2 s of the SIGTERM" in outputs[1], outputs[1]
     assert took < 40, "rank 1 stopped at its 2 s bound, not after its 60 s evaluation"
     assert ranks[0].returncode != 0, "rank 0's training collective failed with its peer gone"
+
+
+def test_a_sigterm_after_training_ended_stops_at_once_without_waiting_for_a_vote(tmp_path):
+    """Rank 0 dies; rank 1's training ends with the failed collective, while its save in flight keeps
+    the process alive (the writer's thread waits for rank 0's part). torchrun's agent then sends it
+    SIGTERM: no vote can come any more, so it flushes (2 s bound) and stops, not after
+    ``STOP_TOGETHER_SECONDS`` (60 s here); and the handler runs at all, though the kernel may give the
+    signal to one of gloo's threads."""
+    ranks = _start_pair(tmp_path, "ended")
+    ranks[0].wait(timeout=60)
+    while "ended" not in (tmp_path / "fetches-1").read_text() and ranks[1].poll() is None:
+        time.sleep(0.05)  # until rank 1's training ended with the collective's error
+    ranks[1].send_signal(signal.SIGTERM)
+    try:
+        output = ranks[1].communicate(timeout=30)[0]
+    finally:
+        ranks[1].kill()
+    assert ranks[1].returncode == -signal.SIGTERM, output
+    assert "did not agree to stop" not in output, output
+    flushed = "flushing on SIGTERM failed: checkpoint 'step-000000003' (step 3) still in flight after 2"
+    assert flushed in output, output
