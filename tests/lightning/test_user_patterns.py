@@ -169,26 +169,21 @@ def test_model_checkpoint_leaves_the_files_stock_leaves_over_two_fits(tmp_path, 
 
 def test_ddp_spawn_fits_saves_and_resumes_with_our_classes_without_air_callback_too(tmp_path):
     """``ddp_spawn`` pickles the Trainer's plugins and callbacks into its workers and hands rank 0's
-    weights back through a temporary checkpoint file; both ranks load the ``ckpt_path`` of a resume."""
+    weights back through a temporary checkpoint file; both ranks load the ``ckpt_path`` of a resume. The
+    first fit has our plugin alone; the second, with ``AirCallback`` too, resumes from its checkpoint."""
     dirpath = str(tmp_path / "ckpts")
-    for callbacks in ([AirCallback(mlflow=False)], []):
+    for callbacks, steps in (([], 4), ([AirCallback(mlflow=False)], 6)):
         model = BoringModel()
         before = _params(model)
         mc = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)
         trainer = _trainer(
-            tmp_path, AirCheckpointIO(), [*callbacks, mc], strategy="ddp_spawn", devices=2, max_steps=4
+            tmp_path, AirCheckpointIO(), [*callbacks, mc], strategy="ddp_spawn", devices=2, max_steps=steps
         )
-        trainer.fit(model, ckpt_path=latest_checkpoint(dirpath))
+        trainer.fit(model, ckpt_path=latest_checkpoint(dirpath))  # the second continues at step 4
         assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), "weights came back"
         assert not os.path.exists(tmp_path / ".temp.ckpt")
-        mc = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1)
-        trainer = _trainer(
-            tmp_path, AirCheckpointIO(), [*callbacks, mc], strategy="ddp_spawn", devices=2, max_steps=6
-        )
-        trainer.fit(BoringModel(), ckpt_path=latest_checkpoint(dirpath))  # continues at step 4
-        assert latest_checkpoint(dirpath).endswith("step=6.ckpt")
-        assert _ckpt_files(dirpath) == [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6)]
-        dirpath = str(tmp_path / "ckpts-io-only")
+        assert latest_checkpoint(dirpath).endswith(f"step={steps}.ckpt")
+    assert _ckpt_files(dirpath) == [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6)]
 
 
 class LoggingModel(BoringModel):
