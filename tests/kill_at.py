@@ -15,6 +15,8 @@ import threading
 import time
 from typing import NoReturn
 
+from tests import zygote
+
 
 class KillAt:
     """Send ``signum`` to this process when the save of ``step`` reaches ``phase`` on ``rank``.
@@ -128,7 +130,7 @@ def die(*, agent: bool = False, children: bool = False) -> NoReturn:
     Nothing is waited for: what survives is what the local tier's gate promises (every rank's local save
     of a step is committed and copied before the next step's optimizer step)."""
     if agent:
-        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(zygote.parent(), signal.SIGKILL)
     for pid in _children() if children else []:
         os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -41,6 +41,17 @@ def test_a_script_gets_its_argv_stdio_cwd_environment_and_exit_code(tmp_path):
     assert seen["executable"] == python(), "its own launches (Lightning's ranks, torchrun's) go through it"
 
 
+def test_the_parent_a_program_sees_is_the_process_that_started_it():
+    """``zygote.parent()``: the test jobs kill or signal their torchrun agent by it."""
+    code = "import os, subprocess, sys\nfrom tests import zygote\nprint(zygote.parent(), os.getpid())\n"
+    nested = code + "subprocess.run([sys.executable, '-c', sys.argv[1]])\n"
+    out = run("-c", nested, code)
+    assert out.returncode == 0, out.stderr
+    (parent, pid), (nested_parent, _) = (line.split() for line in out.stdout.splitlines())
+    assert int(parent) == os.getpid(), "the test process started the launcher"
+    assert nested_parent == pid, "a program's own launch sees the program as its parent"
+
+
 def test_module_and_code_modes_and_the_interpreter_exit():
     out = run("-m", "json.tool", input='{"a": [1]}')
     assert out.returncode == 0 and json.loads(out.stdout) == {"a": [1]}

@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tests.conftest import REPO
+from tests.zygote import python
 
 
 def free_port() -> int:
@@ -40,7 +40,7 @@ def agent(
     """Start node ``name``'s agent running ``script`` (one worker) in the rendezvous at ``port``; the job
     runs on ``min_nodes`` to ``max_nodes`` nodes (a job of fixed size waits for a replacement node)."""
     command = [
-        sys.executable,
+        python(),  # the agent, and the workers it starts with its sys.executable: tests/zygote.py
         "-m",
         "torch.distributed.run",
         "--nnodes",

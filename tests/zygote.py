@@ -7,9 +7,10 @@ server process of this test process, which imported those libraries once and sta
 work, to ``fork`` a child that runs the program. Each child is a real, separate process: its own
 session and process group, the launcher's stdin, stdout and stderr, working directory, environment and
 argv, ``sys.executable`` set to the launcher (so Lightning's and torchrun's rank processes start the
-same way), and the normal interpreter exit (threads joined, atexit handlers run). The launcher stays
-alive while the child runs, forwards the signals it gets to the child's process group, and ends as
-the child ended: the same exit code, or killed by the same signal. If the launcher itself is killed,
+same way; ``parent()`` is the process that started the launcher), and the normal interpreter exit
+(threads joined, atexit handlers run). The launcher stays alive while the child runs, forwards the
+signals it gets to the child's process group, and ends as the child ended: the same exit code, or
+killed by the same signal. If the launcher itself is killed,
 the kernel SIGKILLs the child's process group (the child's end of their socket raises SIGKILL on
 hangup: ``F_SETOWN`` + ``F_SETSIG``), as ``killpg`` on a plain process would; and when the child dies
 of a signal or exits with an error, what it left in its group (loader workers, a rank it started) is
@@ -76,7 +77,9 @@ RUN_AS_MAIN = ("accelerate.commands.launch", "torch.distributed.run")
 # runs the real interpreter...
 IMPORT_TIME_ENV = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "GOTO", "KMP_", "CUDA", "TORCH", "PYTORCH", "LD_")
 # ... except these, read when used (torchrun sets them for its ranks; OMP_NUM_THREADS is applied below).
-RUNTIME_ENV = ("OMP_NUM_THREADS", "TORCHELASTIC_", "TORCH_NCCL_")
+RUNTIME_ENV = ("OMP_NUM_THREADS", "TORCHELASTIC_", "TORCH_NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+LAUNCHER_ENV = "AIR_TEST_ZYGOTE_LAUNCHER"
+"""``<launcher pid>:<child pid>`` in a child's environment: ``parent()`` reads it."""
 F_SETSIG = 10  # fcntl.h: the signal sent on I/O readiness (hangup) instead of SIGIO
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -171,6 +174,17 @@ def _runs_as_fresh(env: dict[str, str], ours: dict[str, str], set_by_imports: di
     return {k: v for k, v in ours.items() if sensitive(k)} == {
         k: v for k, v in theirs.items() if sensitive(k)
     }
+
+
+def parent() -> int:
+    """This process's parent as a program sees it: the process that started it, which for a child of the
+    server is its launcher's parent (``os.getppid()`` there is the server). A variable inherited by a
+    process the real interpreter runs names another child, and is ignored."""
+    launcher, _, child = os.environ.get(LAUNCHER_ENV, "").partition(":")
+    if child != str(os.getpid()):
+        return os.getppid()
+    with open(f"/proc/{launcher}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[1])
 
 
 def serve(path: str) -> tuple[socket.socket, dict[str, Any], list[int], dict[str, str]]:
@@ -271,6 +285,7 @@ def run_child(
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({**set_by_imports, **request["env"]})  # a fresh interpreter's imports set those
+    os.environ[LAUNCHER_ENV] = f"{request['launcher_pid']}:{os.getpid()}"
     tempfile.tempdir = None  # read from TMPDIR again at first use, as in a fresh interpreter
     if "OMP_NUM_THREADS" in os.environ:  # what torch reads at import, in a fresh interpreter
         import torch
@@ -334,6 +349,7 @@ def launch(path: str, real_python: str, launcher: str, argv: list[str]) -> None:
         "cwd": os.getcwd(),
         "env": dict(os.environ),
         "launcher": launcher,
+        "launcher_pid": os.getpid(),
     }
     body = json.dumps(request).encode()
     pid = 0

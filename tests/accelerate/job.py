@@ -40,7 +40,7 @@ from accelerate.utils import set_seed
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.utils.data import DataLoader, Dataset
 
-from tests import stalls
+from tests import stalls, zygote
 from tests.kill_at import Journal, KillAt, busy, die
 
 N_SAMPLES, DIM, BATCH = 64, 16, 4
@@ -289,7 +289,7 @@ def main() -> None:
                     # its peers are in this save, or on their way; ``:agent``: as a scheduler does, to the
                     # torchrun agent, which sends it on to every rank's process group (loader workers too)
                     agent = args.sigterm_before_save.endswith(":agent")
-                    os.kill(os.getppid() if agent else os.getpid(), signal.SIGTERM)
+                    os.kill(zygote.parent() if agent else os.getpid(), signal.SIGTERM)
                     if agent:
                         busy(1.0)  # until the agent's SIGTERM comes back (it waits for nothing)
                 accelerator.save_state(
