@@ -290,7 +290,10 @@ def _watch_the_main_threads_end(guard: FlushOnSigterm) -> None:
 def _main_thread_ended() -> None:
     for guard in list(_installed):
         if guard._installed and os.getpid() == guard._pid:
-            guard._main_thread_ended()
+            try:
+                guard._main_thread_ended()
+            except Exception:  # raised here it would end the interpreter's shutdown before its joins
+                logger.exception("waiting for the saves in flight at the main thread's end failed")
 
 
 class ServeThroughSigterm:
