@@ -157,18 +157,19 @@ def test_a_killed_launch_s_events_come_back_from_its_node_local_journal(tmp_path
         log = GoodputLog(storage, "c" * 32, flush_every_seconds=600, journal_dir=str(journal))
         log.step(6, 0.5, 0.1)
         log.close()
+        # Launch b puts a's journal too when it starts: whichever of b and c locked it first puts it and
+        # then removes it, b maybe a moment after c closed (a race of the test's, not a leak: c found it
+        # locked). Its removal comes after its events are at the root.
+        deadline = time.monotonic() + 30
+        while len(left := [name[-7:] for name in os.listdir(journal)]) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert left == ["b.jsonl"], "the dead launch's journal was put at the root and removed, c's removed"
         launches = {events[0]["launch"][0]: [e["e"] for e in events] for events in read_events(storage)}
         assert launches == {
             "a": ["start", "step", "step", "step", "step", "step"],  # from the dead launch's journal
             "b": ["start"],  # the live launch's segments so far: its journal is left to it
             "c": ["start", "step", "end"],
         }
-        # Launch b puts a's journal too when it starts: whichever of b and c locked it first removes it,
-        # b maybe a moment after c closed (a race of the test's, not a leak: c found it locked)
-        deadline = time.monotonic() + 30
-        while len(left := [name[-7:] for name in os.listdir(journal)]) > 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert left == ["b.jsonl"], "the dead launch's journal was put at the root and removed, c's removed"
         assert goodput_of(storage).steps == 6
     finally:
         live.kill()
