@@ -10,11 +10,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,46 @@ def run_python(
 _RECORD_EXIT = (
     '"$0" "$@"; code=$?; echo "$RANK $TORCHELASTIC_RESTART_COUNT $code" >> "$AIR_TEST_EXITS"; exit $code'
 )
+
+
+_RANK = "import importlib, json, sys; m = importlib.import_module(sys.argv[1])\n"
+_RANK += "getattr(m, sys.argv[2])(int(sys.argv[3]), *json.loads(sys.argv[4]))"
+
+
+def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int, timeout: float = 240) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` through ``tests/zygote.py``: ``fn(rank, *args)``
+    in ``nprocs`` processes that need not import torch afresh (``args`` go as JSON: tuples arrive as
+    lists). Raises with the output of every process that failed, as ``spawn`` does."""
+    from tests.zygote import python
+
+    env = {**os.environ, "PYTHONPATH": REPO}
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(nprocs)]
+        ranks = [
+            subprocess.Popen(
+                [python(), "-c", _RANK, fn.__module__, fn.__name__, str(rank), json.dumps(args)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                text=True,
+            )
+            for rank, log in enumerate(logs)
+        ]
+        deadline = time.monotonic() + timeout
+        try:
+            for rank in ranks:
+                rank.wait(max(deadline - time.monotonic(), 0.1))
+        finally:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+                    rank.wait()
+        failed = []
+        for number, (rank, log) in enumerate(zip(ranks, logs, strict=True)):
+            if rank.returncode != 0:
+                log.seek(0)
+                failed.append(f"--- rank {number}: exit {rank.returncode}\n{log.read()[-4000:]}")
+    assert not failed, "\n".join(failed)
 
 
 def run_torchrun(job: str, workdir: Any, *args: str, restarts: int = 0) -> subprocess.CompletedProcess:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.conftest import REPO
+from tests.zygote import python
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def _start_pair(tmp_path, scenario: str) -> list[subprocess.Popen]:
     env = {**os.environ, "PYTHONPATH": REPO}
     return [
         subprocess.Popen(
-            [sys.executable, "-c", LOOP, str(r), str(init), str(tmp_path / f"fetches-{r}"), scenario],
+            [python(), "-c", LOOP, str(r), str(init), str(tmp_path / f"fetches-{r}"), scenario],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

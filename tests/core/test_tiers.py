@@ -12,7 +12,6 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -29,6 +28,7 @@ from air_core.tiers import Held, choose, holdings, recover, tier_name
 from air_core.tiers.partners import partners, side_group, sources
 from air_core.tiers.recover import _bring_plan, _plan, _receivers, _rounds
 from air_core.tiers.transfer import EMPTY, Package, StagedFiles, exchange, local_storage, read_package
+from tests.conftest import spawn_ranks
 from tests.gloo_exit import exit_without_teardown
 from tests.sameness import assert_same_state
 from tests.sharded_worker import Fetched, build, train_step
@@ -97,7 +97,7 @@ def _copy_worker(rank: int, port: int, folder: str, threads: int) -> None:
 
 @pytest.mark.parametrize("threads", [1, 3], ids=["checked-on-one-thread", "checked-on-three-threads"])
 def test_a_copy_between_two_processes_is_committed_only_when_every_crc_matches(tmp_path, threads):
-    mp.spawn(_copy_worker, args=(free_port(), str(tmp_path), threads), nprocs=2)
+    spawn_ranks(_copy_worker, args=(free_port(), str(tmp_path), threads), nprocs=2)
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert [s[:3] for s in seen] == [
         [3, "refused", []],
@@ -169,7 +169,7 @@ def test_a_damaged_part_is_dropped_and_every_rank_agrees_on_the_older_complete_s
     data = bytearray(damaged.read_bytes())
     data[-100] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    mp.spawn(_recover_worker, args=(free_port(), str(tmp_path), nodes), nprocs=len(nodes))
+    spawn_ranks(_recover_worker, args=(free_port(), str(tmp_path), nodes), nprocs=len(nodes))
     for rank in range(len(nodes)):
         resumed = json.loads((tmp_path / f"resumed-{rank}.json").read_text())
         assert resumed["step"] == 2 and resumed["w"] == [10.0 * rank + 2] * 2, "step 2 on both, loaded whole"
@@ -190,7 +190,7 @@ def test_a_replaced_node_receives_each_part_once_and_no_load_reads_its_part_agai
             state = {"w": torch.full((PART,), float(saved))}
             ckpt.save_files({f"step-2/rank-{saved}.pt": state}, step=2, name=tier_name(2, 3))
     (tmp_path / "B").mkdir()
-    mp.spawn(_recover_worker, args=(free_port(), str(tmp_path), "ABB"), nprocs=3)
+    spawn_ranks(_recover_worker, args=(free_port(), str(tmp_path), "ABB"), nprocs=3)
     for rank in (0, 1, 2):
         loaded = json.loads((tmp_path / f"resumed-{rank}.json").read_text())
         assert loaded["step"] == 2 and loaded["w"] == [float(rank)] * 2 and loaded["found_by"] == []
@@ -271,14 +271,14 @@ def test_a_replaced_node_gets_the_shards_its_load_reads_and_no_others(tmp_path, 
     rank 0's one file, which holds a slice of every tensor each of B's two ranks loads, received once
     for both. A shard left on A is checked there at the recovery, so a damaged one moves every rank to
     the older step."""
-    mp.spawn(_sharded_worker, args=(free_port(), str(tmp_path), saved, steps), nprocs=len(saved))
+    spawn_ranks(_sharded_worker, args=(free_port(), str(tmp_path), saved, steps), nprocs=len(saved))
     if len(steps) > 1:
         shard = tmp_path / f"A/replica-00001/step-{steps[-1]}/s/__1_0.distcp"
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
     (tmp_path / "B").mkdir()
-    mp.spawn(_sharded_worker, args=(free_port(), str(tmp_path), loading, ()), nprocs=len(loading))
+    spawn_ranks(_sharded_worker, args=(free_port(), str(tmp_path), loading, ()), nprocs=len(loading))
     reference = torch.load(tmp_path / f"reference-{steps[0]}.pt", weights_only=False)
     assert_same_state(reference, torch.load(tmp_path / "loaded.pt", weights_only=False))
     ended = [json.loads((tmp_path / f"files-{rank}.json").read_text()) for rank in range(len(loading))]
