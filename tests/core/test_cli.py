@@ -18,12 +18,15 @@ from air_core.manifest import FailureRecord
 from air_core.session import GoodputLog, Recorder
 from air_core.storage import Storage
 from tests.conftest import REPO
+from tests.zygote import python
 
 
 def air(*args: str) -> subprocess.CompletedProcess:
-    script = os.path.join(os.path.dirname(sys.executable), "air")  # the installed entry point
+    """The installed entry point's script, run by ``tests/zygote.py``'s pre-imported interpreter."""
+    script = os.path.join(os.path.dirname(sys.executable), "air")
     env = {**os.environ, "PYTHONPATH": REPO}  # running this tree's code, as every test job does
-    return subprocess.run([script, *args], capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    argv = [python(), script, *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
 
 
 def _root_with_committed_partial_and_corrupt(tmp_path) -> str:
