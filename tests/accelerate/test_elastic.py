@@ -10,7 +10,6 @@ world size (Accelerate's even batches repeat a few samples there), and finishes.
 from __future__ import annotations
 
 import shutil
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -19,9 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.accelerate.job import N_SAMPLES
-from tests.accelerate.runs import JOB, LAUNCH, run_job
+from tests.accelerate.runs import JOB, LAUNCH_ARGS, run_job
 from tests.concurrent_jobs import finish, start
 from tests.sameness import records
+from tests.zygote import python
 
 pytestmark = pytest.mark.slow
 SAVED_STEP = 5
@@ -29,9 +29,9 @@ SAVED_STEP = 5
 
 def _command(workdir: Path, processes: int, *args: str) -> list[str]:
     """``job.py`` on ``processes`` processes (``accelerate launch``; one: a plain interpreter)."""
-    launch = [sys.executable]
+    launch = [python()]
     if processes > 1:
-        launch = list(LAUNCH)
+        launch += LAUNCH_ARGS
         launch[launch.index("--num_processes") + 1] = str(processes)
     return [*launch, JOB, str(workdir), *args]
 
