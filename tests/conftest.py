@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import torch
 
+from air_core import procfs
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # One intra-op thread for every job a test starts (set before the first launch, so the pre-imported
@@ -250,11 +252,8 @@ def with_private_shm(command: list[str], size: str = "4m") -> list[str]:
 
 def process_runs(pid: int) -> bool:
     """Whether ``pid`` runs (an exited process its new parent has not reaped is a zombie: not running)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    read = procfs.stat(pid)
+    return read is not None and read[1][procfs.STATE] != "Z"
 
 
 def run_python(

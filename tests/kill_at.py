@@ -15,6 +15,7 @@ import threading
 import time
 from typing import NoReturn
 
+from air_core import procfs
 from tests import zygote
 
 
@@ -141,11 +142,7 @@ def _children() -> list[int]:
     """This process's child processes (Linux ``/proc``)."""
     found = []
     for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == os.getpid():
+        read = procfs.stat(entry) if entry.isdigit() else None
+        if read is not None and int(read[1][procfs.PARENT]) == os.getpid():
             found.append(int(entry))
     return found

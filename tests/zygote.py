@@ -10,11 +10,11 @@ argv, ``sys.executable`` set to the launcher (so Lightning's and torchrun's rank
 same way; ``parent()`` is the process that started the launcher), and the normal interpreter exit
 (threads joined, atexit handlers run). The launcher stays alive while the child runs, forwards the
 signals it gets to the child's process group, and ends as the child ended: the same exit code, or
-killed by the same signal. If the launcher itself is killed,
-the kernel SIGKILLs the child's process group (the child's end of their socket raises SIGKILL on
-hangup: ``F_SETOWN`` + ``F_SETSIG``), as ``killpg`` on a plain process would; and when the child dies
-of a signal or exits with an error, what it left in its group (loader workers, a rank it started) is
-killed with it, as the tests' ``killpg`` of a failed plain job's group does.
+killed by the same signal. If the launcher itself is killed, the kernel SIGKILLs the child's process
+group (the child's end of their socket raises SIGKILL on hangup: ``F_SETOWN`` + ``F_SETSIG``), as
+``killpg`` on a plain process would; and when the child dies of a signal or exits with an error, what
+it left in its group (loader workers, a rank it started) is killed with it, as the tests' ``killpg``
+of a failed plain job's group does.
 
 Whatever the server cannot run exactly as a fresh interpreter would (other interpreter flags, or an
 environment that differs in variables read when the libraries are imported) runs the real
@@ -180,11 +180,15 @@ def parent() -> int:
     """This process's parent as a program sees it: the process that started it, which for a child of the
     server is its launcher's parent (``os.getppid()`` there is the server). A variable inherited by a
     process the real interpreter runs names another child, and is ignored."""
+    from air_core import procfs  # not at the top: the launcher imports nothing beyond the standard library
+
     launcher, _, child = os.environ.get(LAUNCHER_ENV, "").partition(":")
     if child != str(os.getpid()):
         return os.getppid()
-    with open(f"/proc/{launcher}/stat") as f:
-        return int(f.read().rpartition(")")[2].split()[1])
+    read = procfs.stat(launcher)
+    if read is None:  # never while this child runs: its launcher's death kills it
+        raise ProcessLookupError(f"the launcher {launcher} of this zygote child is gone")
+    return int(read[1][procfs.PARENT])
 
 
 def serve(path: str) -> tuple[socket.socket, dict[str, Any], list[int], dict[str, str]]:
