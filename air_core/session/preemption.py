@@ -64,7 +64,7 @@ _SLICE_SECONDS = 0.1
 """How long the ended main thread waits at a time for the saves in flight, between chances to act on a
 signal."""
 _installed: weakref.WeakSet[FlushOnSigterm] = weakref.WeakSet()
-_ends_watched = False
+"""This process's installed handlers (each forked child inherits its parent's, and skips them)."""
 
 
 class _Flushing:
@@ -131,7 +131,7 @@ class FlushOnSigterm:
             self._thread, self._pid = serve, os.getpid()
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._installed = True
-            _watch_the_main_threads_end(self)
+            _installed.add(self)
 
     def flush(self, why: str) -> None:
         """Commit what is in flight; failures are logged, not raised (the caller is already failing)."""
@@ -274,26 +274,19 @@ class FlushOnSigterm:
             _installed.discard(self)
 
 
-def _watch_the_main_threads_end(guard: FlushOnSigterm) -> None:
-    """Call ``guard._main_thread_ended`` when the main thread ends, if it is still installed then.
-
-    CPython calls ``threading._register_atexit``'s functions when the main thread has ended, before it
-    joins the other threads (concurrent.futures stops its workers this way); registered once per
-    process, as the registrations are never taken back."""
-    global _ends_watched
-    _installed.add(guard)
-    if not _ends_watched:
-        threading._register_atexit(_main_thread_ended)  # type: ignore[attr-defined]
-        _ends_watched = True
-
-
 def _main_thread_ended() -> None:
+    """Tell each installed handler of this process that the main thread has ended."""
     for guard in list(_installed):
-        if guard._installed and os.getpid() == guard._pid:
+        if os.getpid() == guard._pid:
             try:
                 guard._main_thread_ended()
             except Exception:  # raised here it would end the interpreter's shutdown before its joins
                 logger.exception("waiting for the saves in flight at the main thread's end failed")
+
+
+# CPython calls these when the main thread has ended, before it joins the other threads (concurrent.futures
+# stops its workers this way).
+threading._register_atexit(_main_thread_ended)  # type: ignore[attr-defined]
 
 
 class ServeThroughSigterm:
