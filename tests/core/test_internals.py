@@ -49,9 +49,17 @@ class _Seeds(Dataset):
         return info.id, info.seed, np.random.get_state()[1].tobytes()
 
 
+def _workers(n: int) -> dict:
+    """A loader's ``n`` workers, forked from a forkserver: this pytest worker's other threads (fsspec's
+    loop and executors, an idle writer pool, multiprocessing's resource sharer) may hold a lock when it
+    forks, which a worker forked from it then waits for forever (``torch.manual_seed``'s lazy-call lock, a
+    module's import lock). Loaders forked from it hung that way in full runs, never in isolation."""
+    return {"num_workers": n, "multiprocessing_context": "forkserver"} if n else {"num_workers": 0}
+
+
 def _seeds_loader() -> DataLoader:
     # a sample that never comes fails the test in a minute, naming the loader, not at pytest-timeout
-    return DataLoader(_Seeds(), batch_size=None, num_workers=2, timeout=60)
+    return DataLoader(_Seeds(), batch_size=None, timeout=60, **_workers(2))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -76,7 +84,7 @@ def test_storage_identity_is_shared_by_views_and_distinct_for_empty_storages():
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_persistent_workers_loader_keeps_its_iterator_where_the_touch_reads_and_writes_it(workers):
-    loader = DataLoader(list(range(8)), batch_size=2, num_workers=workers, persistent_workers=workers > 0)
+    loader = DataLoader(list(range(8)), batch_size=2, persistent_workers=workers > 0, **_workers(workers))
     assert LOADER_ITERATOR.get(loader) is None
     iterator = iter(loader)
     assert next(iterator).tolist() == [0, 1]
@@ -116,7 +124,7 @@ def test_workers_are_seeded_from_the_iterators_base_seed():
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_an_iterator_reiterates_the_index_sampler_the_touch_sets(workers):
-    loader = DataLoader(list(range(8)), batch_size=2, num_workers=workers, persistent_workers=workers > 0)
+    loader = DataLoader(list(range(8)), batch_size=2, persistent_workers=workers > 0, **_workers(workers))
     iterator = iter(loader)
     assert ITERATOR_INDEX_SAMPLER.get(iterator) is loader.batch_sampler
     list(iterator)
@@ -149,7 +157,7 @@ def test_a_workers_numpy_generator_is_seeded_as_generate_state_says():
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_stateful_loader_marks_the_iterator_its_first_state_dict_started(workers):
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    loader = stateful.StatefulDataLoader(list(range(8)), batch_size=2, num_workers=workers)
+    loader = stateful.StatefulDataLoader(list(range(8)), batch_size=2, **_workers(workers))
     assert STATEFUL_ITERATOR.get(loader) is None and STATEFUL_INITIAL_ITER.get(loader) is False
     loader.state_dict()
     early = STATEFUL_ITERATOR.get(loader)
