@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from . import layout, spares
+from . import layout, procfs, spares
 from .catalog import Catalog
 from .errors import CorruptCheckpointError, StorageError
 from .manifest import CheckpointInfo, FailureRecord, Manifest, PartRecord
@@ -68,7 +68,9 @@ def wait_for_parts(
 ) -> list[PartRecord]:
     """Rank 0: block until every rank's complete part record of ``own``'s save is present.
 
-    Reads only the records of ranks still missing, at their known paths, each round.
+    Reads only the records of ranks still missing, at their known paths, each round. Stops at a rank that
+    recorded a failure, or whose process (named by its intent record) died on this host: its part can
+    never come, and the launcher may send the survivors no signal (Lightning's own, a plain script).
     """
     found = {own.rank: own}
 
@@ -76,12 +78,17 @@ def wait_for_parts(
         for rank in range(world_size):
             if rank in found:
                 continue
-            rel = layout.part_path(own.name, rank)
-            with contextlib.suppress(FileNotFoundError, CorruptCheckpointError):
-                r = PartRecord.from_json(storage.read_bytes(rel), where=storage.display(rel))
-                if r.complete and _same_save(r, own):
-                    found[rank] = r
-                    continue
+            record = _part(storage, own, rank)
+            if record is not None and not record.complete and record.process.gone():
+                record = _part(storage, own, rank)  # it may have finished its part just before it ended
+                if record is not None and not record.complete:
+                    raise StorageError(
+                        f"rank {rank} ({record.process.describe()}) died before its part of checkpoint "
+                        f"{own.name!r} was at the destination"
+                    )
+            if record is not None and record.complete:
+                found[rank] = record
+                continue
             error = _failed(storage, own, rank)
             if error is not None:
                 raise StorageError(f"rank {rank} failed its part of checkpoint {own.name!r}: {error}")
@@ -93,6 +100,17 @@ def wait_for_parts(
         missing = sorted(set(range(world_size)) - set(found))
         raise StorageError(f"{exc}: ranks {missing} never uploaded theirs (did they crash?)") from exc
     return [found[r] for r in range(world_size)]
+
+
+def _part(storage: Storage, own: PartRecord, rank: int) -> PartRecord | None:
+    """Rank ``rank``'s record (intent or complete) of ``own``'s save; None while there is none (or only an
+    unreadable one, or another save's)."""
+    rel = layout.part_path(own.name, rank)
+    with contextlib.suppress(FileNotFoundError, CorruptCheckpointError):
+        record = PartRecord.from_json(storage.read_bytes(rel), where=storage.display(rel))
+        if _same_save(record, own):
+            return record
+    return None
 
 
 def _same_save(record: PartRecord | FailureRecord, own: PartRecord) -> bool:
@@ -107,10 +125,11 @@ def _same_save(record: PartRecord | FailureRecord, own: PartRecord) -> bool:
 
 def wait_for_manifest(storage: Storage, own: PartRecord, *, timeout_seconds: float) -> Manifest:
     """Ranks > 0: block until rank 0 has committed this launch's checkpoint ``own.name`` (or failed this
-    attempt of it)."""
+    attempt of it, or its process died on this host before the commit)."""
     name, launch_id = own.name, own.launch_id
     rel = layout.manifest_path(name)
     data: list[bytes] = []
+    writer: list[procfs.Process] = []  # rank 0's process, once its record of this save is found
 
     def committed() -> bool:
         found = storage.read_if_present(rel)
@@ -120,6 +139,16 @@ def wait_for_manifest(storage: Storage, own: PartRecord, *, timeout_seconds: flo
         error = _failed(storage, own, 0)
         if error is not None:
             raise StorageError(f"rank 0 did not commit checkpoint {name!r}: {error}")
+        if not writer and (record := _part(storage, own, 0)) is not None:
+            writer.append(record.process)
+        if writer and writer[0].gone():
+            found = storage.read_if_present(rel)  # it may have committed just before it ended
+            if found is None:
+                raise StorageError(
+                    f"rank 0 ({writer[0].describe()}) died before it committed checkpoint {name!r}"
+                )
+            data.append(found)
+            return True
         return False
 
     try:

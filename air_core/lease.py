@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import threading
 import time
@@ -41,6 +40,10 @@ class Holder:
     renewed: float
     released: bool = False
 
+    @property
+    def process(self) -> procfs.Process:
+        return procfs.Process(self.host, self.pid, self.pid_started)
+
     def describe(self) -> str:
         return f"launch {self.launch_id[:8]} (host {self.host}, pid {self.pid})"
 
@@ -62,7 +65,7 @@ class RootLease:
         """Take the root for this launch, or raise ``ConfigError`` if another live job holds it."""
         current = self._read()
         if current is not None and not self._free(current):
-            if current.host == socket.gethostname() and current.pid == os.getpid():
+            if current.process == procfs.Process.this():
                 raise ConfigError(
                     f"AsyncCheckpointer(root={self._storage.display()!r}): another AsyncCheckpointer in "
                     "this process writes to this root; close it first, or open this one with read_only=True "
@@ -124,7 +127,7 @@ class RootLease:
         if current.released or current.launch_id == self._launch_id:
             return True
         if current.host == socket.gethostname():
-            if not _alive(current.pid, current.pid_started):
+            if current.process.gone():
                 logger.info(
                     "taking over %s from %s: that process is gone",
                     self._storage.display(),
@@ -164,11 +167,12 @@ class RootLease:
 
     def _write(self, released: bool = False) -> None:
         self._count += 1
+        me = procfs.Process.this()
         holder = Holder(
             self._launch_id,
-            socket.gethostname(),
-            os.getpid(),
-            _started(os.getpid()),
+            me.host,
+            me.pid,
+            me.started,
             self._count,
             time.time(),
             released,
@@ -186,18 +190,3 @@ class RootLease:
 
 
 _NOBODY = Holder("-", "-", 0, "", 0, 0.0)
-
-
-def _started(pid: int) -> str:
-    read = procfs.stat(pid)
-    return read[1][procfs.START_TICKS] if read is not None and len(read[1]) > procfs.START_TICKS else ""
-
-
-def _alive(pid: int, started: str) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by someone else
-    return not started or _started(pid) in ("", started)

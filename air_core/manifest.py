@@ -16,6 +16,7 @@ import platform
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, TypeVar
 
+from . import procfs
 from .errors import CorruptCheckpointError
 from .layout import unsafe_reason
 
@@ -93,6 +94,16 @@ class PartRecord:
     moved: dict[str, int] = field(default_factory=dict)
     """Bytes this rank ``staged``, ``uploaded``, ``linked`` and wrote ``in_place`` for this save
     (``events.SaveRecord``)."""
+    host: str = ""
+    pid: int = 0
+    pid_started: str = ""
+    pid_space: str = ""
+    """The process that writes the part (``procfs.Process``): a rank waiting for it on the same host stops
+    waiting when it died (empty in records of earlier versions)."""
+
+    @property
+    def process(self) -> procfs.Process:
+        return procfs.Process(self.host, self.pid, self.pid_started, self.pid_space)
 
     def to_json(self) -> bytes:
         return _dump("air-part", self)

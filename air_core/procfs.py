@@ -1,7 +1,12 @@
 """A process's ``/proc/<pid>/stat`` (Linux), read in one place: its command name may hold spaces and
-parentheses, so the fields are those after its last ``)``."""
+parentheses, so the fields are those after its last ``)``. And ``Process``: who wrote a record (the
+root's lease, a save's part), so that a process on the same host can tell whether the writer lives."""
 
 from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
 
 STATE, PARENT, USER_TICKS, SYSTEM_TICKS, START_TICKS = 0, 1, 11, 12, 19
 """Indexes into ``stat``'s fields: state (``R``, ``S``, ...), parent pid, user and system CPU time and the
@@ -17,3 +22,53 @@ def stat(pid: int | str = "self") -> tuple[str, list[str]] | None:
         return None
     head, _, tail = line.rpartition(")")
     return head.partition("(")[2], tail.split()
+
+
+def started(pid: int | str = "self") -> str:
+    """The process's start time after boot as /proc says it (tells a process from a later one given the
+    same pid); "" where it is gone or there is no /proc."""
+    read = stat(pid)
+    return read[1][START_TICKS] if read is not None and len(read[1]) > START_TICKS else ""
+
+
+def pid_space() -> str:
+    """Where a pid names one process: this kernel boot and pid namespace (containers on one host may share
+    its host name, or not its pids); "" where /proc does not say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class Process:
+    """A process as a record names it: its host, pid, start time (``started``) and ``pid_space``."""
+
+    host: str
+    pid: int
+    started: str
+    space: str = ""
+    """Its ``pid_space``; "" in records that do not say (the root's lease): the host name stands for it."""
+
+    @classmethod
+    def this(cls) -> Process:
+        return cls(socket.gethostname(), os.getpid(), started(), pid_space())
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on host {self.host}"
+
+    def gone(self) -> bool:
+        """Whether it has certainly ended: its pid names processes here (the same ``space``) and no process
+        has that pid and start time. False where that cannot be told (another host, another container)."""
+        here = self.space == pid_space() if self.space else self.host == socket.gethostname()
+        if not here or self.pid <= 0:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass  # it exists, owned by another user
+        return bool(self.started) and started(self.pid) not in ("", self.started)

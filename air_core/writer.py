@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import commit, spares
+from . import commit, procfs, spares
 from .catalog import Catalog, read_catalog
 from .config import CheckpointerConfig
 from .errors import SaveError
@@ -241,10 +241,7 @@ class Writer:
         # The intent names the files before they exist, so a crash leaves a partial that retention finds.
         finalized = job.finalize.files if job.finalize is not None and cfg.rank == 0 else ()
         intent = tuple(FileEntry(rel, -1, 0, cfg.rank) for rel in (*job.files, *finalized))
-        commit.write_part(
-            self._storage,
-            PartRecord(job.name, job.step, cfg.rank, cfg.launch_id, intent, False, attempt=run.attempt),
-        )
+        commit.write_part(self._storage, self._part(job, intent, run, complete=False))
 
     def _serialize(self, job: SaveJob, run: _Progress) -> dict[str, Written]:
         """Write the snapshot's files where the destination wants them.
@@ -311,13 +308,39 @@ class Writer:
         cfg = self._config
         entries = tuple(FileEntry(rel, written[rel].size, written[rel].crc32, cfg.rank) for rel in job.files)
         extents = {rel: [list(e) for e in w.extents] for rel, w in written.items() if w.extents}
-        part = PartRecord(
-            job.name, job.step, cfg.rank, cfg.launch_id, entries, True, extents, run.attempt, dict(run.moved)
-        )
+        part = self._part(job, entries, run, complete=True, extents=extents)
         if cfg.world_size > 1:
             commit.write_part(self._storage, part)
             self._phase(job, "part_written")
         return part
+
+    def _part(
+        self,
+        job: SaveJob,
+        files: tuple[FileEntry, ...],
+        run: _Progress,
+        *,
+        complete: bool,
+        extents: dict[str, list[list[int]]] | None = None,
+    ) -> PartRecord:
+        """This rank's part record (the intent, or the complete one), naming this process: a rank waiting
+        for it on the same host stops waiting when it died."""
+        cfg, me = self._config, procfs.Process.this()
+        return PartRecord(
+            job.name,
+            job.step,
+            cfg.rank,
+            cfg.launch_id,
+            files,
+            complete,
+            extents or {},
+            run.attempt,
+            dict(run.moved) if complete else {},
+            me.host,
+            me.pid,
+            me.started,
+            me.space,
+        )
 
     def _commit(self, job: SaveJob, part: PartRecord, run: _Progress) -> Manifest:
         """Rank 0: gather every part (and finalize) and write the manifest; other ranks: wait for it."""

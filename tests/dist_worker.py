@@ -2,7 +2,8 @@
 
 Usage: python tests/dist_worker.py RANK WORLD ROOT INIT_FILE SCENARIO
 SCENARIO: ``ok`` (two saves), ``slow`` (rank 1 uploads its part late), ``die`` (rank 1 is SIGKILLed
-before its part of the second save), ``fail0``/``fail1`` (rank 0's or rank 1's part of the second save
+before its part of the second save), ``die0`` (rank 0 is SIGKILLed as it commits the second save: rank 1
+has its part written), ``fail0``/``fail1`` (rank 0's or rank 1's part of the second save
 fails: a folder stands where its file goes; then both save it again, without it).
 """
 
@@ -31,7 +32,11 @@ class Fault:
         self.rank, self.scenario = rank, scenario
 
     def on_event(self, event) -> None:
-        if not isinstance(event, PhaseEvent) or self.rank != 1 or event.phase != "serialize_start":
+        if not isinstance(event, PhaseEvent):
+            return
+        if self.scenario == "die0" and self.rank == 0 and event.phase == "commit_start" and event.step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.rank != 1 or event.phase != "serialize_start":
             return
         if self.scenario == "slow":
             time.sleep(1.0)
@@ -44,13 +49,14 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     launch = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(launch, src=0)  # on the training thread, as the adapters do
+    print(f"rank {rank} pid {os.getpid()}", flush=True)
     ckpt = AsyncCheckpointer(
         root,
         rank=rank,
         world_size=world,
         launch_id=launch[0],
         keep_last=5,
-        commit_timeout_seconds=120.0 if scenario.startswith("fail") else 5.0,
+        commit_timeout_seconds=120.0,  # a failed or dead peer is known sooner (waits take under 60 s)
         listeners=[Fault(rank, scenario)],
     )
     info = ckpt.save(rank_state(rank, 1), step=1).result(timeout=60)

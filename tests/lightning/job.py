@@ -86,7 +86,6 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k); 1 deletes as it goes")
     p.add_argument("--kill", default="", help="STEP:PHASE[:RANK][+DELAY_MS], STEP * for any")
-    p.add_argument("--commit-timeout", type=float, default=600.0)
     p.add_argument("--sigterm", default="", help="STEP:PHASE[+DELAY_MS]: send SIGTERM instead")
     p.add_argument(
         "--sigterm-group",
@@ -137,7 +136,6 @@ def main() -> None:
         staging_dir=os.path.join(args.workdir, "nvme"),
         storage_options=opts,
         writer=args.writer,
-        commit_timeout_seconds=args.commit_timeout,
     )
     plugin.add_listener(Journal(args.workdir))
     if args.kill:

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
-import time
 
 import pytest
 
 from lightning_air import latest_checkpoint
 from tests.conftest import REPO
-from tests.faults.trials import running_ranks
 from tests.lightning.test_crash_resume import JOB, run_job
 from tests.sameness import assert_same_run
 from tests.zygote import python
@@ -31,27 +27,16 @@ def test_ddp_crash_of_both_ranks_resumes_exactly_per_rank(tmp_path_factory):
 
 
 def test_rank_killed_before_commit_leaves_previous_checkpoint_newest(tmp_path):
-    proc = subprocess.Popen(
-        [python(), JOB, str(tmp_path), *DDP, "--kill", "10:upload_start:1", "--commit-timeout", "5"],
+    """Rank 1 killed before its part of step 10: rank 0 stops waiting for that part, and its training fails
+    on the lost peer, unless Lightning's launcher, which kills every rank once one died, ends it first.
+    Either way the job ends by itself, and step 10 never commits."""
+    out = subprocess.run(
+        [python(), JOB, str(tmp_path), *DDP, "--kill", "10:upload_start:1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "PYTHONPATH": REPO},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
     )
-    try:
-        deadline = time.monotonic() + 180
-        seen_two = False
-        while time.monotonic() < deadline and proc.poll() is None:
-            ranks = running_ranks(tmp_path)
-            seen_two |= ranks >= 2
-            if seen_two and ranks < 2:
-                break  # rank 1 is gone; give rank 0 time to give up on its part
-            time.sleep(0.2)
-        time.sleep(8)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # Lightning may have ended the job itself
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert seen_two, "the job must have run two ranks"
+    assert out.returncode in (1, -9), f"rc={out.returncode}: {out.stderr[-3000:]}"
     newest = latest_checkpoint(str(tmp_path / "ckpts"))
     assert newest is not None and newest.endswith("step=5.ckpt"), f"step 10 must not commit: {newest}"
