@@ -30,6 +30,7 @@ from .events import Emitter, Listener, PhaseEvent, RestoreRecord
 from .handle import SaveHandle
 from .lease import RootLease
 from .manifest import CheckpointInfo
+from .procfs import Process
 from .recovery import LocalCheckpoint, load_file, one_restore, restore, verify_with
 from .serializer import make_serializer
 from .snapshot import BufferPool, clear_dead_spills, spill_name, take_snapshot
@@ -69,6 +70,7 @@ class AsyncCheckpointer:
         rank: int = 0,
         world_size: int = 1,
         launch_id: str = "",
+        peers: tuple[Process, ...] = (),
         max_transfers: int = 8,
         retries: int = 5,
         retry_backoff_seconds: float = 0.2,
@@ -98,6 +100,7 @@ class AsyncCheckpointer:
             rank=rank,
             world_size=world_size,
             launch_id=launch_id,
+            peers=peers,
             max_transfers=max_transfers,
             retries=retries,
             retry_backoff_seconds=retry_backoff_seconds,

@@ -64,13 +64,19 @@ def _poll(what: str, timeout_seconds: float, check: Callable[[], bool]) -> None:
 
 
 def wait_for_parts(
-    storage: Storage, own: PartRecord, *, world_size: int, timeout_seconds: float
+    storage: Storage,
+    own: PartRecord,
+    *,
+    world_size: int,
+    timeout_seconds: float,
+    peers: tuple[procfs.Process, ...] = (),
 ) -> list[PartRecord]:
     """Rank 0: block until every rank's complete part record of ``own``'s save is present.
 
     Reads only the records of ranks still missing, at their known paths, each round. Stops at a rank that
-    recorded a failure, or whose process (named by its intent record) died on this host: its part can
-    never come, and the launcher may send the survivors no signal (Lightning's own, a plain script).
+    recorded a failure (or whose death a rank of its host recorded), or whose process (``peers``, else
+    its intent record) died on this host: its part can never come, and the launcher may send the
+    survivors no signal (Lightning's own, a plain script) or wait for them (torchrun, 30 s).
     """
     found = {own.rank: own}
 
@@ -79,19 +85,17 @@ def wait_for_parts(
             if rank in found:
                 continue
             record = _part(storage, own, rank)
-            if record is not None and not record.complete and record.process.gone():
-                record = _part(storage, own, rank)  # it may have finished its part just before it ended
-                if record is not None and not record.complete:
-                    raise StorageError(
-                        f"rank {rank} ({record.process.describe()}) died before its part of checkpoint "
-                        f"{own.name!r} was at the destination"
-                    )
+            if record is None or not record.complete:
+                error = _failed(storage, own, rank)
+                if error is not None:
+                    raise StorageError(f"rank {rank} failed its part of checkpoint {own.name!r}: {error}")
+                process = peers[rank] if peers else record.process if record is not None else None
+                if process is not None and process.gone():
+                    record = _part(storage, own, rank)  # it may have finished its part just before it ended
+                    if record is None or not record.complete:
+                        raise StorageError(_died(rank, process, own))
             if record is not None and record.complete:
                 found[rank] = record
-                continue
-            error = _failed(storage, own, rank)
-            if error is not None:
-                raise StorageError(f"rank {rank} failed its part of checkpoint {own.name!r}: {error}")
         return len(found) == world_size
 
     try:
@@ -113,6 +117,10 @@ def _part(storage: Storage, own: PartRecord, rank: int) -> PartRecord | None:
     return None
 
 
+def _died(rank: int, process: procfs.Process, own: PartRecord) -> str:
+    return f"rank {rank} ({process.describe()}) died before its part of checkpoint {own.name!r} was in"
+
+
 def _same_save(record: PartRecord | FailureRecord, own: PartRecord) -> bool:
     """Whether ``record`` belongs to ``own``'s save: this launch, step and name, and this attempt of it."""
     return (record.launch_id, record.step, record.name, record.attempt) == (
@@ -123,13 +131,18 @@ def _same_save(record: PartRecord | FailureRecord, own: PartRecord) -> bool:
     )
 
 
-def wait_for_manifest(storage: Storage, own: PartRecord, *, timeout_seconds: float) -> Manifest:
-    """Ranks > 0: block until rank 0 has committed this launch's checkpoint ``own.name`` (or failed this
-    attempt of it, or its process died on this host before the commit)."""
+def wait_for_manifest(
+    storage: Storage, own: PartRecord, *, timeout_seconds: float, peers: tuple[procfs.Process, ...] = ()
+) -> Manifest:
+    """Ranks > 0: block until rank 0 has committed this launch's checkpoint ``own.name``. Stops when rank 0
+    failed this attempt of it, or its process died on this host before the commit; and when another rank
+    of this host died before its part (``peers``): its death is then recorded where rank 0, on another
+    host, looks for its failure (``_witness``)."""
     name, launch_id = own.name, own.launch_id
     rel = layout.manifest_path(name)
     data: list[bytes] = []
-    writer: list[procfs.Process] = []  # rank 0's process, once its record of this save is found
+    writer = [peers[0]] if peers else []  # rank 0's process (without peers, once its record is found)
+    here = [r for r, p in enumerate(peers) if r not in (0, own.rank) and p.space == peers[own.rank].space]
 
     def committed() -> bool:
         found = storage.read_if_present(rel)
@@ -149,6 +162,9 @@ def wait_for_manifest(storage: Storage, own: PartRecord, *, timeout_seconds: flo
                 )
             data.append(found)
             return True
+        for rank in here:
+            if peers[rank].gone():
+                _witness(storage, own, rank, peers[rank])
         return False
 
     try:
@@ -159,6 +175,18 @@ def wait_for_manifest(storage: Storage, own: PartRecord, *, timeout_seconds: flo
     if manifest.launch_id != launch_id:
         raise StorageError(f"checkpoint {name!r} was committed by another launch ({manifest.launch_id})")
     return manifest
+
+
+def _witness(storage: Storage, own: PartRecord, rank: int, process: procfs.Process) -> None:
+    """Rank ``rank`` of this host died: if its part of ``own``'s save is not complete, the save cannot
+    commit. Record that as its failure (rank 0, on another host, reads it as if it had written it), and
+    raise ``StorageError``."""
+    record = _part(storage, own, rank)
+    if record is not None and record.complete:
+        return  # its part is in: the commit goes on without it
+    error = f"{_died(rank, process, own)} (seen by rank {own.rank}, on its host)"
+    write_failure(storage, FailureRecord(own.name, own.step, rank, own.launch_id, own.attempt, error))
+    raise StorageError(error)
 
 
 def write_manifest(storage: Storage, manifest: Manifest) -> None:

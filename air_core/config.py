@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 from .errors import ConfigError
 from .layout import unsafe_reason
+from .procfs import Process
 
 WriterKind = Literal["thread", "process"]
 BusyPolicy = Literal["wait", "skip"]
@@ -61,6 +62,11 @@ class CheckpointerConfig:
     launch_id: str = ""
     """The same string on every rank, new for each launch: it tells this launch's rank records from
     those a crashed launch left behind. Generated when ``world_size`` is 1."""
+    peers: tuple[Process, ...] = ()
+    """Every rank's process, in rank order (``procfs.Process.this()`` gathered from each; a session does
+    it): a rank waiting for another's part, or for rank 0's commit, stops when a rank on its host died,
+    and records the death for the ranks of other hosts. Empty: each rank's part record names its process
+    (a rank that died before its save began is then waited for)."""
     max_transfers: int = 8
     """Parallel file transfers (upload and download)."""
     retries: int = 5
@@ -159,6 +165,15 @@ class CheckpointerConfig:
             )
         if not self.launch_id:
             object.__setattr__(self, "launch_id", uuid.uuid4().hex)
+        object.__setattr__(self, "peers", tuple(self.peers))
+        if self.peers and (
+            len(self.peers) != self.world_size or not all(isinstance(p, Process) for p in self.peers)
+        ):
+            raise bad(
+                "peers",
+                self.peers,
+                f"peers must hold one procfs.Process per rank ({self.world_size}), in rank order, or none.",
+            )
         check_int("max_transfers", 1)
         check_int("retries", 0)
         if not isinstance(self.recycle_files, bool):
@@ -188,11 +203,24 @@ class CheckpointerConfig:
                 raise bad(name, value, f"{name} must be a number of seconds {least}.")
 
     def for_root(
-        self, root: str, *, rank: int, world_size: int, launch_id: str, read_only: bool = False
+        self,
+        root: str,
+        *,
+        rank: int,
+        world_size: int,
+        launch_id: str,
+        peers: tuple[Process, ...] = (),
+        read_only: bool = False,
     ) -> CheckpointerConfig:
         """These settings for one rank's checkpointer of ``root`` (validated again)."""
         return replace(
-            self, root=root, rank=rank, world_size=world_size, launch_id=launch_id, read_only=read_only
+            self,
+            root=root,
+            rank=rank,
+            world_size=world_size,
+            launch_id=launch_id,
+            peers=peers,
+            read_only=read_only,
         )
 
 

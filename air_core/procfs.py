@@ -33,13 +33,16 @@ def started(pid: int | str = "self") -> str:
 
 def pid_space() -> str:
     """Where a pid names one process: this kernel boot and pid namespace (containers on one host may share
-    its host name, or not its pids); "" where /proc does not say."""
+    its host name, or not its pids), and ``AIR_NODE_NAME`` where set (a "node" of its own, as the tests
+    run several on one host); "" where /proc does not say."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+        space = f"{boot}/{os.readlink('/proc/self/ns/pid')}"
     except OSError:
         return ""
+    node = os.environ.get("AIR_NODE_NAME")
+    return f"{space}/{node}" if node else space
 
 
 @dataclass(frozen=True)

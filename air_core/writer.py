@@ -350,7 +350,11 @@ class Writer:
             parts = [part]
             if cfg.world_size > 1:
                 parts = commit.wait_for_parts(
-                    storage, part, world_size=cfg.world_size, timeout_seconds=cfg.commit_timeout_seconds
+                    storage,
+                    part,
+                    world_size=cfg.world_size,
+                    timeout_seconds=cfg.commit_timeout_seconds,
+                    peers=cfg.peers,
                 )
             extra = self._finalize(job.finalize, parts, run) if job.finalize is not None else ()
             for other in parts[1:]:  # the save's bytes moved, every rank's
@@ -369,7 +373,9 @@ class Writer:
             self._fence(f"committing checkpoint {job.name!r}")
             commit.write_manifest(storage, manifest)
         else:
-            manifest = commit.wait_for_manifest(storage, part, timeout_seconds=cfg.commit_timeout_seconds)
+            manifest = commit.wait_for_manifest(
+                storage, part, timeout_seconds=cfg.commit_timeout_seconds, peers=cfg.peers
+            )
         self._dest.remember(manifest)
         return manifest
 

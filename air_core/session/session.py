@@ -28,12 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import dcp
+from .. import dcp, procfs
 from ..checkpointer import AsyncCheckpointer, SaveHandle
 from ..compat import check_fits
 from ..config import CheckpointerConfig
 from ..errors import AirError, ConfigError
 from ..events import Listener
+from ..health.collective import gather_objects
 from ..health.preflight import PreflightReport
 from ..health.stragglers import Stragglers
 from ..layout import JOURNAL_DIR, rank_state_path
@@ -110,6 +111,12 @@ class TrainingSession:
         self.launch_id = (
             broadcast(mine) if broadcast is not None and world_size > 1 else mine or uuid.uuid4().hex
         )
+        self.peers: tuple[procfs.Process, ...] = ()
+        """Every rank's process (``CheckpointerConfig.peers``), gathered where the ranks broadcast the
+        launch id over ``torch.distributed``'s default group; empty otherwise."""
+        if broadcast is not None and world_size > 1 and dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() == world_size:
+                self.peers = tuple(gather_objects(procfs.Process.this(), world_size))
         self.records = Recorder(config.log_every_n_steps, rank=rank)
         """``fetch_seconds`` per step and the save/restore records of this rank."""
         self.records.gather = gather if world_size > 1 else None
@@ -288,6 +295,7 @@ class TrainingSession:
             rank=self.rank,
             world_size=self.world_size,
             launch_id=self.launch_id,
+            peers=self.peers,
             read_only=read_only,
         )
         if in_place:

@@ -4,6 +4,7 @@ commit lists the root once."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -13,25 +14,29 @@ import uuid
 import fsspec
 import pytest
 import torch
+import torch.distributed as dist
 from fsspec.implementations.memory import MemoryFileSystem
 
-from air_core import AsyncCheckpointer, FileEntry
+from air_core import AsyncCheckpointer, FileEntry, procfs
 from air_core.manifest import PartRecord
-from tests.conftest import REPO
+from tests.conftest import REPO, spawn_ranks
 from tests.dist_worker import rank_state
+from tests.torchrun_nodes import free_port
 from tests.zygote import python
 
 
-def _launch(root: str, tmp_path, scenario: str) -> list[subprocess.CompletedProcess]:
+def _launch(
+    root: str, tmp_path, scenario: str, nodes: str = "", world: int = 2
+) -> list[subprocess.CompletedProcess]:
+    """Run ``world`` ranks of ``tests/dist_worker.py``; ``nodes``: each rank's ``AIR_NODE_NAME``, in order."""
     init = tmp_path / f"init-{scenario}"
-    env = {**os.environ, "PYTHONPATH": REPO}
     procs = [
         subprocess.Popen(
             [
                 python(),
                 os.path.join(REPO, "tests/dist_worker.py"),
                 str(r),
-                "2",
+                str(world),
                 root,
                 str(init),
                 scenario,
@@ -39,9 +44,9 @@ def _launch(root: str, tmp_path, scenario: str) -> list[subprocess.CompletedProc
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env,
+            env={**os.environ, "PYTHONPATH": REPO, **({"AIR_NODE_NAME": nodes[r]} if nodes else {})},
         )
-        for r in range(2)
+        for r in range(world)
     ]
     outs = []
     for p in procs:
@@ -89,6 +94,27 @@ def test_a_rank_killed_in_a_save_fails_it_on_the_other_at_once(tmp_path, dead):
         statuses = {i.step: i.status for i in reader.list()}
         assert statuses == {1: "committed", 2: "partial"}
         assert reader.latest().step == 1
+
+
+@pytest.mark.slow
+def test_a_rank_killed_before_its_part_is_reported_by_its_host_to_rank_0_on_another(tmp_path):
+    """Ranks 1 and 2 on node b, rank 0 on node a (``AIR_NODE_NAME``: a pid of b means nothing on a). Rank 1
+    is killed before its part; rank 2 sees it gone and records its death, which rank 0 reads as rank 1's
+    failure instead of waiting for its commit timeout (120 s; the result is awaited 60 s)."""
+    root = str(tmp_path / "root")
+    outs = _launch(root, tmp_path, "witness", nodes="abb", world=3)
+    assert outs[1].returncode == -9, "rank 1 was SIGKILLed"
+    pid = outs[1].stdout.split("rank 1 pid ")[1].split()[0]
+    died = f"rank 1 (pid {pid} on host {socket.gethostname()}) died before its part"
+    for rank in (0, 2):
+        assert outs[rank].returncode == 0, outs[rank].stderr
+        assert f"rank {rank} step 2 failed: SaveError" in outs[rank].stdout, outs[rank].stdout
+        assert died in outs[rank].stdout and "(seen by rank 2, on its host)" in outs[rank].stdout, outs[
+            rank
+        ].stdout
+    assert "rank 1 failed its part of checkpoint 'step-000000002'" in outs[0].stdout, outs[0].stdout
+    with AsyncCheckpointer(root) as reader:
+        assert {i.step: i.status for i in reader.list()} == {1: "committed", 2: "partial"}
 
 
 @pytest.mark.slow
@@ -219,3 +245,36 @@ def test_a_commit_lists_the_root_once_and_only_on_rank_0(tmp_path, world_size):
             "retention (keep_last=1) and the stale partial's cleanup ran from that one listing"
         )
     assert not storage.fs.exists(storage.path("old/rank-00000.pt")), "the partial's file is deleted"
+
+
+def _session_worker(rank: int, port: int, folder: str) -> None:
+    from air_core.session import SessionConfig, TrainingSession
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+
+    def broadcast(value: str) -> str:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    session = TrainingSession(
+        SessionConfig(mlflow=False, preflight=False, owner="test"),
+        rank=rank,
+        world_size=2,
+        broadcast=broadcast,
+    )
+    peers = session.open(os.path.join(folder, "root")).config.peers
+    with open(os.path.join(folder, f"peers-{rank}.json"), "w") as f:
+        json.dump([[p.pid, p.started, p.space] for p in peers], f)
+    session.close(0)
+    dist.destroy_process_group()
+
+
+def test_a_session_gives_its_checkpointers_every_rank_s_process(tmp_path):
+    """Where the ranks broadcast the launch id over the default group, the session gathers every rank's
+    process there too, so that its commits see a rank of this host die without a record of it."""
+    spawn_ranks(_session_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    seen = [json.loads((tmp_path / f"peers-{rank}.json").read_text()) for rank in range(2)]
+    assert seen[0] == seen[1] and len(seen[0]) == 2, seen
+    (pid0, _, space0), (pid1, _, space1) = seen[0]
+    assert pid0 != pid1 and space0 == space1 == procfs.pid_space(), "two processes of this host"

@@ -26,6 +26,7 @@ from air_core.session.config import SessionConfig
         ({"staging_dir": ""}, "staging_dir must be a local folder path"),
         ({"staging_dir": "s3://bucket/stage"}, "staging_dir must be on a local disk"),
         ({"storage_options": ["key"]}, "storage_options must be a dict"),
+        ({"peers": ("host-a",)}, "peers must hold one procfs.Process per rank (1)"),
     ],
 )
 def test_invalid_setting_names_argument_and_fix(tmp_path, kwargs, expected):

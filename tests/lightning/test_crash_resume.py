@@ -26,9 +26,12 @@ JOB = os.path.join(REPO, "tests/lightning/job.py")
 
 
 def run_job(
-    workdir: Path, *args: str, expect_kill: bool = False, job: str = JOB
+    workdir: Path, *args: str, expect_kill: bool = False, lost_peer: bool = False, job: str = JOB
 ) -> subprocess.CompletedProcess[str]:
-    """Run a Lightning test job script (default tests/lightning/job.py) to completion or to its SIGKILL."""
+    """Run a Lightning test job script (default tests/lightning/job.py) to completion or to its SIGKILL.
+
+    ``lost_peer``: a rank other than 0 is killed. Rank 0 (the script, Lightning's launcher) then fails on
+    the lost peer (exit 1), unless the launcher, which kills every rank once one died, kills it first."""
     out = subprocess.run(
         [python(), job, str(workdir), *args],
         capture_output=True,
@@ -37,7 +40,9 @@ def run_job(
         env={**os.environ, "PYTHONPATH": REPO},
     )
     shown = stalls.shown(workdir, args, out)
-    if expect_kill:
+    if lost_peer:
+        assert out.returncode in (1, -9), f"expected a failure on the lost rank {shown}"
+    elif expect_kill:
         assert out.returncode == -9, f"expected a SIGKILL {shown}"
     else:
         assert out.returncode == 0, f"job failed {shown}"

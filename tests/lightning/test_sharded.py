@@ -33,8 +33,8 @@ TWO_RANKS = [".metadata", "__0_0.distcp", "__1_0.distcp", "__1_1.distcp", "meta.
 """A two-rank sharded folder: each rank's shards, the whole tensors and objects DCP gave rank 1, meta.pt."""
 
 
-def run_sharded(workdir: Path, *args: str, expect_kill: bool = False) -> None:
-    run_job(workdir, *args, expect_kill=expect_kill, job=JOB)
+def run_sharded(workdir: Path, *args: str, expect_kill: bool = False, lost_peer: bool = False) -> None:
+    run_job(workdir, *args, expect_kill=expect_kill, lost_peer=lost_peer, job=JOB)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_fsdp1_sharded_saves_killed_mid_upload_resume_exactly_in_lightnings_fsdp
     core as FSDP2's DTensors do: rank 1 killed while uploading step 10 leaves step 5 the newest, and the
     resume is the uninterrupted run. The folder is stock ``FSDPStrategy``'s (``model``/``optimizer_0``
     + ``meta.pt``) and loads with stock DCP into plain tensors."""
-    run_sharded(tmp_path, "--fsdp1", "--kill", "10:upload_start:1", expect_kill=True)
+    run_sharded(tmp_path, "--fsdp1", "--kill", "10:upload_start:1", lost_peer=True)
     newest = latest_checkpoint(str(tmp_path / "ckpts"))
     assert newest is not None and newest.endswith("epoch=0-step=5.ckpt"), newest
     run_sharded(tmp_path, "--fsdp1")
