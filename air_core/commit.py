@@ -162,9 +162,9 @@ def wait_for_manifest(
                 )
             data.append(found)
             return True
-        for rank in here:
-            if peers[rank].gone():
-                _witness(storage, own, rank, peers[rank])
+        for rank in [r for r in here if peers[r].gone()]:
+            _witness(storage, own, rank, peers[rank])
+            here.remove(rank)  # its part was in: the commit goes on without it
         return False
 
     try:
@@ -183,7 +183,7 @@ def _witness(storage: Storage, own: PartRecord, rank: int, process: procfs.Proce
     raise ``StorageError``."""
     record = _part(storage, own, rank)
     if record is not None and record.complete:
-        return  # its part is in: the commit goes on without it
+        return
     error = f"{_died(rank, process, own)} (seen by rank {own.rank}, on its host)"
     write_failure(storage, FailureRecord(own.name, own.step, rank, own.launch_id, own.attempt, error))
     raise StorageError(error)
