@@ -10,8 +10,9 @@ straggler sections), ``before_optimizer_step`` (the snapshot gate),
 launch id, the node health (``health.py``: the pre-flight, run by ``preflight`` before the root is
 opened; the hang watchdog, armed at ``start``, fed by ``record_step``, paused in saves, flushes and
 ``watchdog_paused``; straggler sections) and the world-size and model checks. Its collectives are the
-adapter's (``broadcast``, ``gather``, run on the training thread), except the pre-flight's, which run on
-the default process group before training starts.
+adapter's (``broadcast``, ``gather``, run on the training thread), except the pre-flight's and the gather
+of every rank's process at the launch id's broadcast (``peers``), which run on the default process group
+before training starts.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class TrainingSession:
         """Every rank's process (``CheckpointerConfig.peers``), gathered where the ranks broadcast the
         launch id over ``torch.distributed``'s default group; empty otherwise."""
         if broadcast is not None and world_size > 1 and dist.is_available() and dist.is_initialized():
-            if dist.get_world_size() == world_size:
+            if dist.get_world_size() == world_size:  # the broadcast's ranks: every rank is here now
                 self.peers = tuple(gather_objects(procfs.Process.this(), world_size))
         self.records = Recorder(config.log_every_n_steps, rank=rank)
         """``fetch_seconds`` per step and the save/restore records of this rank."""
