@@ -64,7 +64,8 @@ class Process:
 
     def gone(self) -> bool:
         """Whether it has certainly ended: its pid names processes here (the same ``space``) and no process
-        has that pid and start time. False where that cannot be told (another host, another container)."""
+        has that pid and start time, or it is a zombie (dead; a launcher that never polls its children
+        leaves it unreaped). False where that cannot be told (another host, another container)."""
         here = self.space == pid_space() if self.space else self.host == socket.gethostname()
         if not here or self.pid <= 0:
             return False
@@ -74,4 +75,9 @@ class Process:
             return True
         except PermissionError:
             pass  # it exists, owned by another user
-        return bool(self.started) and started(self.pid) not in ("", self.started)
+        read = stat(self.pid)
+        if read is None or len(read[1]) <= START_TICKS:
+            return False  # no /proc, or it ended this instant: the next look tells
+        if self.started and read[1][START_TICKS] != self.started:
+            return True  # a later process has its pid
+        return read[1][STATE] in ("Z", "X")

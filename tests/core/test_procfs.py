@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import subprocess
 import sys
+import time
 
 from air_core import procfs
 
@@ -39,3 +42,20 @@ def test_a_process_whose_pids_are_not_this_process_s_is_never_called_gone():
     assert not dataclasses.replace(ended, host="another-host", space="").gone(), "a record without a space"
     assert dataclasses.replace(ended, space="").gone(), "without a space, the host name stands for it"
     assert not dataclasses.replace(ended, pid=0).gone(), "a record of an earlier version names no pid"
+
+
+def test_a_killed_child_its_parent_has_not_reaped_is_gone():
+    """A zombie still answers ``kill(pid, 0)``: a launcher that never polls its children leaves one."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        child = dataclasses.replace(procfs.Process.this(), pid=proc.pid, started=procfs.started(proc.pid))
+        assert not child.gone()
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while procfs.stat(proc.pid)[1][procfs.STATE] != "Z":  # not waited for: a zombie
+            assert time.monotonic() < deadline, "the child never became a zombie"
+            time.sleep(0.01)
+        assert child.gone()
+    finally:
+        proc.kill()
+        proc.wait()
