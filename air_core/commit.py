@@ -21,6 +21,8 @@ from .manifest import CheckpointInfo, FailureRecord, Manifest, PartRecord
 from .storage import Storage
 
 logger = logging.getLogger(__name__)
+NOTE_AFTER_SECONDS = 30.0
+"""How long a commit waits before it logs what it waits for (then every minute)."""
 
 
 def write_part(storage: Storage, record: PartRecord) -> None:
@@ -53,12 +55,26 @@ def check_not_committed(storage: Storage, name: str) -> None:
         )
 
 
-def _poll(what: str, timeout_seconds: float, check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + timeout_seconds
+def _poll(what: str, timeout_seconds: float, check: Callable[[], bool], waiting: Callable[[], str]) -> None:
+    """Call ``check`` until it is true or ``timeout_seconds`` passed (``TimeoutError``), saying what it still
+    waits for (``waiting``) after ``NOTE_AFTER_SECONDS`` and every minute after: a job whose save waits
+    for a rank that is gone otherwise sits silent at its end or stop until the bound."""
+    start = time.monotonic()
+    deadline, note = start + timeout_seconds, start + NOTE_AFTER_SECONDS
     delay = 0.02
     while not check():
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             raise TimeoutError(f"{what} did not happen within {timeout_seconds:g}s")
+        if now >= note:
+            logger.warning(
+                "still waiting for %s after %.0f s (%s; it fails after commit_timeout_seconds=%g)",
+                what,
+                now - start,
+                waiting(),
+                timeout_seconds,
+            )
+            note += 60.0
         time.sleep(delay)
         delay = min(delay * 1.5, 0.5)
 
@@ -98,11 +114,21 @@ def wait_for_parts(
                 found[rank] = record
         return len(found) == world_size
 
+    def missing() -> list[int]:
+        return sorted(set(range(world_size)) - set(found))
+
+    def waiting() -> str:
+        return f"no part yet from ranks {missing()}"
+
     try:
-        _poll(f"parts of all {world_size} ranks for checkpoint {own.name!r}", timeout_seconds, all_there)
+        _poll(
+            f"parts of all {world_size} ranks for checkpoint {own.name!r}",
+            timeout_seconds,
+            all_there,
+            waiting,
+        )
     except TimeoutError as exc:
-        missing = sorted(set(range(world_size)) - set(found))
-        raise StorageError(f"{exc}: ranks {missing} never uploaded theirs (did they crash?)") from exc
+        raise StorageError(f"{exc}: ranks {missing()} never uploaded theirs (did they crash?)") from exc
     return [found[r] for r in range(world_size)]
 
 
@@ -167,8 +193,11 @@ def wait_for_manifest(
             here.remove(rank)  # its part was in: the commit goes on without it
         return False
 
+    def waiting() -> str:
+        return "rank 0 has written neither the manifest nor a failure record"
+
     try:
-        _poll(f"the commit of checkpoint {name!r} by rank 0", timeout_seconds, committed)
+        _poll(f"the commit of checkpoint {name!r} by rank 0", timeout_seconds, committed, waiting)
     except TimeoutError as exc:
         raise StorageError(str(exc)) from exc
     manifest = Manifest.from_json(data[0], where=storage.display(rel))

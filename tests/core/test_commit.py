@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -17,8 +18,10 @@ import torch
 import torch.distributed as dist
 from fsspec.implementations.memory import MemoryFileSystem
 
-from air_core import AsyncCheckpointer, FileEntry, procfs
+from air_core import AsyncCheckpointer, FileEntry, commit, procfs
+from air_core.errors import StorageError
 from air_core.manifest import PartRecord
+from air_core.storage import Storage
 from tests.conftest import REPO, spawn_ranks
 from tests.dist_worker import rank_state
 from tests.torchrun_nodes import free_port
@@ -278,3 +281,18 @@ def test_a_session_gives_its_checkpointers_every_rank_s_process(tmp_path):
     assert seen[0] == seen[1] and len(seen[0]) == 2, seen
     (pid0, _, space0), (pid1, _, space1) = seen[0]
     assert pid0 != pid1 and space0 == space1 == procfs.pid_space(), "two processes of this host"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_long_commit_wait_says_what_it_waits_for_before_it_gives_up(tmp_path, monkeypatch, caplog, rank):
+    """Rank 0 waiting for a part, or rank 1 for the manifest, names what is missing while it waits."""
+    monkeypatch.setattr(commit, "NOTE_AFTER_SECONDS", 0.1)
+    storage = Storage(str(tmp_path), storage_options={}, retries=0, retry_backoff_seconds=0.0)
+    own = PartRecord("step-1", 1, rank, "launch", (), complete=True)
+    with caplog.at_level(logging.WARNING, logger="air_core.commit"), pytest.raises(StorageError):
+        if rank == 0:
+            commit.wait_for_parts(storage, own, world_size=2, timeout_seconds=0.6)
+        else:
+            commit.wait_for_manifest(storage, own, timeout_seconds=0.6)
+    said = "no part yet from ranks [1]" if rank == 0 else "rank 0 has written neither the manifest"
+    assert any("still waiting for" in r.message and said in r.message for r in caplog.records), caplog.text
