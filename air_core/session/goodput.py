@@ -51,14 +51,13 @@ of the launch's segments)."""
 
 def process_start_time() -> float:
     """When this process started (wall clock), from Linux's /proc and the boot-time clock; else now."""
+    ticks = procfs.started()
+    if not ticks:
+        return time.time()
     try:
-        read = procfs.stat()
-        if read is None:
-            return time.time()
-        ticks = int(read[1][procfs.START_TICKS])
-        since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - int(ticks) / os.sysconf("SC_CLK_TCK")
         return time.time() - since_start
-    except (OSError, ValueError, IndexError, AttributeError):
+    except (OSError, ValueError, AttributeError):
         return time.time()
 
 
