@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
+from typing import Any
 
-from . import layout, procfs, spares
+from . import layout, liveness, procfs, spares
 from .catalog import Catalog
 from .errors import CorruptCheckpointError, StorageError
 from .manifest import CheckpointInfo, FailureRecord, Manifest, PartRecord
@@ -34,6 +36,23 @@ def write_failure(storage: Storage, record: FailureRecord) -> None:
     """This rank's part of ``record``'s attempt failed: the ranks waiting for it stop now, not at
     ``commit_timeout_seconds`` (and their next save would wait for the buffers they hold)."""
     storage.write_bytes(layout.failure_path(record.name, record.rank), record.to_json())
+
+
+def gather_peers(
+    rank: int, world_size: int, gather: Callable[[Any], list[Any]]
+) -> tuple[procfs.Process, ...]:
+    """Every rank's process (``CheckpointerConfig.peers``), through ``gather`` (a collective: every rank
+    calls it), each with its liveness beacon; then this rank watches those on other hosts that its waits
+    depend on: rank 0 every rank (their parts), the others rank 0 (its manifest)."""
+    liveness.serve(procfs.Process.this().hello, toward=os.environ.get("MASTER_ADDR", ""), limit=world_size)
+    peers = tuple(gather(procfs.Process.this()))
+    mine = peers[rank]
+    liveness.watch(
+        (p.beacon, p.hello)
+        for r, p in enumerate(peers)
+        if r != rank and 0 in (r, rank) and p.space != mine.space
+    )
+    return peers
 
 
 def _failed(storage: Storage, own: PartRecord, rank: int) -> str | None:

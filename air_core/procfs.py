@@ -1,12 +1,16 @@
 """A process's ``/proc/<pid>/stat`` (Linux), read in one place: its command name may hold spaces and
 parentheses, so the fields are those after its last ``)``. And ``Process``: who wrote a record (the
-root's lease, a save's part), so that a process on the same host can tell whether the writer lives."""
+root's lease, a save's part), so that a process on the same host can tell whether the writer lives, and
+a rank of the job (``CheckpointerConfig.peers``), whose death its peers on other hosts see through its
+``beacon``."""
 
 from __future__ import annotations
 
 import os
 import socket
 from dataclasses import dataclass
+
+from . import liveness
 
 STATE, PARENT, USER_TICKS, SYSTEM_TICKS, START_TICKS = 0, 1, 11, 12, 19
 """Indexes into ``stat``'s fields: state (``R``, ``S``, ...), parent pid, user and system CPU time and the
@@ -54,10 +58,17 @@ class Process:
     started: str
     space: str = ""
     """Its ``pid_space``; "" in records that do not say (the root's lease): the host name stands for it."""
+    beacon: str = ""
+    """Where it answers watchers (``liveness.serve``: ``"host:port"``), "" where it does not."""
 
     @classmethod
     def this(cls) -> Process:
-        return cls(socket.gethostname(), os.getpid(), started(), pid_space())
+        return cls(socket.gethostname(), os.getpid(), started(), pid_space(), liveness.address())
+
+    @property
+    def hello(self) -> str:
+        """What its beacon says to a watcher: a later process at that address says something else."""
+        return f"air {self.pid} {self.started} {self.space}\n"
 
     def describe(self) -> str:
         return f"pid {self.pid} on host {self.host}"
@@ -65,9 +76,12 @@ class Process:
     def gone(self) -> bool:
         """Whether it has certainly ended: its pid names processes here (the same ``space``) and no process
         has that pid and start time, or it is a zombie (dead; a launcher that never polls its children
-        leaves it unreaped). False where that cannot be told (another host, another container)."""
+        leaves it unreaped); elsewhere, its ``beacon`` was watched from here (``liveness.watch``) and the
+        watch has closed. False where that cannot be told (no beacon, or not watched)."""
         here = self.space == pid_space() if self.space else self.host == socket.gethostname()
-        if not here or self.pid <= 0:
+        if not here:
+            return bool(self.beacon) and liveness.closed(self.beacon, self.hello)
+        if self.pid <= 0:
             return False
         try:
             os.kill(self.pid, 0)

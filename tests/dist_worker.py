@@ -4,8 +4,10 @@ Usage: python tests/dist_worker.py RANK WORLD ROOT INIT_FILE SCENARIO
 SCENARIO: ``ok`` (two saves), ``slow`` (rank 1 uploads its part late), ``die`` (rank 1 is SIGKILLed
 before its part of the second save), ``die0`` (rank 0 is SIGKILLed as it commits the second save: rank 1
 has its part written), ``witness`` (as ``die``, every rank given the ``peers``: run with rank 1 and another
-rank on one "node" and rank 0 on another, ``AIR_NODE_NAME``), ``fail0``/``fail1`` (rank 0's or rank 1's
-part of the second save fails: a folder stands where its file goes; then both save it again, without it).
+rank on one "node" and rank 0 on another, ``AIR_NODE_NAME``), ``far``/``far0`` (as ``die``/``die0``,
+every rank given the ``peers``: run with each rank on a "node" of its own), ``fail0``/``fail1`` (rank 0's or
+rank 1's part of the second save fails: a folder stands where its file goes; then both save it again,
+without it).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from air_core import AsyncCheckpointer, PhaseEvent, procfs
+from air_core import AsyncCheckpointer, PhaseEvent, commit, procfs
 
 
 def rank_state(rank: int, step: int) -> dict:
@@ -35,13 +37,14 @@ class Fault:
     def on_event(self, event) -> None:
         if not isinstance(event, PhaseEvent):
             return
-        if self.scenario == "die0" and self.rank == 0 and event.phase == "commit_start" and event.step == 2:
+        committing = event.phase == "commit_start" and event.step == 2
+        if self.scenario in ("die0", "far0") and self.rank == 0 and committing:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.rank != 1 or event.phase != "serialize_start":
             return
         if self.scenario == "slow":
             time.sleep(1.0)
-        if self.scenario in ("die", "witness") and event.step == 2:
+        if self.scenario in ("die", "witness", "far") and event.step == 2:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -51,15 +54,21 @@ def main() -> None:
     launch = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(launch, src=0)  # on the training thread, as the adapters do
     print(f"rank {rank} pid {os.getpid()}", flush=True)
-    peers = [None] * world
-    if scenario == "witness":  # as a session gathers them
-        dist.all_gather_object(peers, procfs.Process.this())
+    peers: tuple[procfs.Process, ...] = ()
+    if scenario in ("witness", "far", "far0"):  # as a session gathers them
+
+        def gather(mine: procfs.Process) -> list[procfs.Process]:
+            every = [None] * world
+            dist.all_gather_object(every, mine)
+            return every
+
+        peers = commit.gather_peers(rank, world, gather)
     ckpt = AsyncCheckpointer(
         root,
         rank=rank,
         world_size=world,
         launch_id=launch[0],
-        peers=tuple(peers) if scenario == "witness" else (),
+        peers=peers,
         keep_last=5,
         commit_timeout_seconds=120.0,  # a failed or dead peer is known sooner (waits take under 60 s)
         listeners=[Fault(rank, scenario)],

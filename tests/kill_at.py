@@ -20,11 +20,12 @@ from tests import zygote
 
 
 class KillAt:
-    """Send ``signum`` to this process when the save of ``step`` reaches ``phase`` on ``rank``.
+    """Send ``signum`` to this process when the save of ``step`` reaches ``phase`` on ``rank`` (or on the
+    rank of node ``node``, ``AIR_NODE_NAME``); ``agent``: SIGKILL its torchrun agent too (the node is lost).
 
-    ``step`` None matches any step (a restore's step is not known in advance). It first waits (up to
-    60 s) for an earlier save to commit, if one was started, so that the crash always has a committed
-    checkpoint to fall back to, however fast the steps are.
+        ``step`` None matches any step (a restore's step is not known in advance). It first waits (up to
+        60 s) for an earlier save to commit, if one was started, so that the crash always has a committed
+        checkpoint to fall back to, however fast the steps are.
     """
 
     def __init__(
@@ -35,8 +36,11 @@ class KillAt:
         signum: int = signal.SIGKILL,
         delay_seconds: float = 0.0,
         group: bool = False,
+        node: str = "",
+        agent: bool = False,
     ) -> None:
         self.step, self.phase, self.rank, self.signum = step, phase, rank, signum
+        self.node, self.agent = node, agent
         self.delay_seconds = delay_seconds
         self.group = group
         if group and os.getpgrp() != os.getpid():  # lead a group of its own, before loader workers fork
@@ -47,18 +51,17 @@ class KillAt:
 
     @classmethod
     def parse(cls, spec: str, signum: int = signal.SIGKILL, *, group: bool = False) -> KillAt:
-        """``STEP:PHASE[:RANK][+DELAY_MS]``, STEP ``*`` for any step; ``group``: to this process's group
-        (its loader workers too, as SLURM and Kubernetes signal a job), which it leads from then on."""
+        """``STEP:PHASE[:WHO][:agent][+DELAY_MS]``, STEP ``*`` for any step, WHO a rank or a node's name
+        (``:agent``: that node is lost); ``group``: to this process's group (its loader workers too, as
+        SLURM and Kubernetes signal a job), which it leads from then on."""
         spec, _, delay = spec.partition("+")
-        step, phase, *rank = spec.split(":")
-        return cls(
-            None if step == "*" else int(step),
-            phase,
-            int(rank[0]) if rank else None,
-            signum,
-            float(delay or 0) / 1000,
-            group,
-        )
+        step, phase, *who = spec.split(":")
+        agent = who[-1:] == ["agent"]
+        who = who[:-1] if agent else who
+        rank = int(who[0]) if who and who[0].isdigit() else None
+        node = who[0] if who and rank is None else ""
+        step_at = None if step == "*" else int(step)
+        return cls(step_at, phase, rank, signum, float(delay or 0) / 1000, group, node, agent)
 
     def on_event(self, event) -> None:
         phase = getattr(event, "phase", None)
@@ -68,7 +71,7 @@ class KillAt:
             self.committed.add(event.step)
         if self.fired or phase != self.phase or self.step not in (None, event.step):
             return
-        if self.rank not in (None, event.rank):
+        if self.rank not in (None, event.rank) or self.node not in ("", os.environ.get("AIR_NODE_NAME")):
             return
         self.fired = True
         deadline = time.monotonic() + 60
@@ -84,6 +87,8 @@ class KillAt:
             self._send()
 
     def _send(self) -> None:
+        if self.agent:
+            die(agent=True)
         if self.group:
             os.killpg(os.getpgrp(), self.signum)
         else:

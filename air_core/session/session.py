@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import dcp, procfs
+from .. import commit, dcp, procfs
 from ..checkpointer import AsyncCheckpointer, SaveHandle
 from ..compat import check_fits
 from ..config import CheckpointerConfig
@@ -117,7 +117,7 @@ class TrainingSession:
         launch id over ``torch.distributed``'s default group; empty otherwise."""
         if broadcast is not None and world_size > 1 and dist.is_available() and dist.is_initialized():
             if dist.get_world_size() == world_size:  # the broadcast's ranks: every rank is here now
-                self.peers = tuple(gather_objects(procfs.Process.this(), world_size))
+                self.peers = commit.gather_peers(rank, world_size, lambda me: gather_objects(me, world_size))
         self.records = Recorder(config.log_every_n_steps, rank=rank)
         """``fetch_seconds`` per step and the save/restore records of this rank."""
         self.records.gather = gather if world_size > 1 else None

@@ -176,7 +176,7 @@ def main() -> None:
     p.add_argument("--loader", choices=["plain", "seedable", "stateful"], default="plain")
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--kill", default="", help="STEP:PHASE[:RANK][+DELAY_MS], STEP * for any")
+    p.add_argument("--kill", default="", help="STEP:PHASE[:WHO][:agent][+DELAY_MS], STEP * for any")
     p.add_argument("--sigterm", default="", help="STEP:PHASE[+DELAY_MS]: send SIGTERM instead")
     p.add_argument(
         "--sigterm-before-save",

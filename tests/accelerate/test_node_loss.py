@@ -86,3 +86,20 @@ def test_a_lost_node_resumes_from_the_replica_and_a_new_node_grows_the_job_back(
     padding = sum(counts.values()) - N_SAMPLES
     assert padding < 2 * BATCH and max(counts.values()) <= 2, f"only padding repeats: {padding} sample(s)"
     assert (tmp_path / "final.pt").exists(), "training completed"
+
+
+def test_a_node_lost_in_a_save_does_not_hold_the_survivor_until_the_commit_timeout(tmp_path):
+    """Node B (its agent and worker) is lost as its rank uploads its part of step 6's root save. Nothing of
+    B is left to record its death, and the other rank waits for B's part (B is rank 1) or, B being rank 0,
+    for its manifest: it sees the death through B's liveness beacon (``liveness.py``) and fails the save
+    at once, instead of at ``commit_timeout_seconds`` (600 s, past this test's bound), so that A's agent
+    re-forms the job at world 1 from step 3, the newest commit, and it finishes."""
+    args = ("--every", "3", "--epochs", "2", "--elastic", "--kill", "6:upload_start:B:agent")
+    log_a = lose_node_b(JOB, tmp_path, *args, timeout=120)["A"]
+    assert "died before its part of checkpoint 'step-000000006'" in log_a or (
+        "died before it committed checkpoint 'step-000000006'" in log_a
+    ), log_a[-4000:]
+    first, alone = _launches(tmp_path)[-2:]
+    assert [first[0]["world"], alone[0]["world"]] == [2, 1], "2 -> 1 processes"
+    assert min(r["step"] for r in alone) == 3, "resumed from the newest commit"
+    assert (tmp_path / "final.pt").exists(), "training completed"

@@ -78,13 +78,18 @@ def test_manifest_lists_every_ranks_part_and_each_rank_loads_its_own(tmp_path, s
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("far", [False, True], ids=["one-host", "two-hosts"])
 @pytest.mark.parametrize("dead", [1, 0])
-def test_a_rank_killed_in_a_save_fails_it_on_the_other_at_once(tmp_path, dead):
+def test_a_rank_killed_in_a_save_fails_it_on_the_other_at_once(tmp_path, dead, far):
     """Rank 1 killed before its part (rank 0 waits for it), or rank 0 killed as it commits (rank 1 waits for
-    the manifest): the survivor sees the dead process named by its part record instead of waiting for its
-    commit timeout (120 s here; the result is awaited 60 s). The previous checkpoint stays the newest."""
+    the manifest): the survivor sees the dead process instead of waiting for its commit timeout (120 s
+    here; the result is awaited 60 s). On one host through /proc (the process its part record names); each
+    rank on a "node" of its own (``AIR_NODE_NAME``: a pid of one means nothing on the other), through its
+    liveness beacon (``liveness.py``), whose connection the survivor made at the start closes with it.
+    The previous checkpoint stays the newest."""
     root = str(tmp_path / "root")
-    outs = _launch(root, tmp_path, "die" if dead == 1 else "die0")
+    scenario = ("far" if far else "die") + ("0" if dead == 0 else "")
+    outs = _launch(root, tmp_path, scenario, nodes="ab" if far else "")
     survivor = outs[1 - dead]
     assert outs[dead].returncode == -9, "the rank was SIGKILLed"
     assert survivor.returncode == 0, survivor.stderr
