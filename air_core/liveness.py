@@ -24,6 +24,7 @@ import os
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,7 +42,7 @@ class _Server:
 
     def __init__(self, hello: bytes, host: str, limit: int) -> None:
         self.hello, self.limit = hello, limit
-        self.sock = socket.create_server((host, 0))
+        self.sock = socket.create_server((host, 0), backlog=max(limit, 128))  # every watcher at once
         self.address = f"{host}:{self.sock.getsockname()[1]}"
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.sock, selectors.EVENT_READ)
@@ -64,7 +65,11 @@ class _Server:
                     conn.close()
 
     def _accept(self) -> None:
-        conn, _ = self.sock.accept()
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:  # out of file descriptors: the watcher's connect times out, and it goes unwatched
+            time.sleep(1.0)
+            return
         try:
             if len(self.selector.get_map()) > self.limit:
                 raise OSError("more watchers than the job has ranks")
