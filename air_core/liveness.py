@@ -15,14 +15,24 @@ Only a connection that was made, answered by the process named, and then closed 
 address that cannot be reached, or another process behind it, leaves that peer unwatched (logged once),
 to be waited for as before. A forked child (a loader worker) closes its copies of these sockets at once:
 a rank's death is not hidden while its workers live on.
+
+A rank that ends well says so first (``farewell``: its session closed without a failure, or its
+interpreter exits without an uncaught exception), and says it trains again at its next session's
+``serve``: one byte each, ``-`` and ``+``. A death after a farewell is an end (``closed``); one without
+it is a loss (``lost``): a rank killed, crashed or on a host gone, after which the job cannot go on
+(the session's watchdog stops a rank whose peer was lost, rather than leave it in its next collective
+until the process group's timeout).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
 import selectors
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -35,6 +45,8 @@ probes unanswered before the connection fails (a host gone without a word: power
 CONNECT_SECONDS = 10.0
 """How long a watch's connection and hello may take."""
 CONNECTS_AT_ONCE = 16
+TRAINING, ENDED_WELL = b"+", b"-"
+"""The words a beacon says after its hello: a death now is a loss; it ended its training well."""
 
 
 class _Server:
@@ -42,11 +54,22 @@ class _Server:
 
     def __init__(self, hello: bytes, host: str, limit: int) -> None:
         self.hello, self.limit = hello, limit
+        self.word = TRAINING
         self.sock = socket.create_server((host, 0), backlog=max(limit, 128))  # every watcher at once
         self.address = f"{host}:{self.sock.getsockname()[1]}"
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.sock, selectors.EVENT_READ)
+        self.lock = threading.Lock()  # the held connections: this thread, ``say`` and ``close``
         threading.Thread(target=self._serve, name="air-beacon", daemon=True).start()
+
+    def say(self, word: bytes) -> None:
+        """Tell every watcher, and every later one, ``word``."""
+        with self.lock:
+            self.word = word
+            for key in list(self.selector.get_map().values()):
+                if key.fileobj is not self.sock:
+                    with contextlib.suppress(OSError):  # a watcher gone: its end-of-file drops it
+                        key.fileobj.send(word)  # type: ignore[union-attr]
 
     def _serve(self) -> None:
         while True:
@@ -61,7 +84,8 @@ class _Server:
                 except OSError:
                     said = b""
                 if not said:
-                    self.selector.unregister(conn)
+                    with self.lock:
+                        self.selector.unregister(conn)
                     conn.close()
 
     def _accept(self) -> None:
@@ -70,14 +94,15 @@ class _Server:
         except OSError:  # out of file descriptors: the watcher's connect times out, and it goes unwatched
             time.sleep(1.0)
             return
-        try:
-            if len(self.selector.get_map()) > self.limit:
-                raise OSError("more watchers than the job has ranks")
-            conn.sendall(self.hello)  # a few bytes: they fit the send buffer
-        except OSError:
-            conn.close()
-            return
-        self.selector.register(conn, selectors.EVENT_READ)
+        with self.lock:
+            try:
+                if len(self.selector.get_map()) > self.limit:
+                    raise OSError("more watchers than the job has ranks")
+                conn.sendall(self.hello + self.word)  # a few bytes: they fit the send buffer
+            except OSError:
+                conn.close()
+                return
+            self.selector.register(conn, selectors.EVENT_READ)
 
     def close(self) -> None:
         for key in list(self.selector.get_map().values()):
@@ -91,6 +116,9 @@ class _Watch:
     def __init__(self, address: str, hello: bytes) -> None:
         self.address, self.hello = address, hello
         self.sock: socket.socket | None = None
+        self.word = TRAINING  # its last word
+        self.ended = False
+        self.lock = threading.Lock()  # read by the commit waits (the writer) and the watchdog
 
     def connect(self) -> None:
         host, _, port = self.address.rpartition(":")
@@ -100,15 +128,15 @@ class _Watch:
             logger.info("cannot watch the process at %s (%s): only its host sees it die", self.address, exc)
             return
         said = b""
-        try:
-            while not said.endswith(b"\n") and len(said) <= len(self.hello):
-                chunk = sock.recv(len(self.hello))
+        try:  # the hello, then at least one word
+            while len(said) <= len(self.hello):
+                chunk = sock.recv(len(self.hello) + 1 - len(said))
                 if not chunk:
                     break
                 said += chunk
         except OSError:
             pass
-        if said != self.hello:
+        if said[:-1] != self.hello:
             sock.close()
             logger.info("another process answers at %s: the one it was to watch is not watched", self.address)
             return
@@ -117,17 +145,23 @@ class _Watch:
             if hasattr(socket, option):  # Linux; elsewhere the system's keep-alive times
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
         sock.setblocking(False)
+        self.word = said[-1:]
         self.sock = sock
 
     def closed(self) -> bool:
-        if self.sock is None:
-            return False
-        try:
-            return not self.sock.recv(1, socket.MSG_PEEK)
-        except BlockingIOError:
-            return False  # open, nothing said: it lives
-        except OSError:
-            return True  # reset, or keep-alives unanswered
+        """Whether its connection ended (reading the words said so far)."""
+        with self.lock:
+            if self.sock is None or self.ended:
+                return self.ended
+            try:
+                while said := self.sock.recv(64):
+                    self.word = said[-1:]
+                self.ended = True  # end-of-file: the process ended
+            except BlockingIOError:
+                pass  # open, nothing more said: it lives
+            except OSError:
+                self.ended = True  # reset, or keep-alives unanswered
+            return self.ended
 
 
 _server: _Server | None = None
@@ -137,15 +171,24 @@ _watches: dict[tuple[str, bytes], _Watch] = {}
 def serve(hello: str, *, toward: str, limit: int) -> str:
     """Listen (once per process) on this host's address on the route to ``toward`` (the rendezvous host,
     ``MASTER_ADDR``; "": this host's name), for at most ``limit`` watchers; return ``"host:port"``, or ""
-    where no address could be found (then no rank can watch this one)."""
+    where no address could be found (then no rank can watch this one). Serving again (a later session
+    of this process) tells the watchers that it trains again, after a ``farewell``."""
     global _server
-    if _server is None:
-        try:
-            _server = _Server(hello.encode(), _route_to(toward or socket.gethostname()), limit)
-        except OSError as exc:
-            logger.info("no liveness beacon (%s): this rank's death is seen only by its host", exc)
-            return ""
+    if _server is not None:
+        _server.say(TRAINING)
+        return _server.address
+    try:
+        _server = _Server(hello.encode(), _route_to(toward or socket.gethostname()), limit)
+    except OSError as exc:
+        logger.info("no liveness beacon (%s): this rank's death is seen only by its host", exc)
+        return ""
     return _server.address
+
+
+def farewell() -> None:
+    """This rank ended its training well: its end, from now on, is no loss to its watchers."""
+    if _server is not None:
+        _server.say(ENDED_WELL)
 
 
 def address() -> str:
@@ -177,6 +220,12 @@ def closed(address: str, hello: str) -> bool:
     return found is not None and found.closed()
 
 
+def lost(address: str, hello: str) -> bool:
+    """Whether it ended without a ``farewell`` since it was watched: killed, crashed, or its host gone."""
+    found = _watches.get((address, hello.encode()))
+    return found is not None and found.closed() and found.word != ENDED_WELL
+
+
 def _route_to(host: str) -> str:
     """This host's address on its route to ``host`` (a UDP socket's connect sends nothing)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -197,4 +246,11 @@ def _forget() -> None:
     _watches.clear()
 
 
+def _at_exit() -> None:
+    """The interpreter exits: well, unless an exception ended the main thread (``sys.last_value``)."""
+    if getattr(sys, "last_value", None) is None:
+        farewell()
+
+
 os.register_at_fork(after_in_child=_forget)
+atexit.register(_at_exit)

@@ -95,3 +95,8 @@ class Process:
         if self.started and read[1][START_TICKS] != self.started:
             return True  # a later process has its pid
         return read[1][STATE] in ("Z", "X")
+
+    def lost(self) -> bool:
+        """Whether, on another host and watched from here, it ended without ending its training well
+        (``liveness.farewell``): killed, crashed, or its host gone. The job cannot go on without it."""
+        return bool(self.beacon) and liveness.lost(self.beacon, self.hello)

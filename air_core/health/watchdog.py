@@ -8,6 +8,13 @@ spends in checkpoint saves, restores and flushes is ``paused()`` and never count
 ``os._exit(HANG_EXIT_CODE)`` so that ``torchrun --max-restarts`` restarts the job from its newest commit.
 Key decision: exit rather than raise. A hung thread cannot be interrupted, and the other ranks block in
 their next collective; only a process exit frees them (the launcher stops them when one rank fails).
+
+The same thread stops a rank whose peer on another host was lost (``lost``: ``procfs.Process.lost``, seen
+through its liveness beacon): the launcher of that host cannot tell this one, and this rank's next
+collective would wait for the process group's timeout (NCCL's: 10 minutes) before the job restarts. It
+commits the saves in flight first (``ExitOnHang``'s ``flush``: they need no collective, and a wait for the
+lost rank's part ends at once), then exits as on a hang. Rank 0 watches every rank and the others rank 0,
+so one loss stops the job's ranks in two hops, and torchrun's next rendezvous restarts the rest.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ DEFAULT_FACTOR = 10.0
 """The derived limit is this many times the 99th percentile of the recent step times."""
 _SAMPLES = 1000
 """Step times kept for the percentile (the most recent)."""
+_LOST_EVERY_SECONDS = 1.0
+"""How often the watch thread looks for a lost peer (and, at most, for a hang)."""
 _REPORT_SECONDS = 60.0
 """Bound on writing the report (log, files beside the checkpoints) before the exit."""
 
@@ -58,6 +67,8 @@ class Hang:
     """When the watchdog fired (``time.time()``)."""
     thread_id: int | None
     """``threading.get_ident()`` of the thread that beat last (the training thread)."""
+    lost: str = ""
+    """The peer whose loss stopped this rank (``describe``d); "" for a hang."""
 
 
 class Watchdog:
@@ -66,7 +77,8 @@ class Watchdog:
     Call order, all from the training thread unless said: ``arm`` (the first step is next; starts the
     watch thread), ``beat`` after each step (``beat()`` for other progress: an evaluation batch),
     ``paused()`` around time that is not a hang (saves, restores, flushes: any thread, nestable),
-    ``close`` (idempotent; the watchdog never fires after it). ``on_hang`` runs on the watch thread.
+    ``close`` (idempotent; the watchdog never fires after it). ``on_hang`` runs on the watch thread, for a
+    hang or, with ``lost``, for a lost peer (``Hang.lost``), never while paused.
 
     Args:
         timeout_seconds: the limit; None: derived from the step times (see the module docstring).
@@ -74,6 +86,7 @@ class Watchdog:
         on_hang: called once, on the watch thread, with the ``Hang`` (typically ``ExitOnHang``).
         factor: the derived limit's multiple of the 99th percentile step time.
         clock: monotonic seconds (injectable for tests).
+        lost: returns the peer lost ("" none), asked about once a second on the watch thread.
     """
 
     def __init__(
@@ -84,7 +97,9 @@ class Watchdog:
         on_hang: Callable[[Hang], None],
         factor: float = DEFAULT_FACTOR,
         clock: Callable[[], float] = time.monotonic,
+        lost: Callable[[], str] | None = None,
     ) -> None:
+        self._lost = lost
         self._timeout = timeout_seconds
         self._floor = floor_seconds
         self._factor = factor
@@ -173,16 +188,17 @@ class Watchdog:
         return max(self._floor, self._factor * p99)
 
     def check(self) -> Hang | None:
-        """The hang, if the time since the last beat ran over the limit now (never while paused, before
-        ``arm`` or after ``close``); does not call ``on_hang``."""
+        """The hang, if the time since the last beat ran over the limit now, or a peer was lost (never while
+        paused, before ``arm`` or after ``close``); does not call ``on_hang``."""
         limit = self.limit_seconds()
+        lost = self._lost() if self._lost is not None else ""
         with self._lock:
             if not self._armed or self._paused or self._fired:
                 return None
             since = self._clock() - self._last
-            if since <= limit + self._grace:
+            if since <= limit + self._grace and not lost:
                 return None
-            return Hang(since, limit + self._grace, self._step, time.time(), self._thread_id)
+            return Hang(since, limit + self._grace, self._step, time.time(), self._thread_id, lost)
 
     def _remaining(self) -> float:
         with self._lock:
@@ -192,7 +208,7 @@ class Watchdog:
         return left + self.limit_seconds()
 
     def _run(self) -> None:
-        while not self._stop.wait(min(max(self._remaining(), 0.01), 1.0)):
+        while not self._stop.wait(min(max(self._remaining(), 0.01), _LOST_EVERY_SECONDS)):
             hang = self.check()
             if hang is None:
                 continue
@@ -245,8 +261,10 @@ class ExitOnHang:
     Logs every thread's stack (ERROR) and, with ``write``, puts them and a JSON record beside the
     checkpoints; ``record`` receives the record too (rank 0's goodput log). Each of these runs on a
     helper thread bounded by ``report_timeout_seconds`` in all: whatever hangs there (a log handler's
-    lock, the storage) cannot stop the exit. No in-flight save is flushed: it might hang as well, and
-    the next launch resumes from the newest commit. Nothing can catch ``os._exit``.
+    lock, the storage) cannot stop the exit. After a hang no in-flight save is flushed: it might hang as
+    well, and the next launch resumes from the newest commit. After a lost peer (``Hang.lost``) ``flush``
+    commits them first (bounded by its caller): the training thread waits in a collective, not on a
+    lock the writer needs. Nothing can catch ``os._exit``.
 
     Args:
         who: the configured class, for the log line.
@@ -254,6 +272,7 @@ class ExitOnHang:
         launch_id: this launch's id (names the files).
         write: ``(path under the root, bytes)``: the checkpoint root's writer; None: log only.
         record: receives the hang record (a dict), e.g. ``GoodputLog.hang``.
+        flush: commits the saves in flight, before the exit for a lost peer (bounded, raises nothing).
         exit: the process exit (injectable for tests).
     """
 
@@ -266,10 +285,11 @@ class ExitOnHang:
         write: Callable[[str, bytes], None] | None = None,
         record: Callable[[dict[str, object]], None] | None = None,
         report_timeout_seconds: float = _REPORT_SECONDS,
+        flush: Callable[[], None] | None = None,
         exit: Callable[[int], object] = os._exit,
     ) -> None:
         self._who, self._rank, self._launch_id = who, rank, launch_id
-        self._write, self._record = write, record
+        self._write, self._record, self._flush = write, record, flush
         self._timeout = report_timeout_seconds
         self._exit = exit
 
@@ -277,12 +297,20 @@ class ExitOnHang:
         stacks = dump_stacks()
         host = socket.gethostname()
         where = hang_stacks_path(self._launch_id, self._rank)
+        thread = hang.thread_id and f"0x{hang.thread_id:016x}"
         header = (
             f"{self._who}: rank {self._rank} on {host} made no progress for {hang.seconds:.1f} s (limit "
-            f"{hang.limit_seconds:.1f} s; last step {hang.step}); the training thread is "
-            f"{hang.thread_id and f'0x{hang.thread_id:016x}'}. Every thread's stack follows (also in "
-            f"{where} under the checkpoint root); exiting with {HANG_EXIT_CODE} for the launcher to restart "
-            "the job from its newest commit."
+            f"{hang.limit_seconds:.1f} s; last step {hang.step}); the training thread is {thread}."
+        )
+        if hang.lost:
+            header = (
+                f"{self._who}: rank {self._rank} on {host} lost {hang.lost}: it ended without ending its "
+                f"training (killed, crashed, or its host gone), and this rank's next collective would wait "
+                f"for the process group's timeout. Last step {hang.step}; the training thread is {thread}."
+            )
+        header += (
+            f" Every thread's stack follows (also in {where} under the checkpoint root); exiting with "
+            f"{HANG_EXIT_CODE} for the launcher to restart the job from its newest commit."
         )
         if waits_for_a_batch(stacks, hang.thread_id):
             free = shared_memory_free()
@@ -298,6 +326,8 @@ class ExitOnHang:
                 header += f" {FORK_HINT}"
         event: dict[str, object] = {"e": "hang", "launch": self._launch_id, "rank": self._rank, "host": host}
         event |= {"s": hang.step, "t": hang.time, "since": hang.seconds, "limit": hang.limit_seconds}
+        if hang.lost:
+            event["lost"] = hang.lost
 
         def log() -> None:
             logger.error("%s\n%s", header, stacks)
@@ -322,6 +352,8 @@ class ExitOnHang:
         if helpers[0].is_alive():  # the log itself is stuck: straight to the standard error's descriptor
             with contextlib.suppress(OSError):
                 os.write(2, f"{header}\n{stacks}".encode())
+        if hang.lost and self._flush is not None:
+            self._flush()
         self._exit(HANG_EXIT_CODE)
 
     def _guarded(self, write: Callable[[], object], what: str) -> None:

@@ -100,17 +100,31 @@ class SessionHealth:
         for problem in self.report.problems():
             sink.tag(f"preflight.{problem.check}.{problem.host}", f"{problem.status}: {problem.message}")
 
-    def arm(self, *, write: Callable[[str, bytes], None], record: Callable[[dict[str, Any]], None]) -> None:
-        """Start the hang watchdog (with ``hang_watchdog``; once): a hang writes its report through
-        ``write`` (beside the checkpoints) and hands its record to ``record`` (rank 0's goodput log)."""
+    def arm(
+        self,
+        *,
+        write: Callable[[str, bytes], None],
+        record: Callable[[dict[str, Any]], None],
+        lost: Callable[[], str],
+        flush: Callable[[], None],
+    ) -> None:
+        """Start the hang watchdog (with ``hang_watchdog``; once): a hang, or a peer ``lost`` (its
+        description), writes its report through ``write`` (beside the checkpoints) and hands its record to
+        ``record`` (rank 0's goodput log); a lost peer's ``flush``es the saves in flight first."""
         if not self.config.hang_watchdog or self._watchdog is not None:
             return
         self._watchdog = Watchdog(
             self.config.hang_timeout_seconds,
             floor_seconds=self.config.hang_floor_seconds,
             on_hang=ExitOnHang(
-                who=self.config.owner, rank=self.rank, launch_id=self.launch_id, write=write, record=record
+                who=self.config.owner,
+                rank=self.rank,
+                launch_id=self.launch_id,
+                write=write,
+                record=record,
+                flush=flush,
             ),
+            lost=lost,
         )
         self._watchdog.arm()
         hazard = restart_hazard()

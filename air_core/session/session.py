@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import commit, dcp, procfs
+from .. import commit, dcp, liveness, procfs
 from ..checkpointer import AsyncCheckpointer, SaveHandle
 from ..compat import check_fits
 from ..config import CheckpointerConfig
@@ -590,7 +590,16 @@ class TrainingSession:
             self.health.log_preflight(self._sink)
         if not self._closed:
             self._preemption.install()
-            self.health.arm(write=self._write_hang, record=self._record_hang)
+            self.health.arm(
+                write=self._write_hang,
+                record=self._record_hang,
+                lost=self._lost_peer,
+                flush=lambda: self._preemption.flush("a lost peer"),
+            )
+
+    def _lost_peer(self) -> str:  # the watchdog's thread, once a second
+        """A rank this one watches (``commit.gather_peers``) that ended without ending its training."""
+        return next((f"rank {r} ({p.describe()})" for r, p in enumerate(self.peers) if p.lost()), "")
 
     def _stopped_by_sigterm(self) -> None:  # the air-sigterm thread, the flush done: the process ends now
         # A step under way is cut short; a relaunch does it again (``goodput.per_launch``).
@@ -704,6 +713,8 @@ class TrainingSession:
         self._preemption.wait(last=True)
         self._closed = True
         self.health.close()
+        if self._failed is None:
+            liveness.farewell()  # its end from now on is no loss to the ranks watching it
         try:
             self.close_checkpointer()
         finally:

@@ -169,6 +169,16 @@ def _die_once(args, accelerator, step: int) -> None:
     die(agent=bool(agent))
 
 
+def _nap_once(args, step: int) -> None:
+    """--nap STEP:NODE:SECONDS: in step STEP (1-based) the rank of node NODE (``AIR_NODE_NAME``) spends
+    SECONDS outside any collective (a long step: as a rank waits in a GPU collective), first launch only."""
+    at, node, seconds = args.nap.split(":")
+    marker = os.path.join(args.workdir, "napped-once")
+    if step == int(at) and node == os.environ.get("AIR_NODE_NAME") and not os.path.exists(marker):
+        open(marker, "w").close()
+        busy(float(seconds))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("workdir")
@@ -208,6 +218,7 @@ def main() -> None:
     p.add_argument("--local-dir", default="", help="its local_dir (default WORKDIR/local-$AIR_NODE_NAME)")
     p.add_argument("--die", default="", help="STEP[:RANK][:agent]: SIGKILL before that step, once")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps")
+    p.add_argument("--nap", default="", help="STEP:NODE:SECONDS: that node's rank naps in that step, once")
     p.add_argument("--zip", action="store_true", help="a second train loader: zip(loader, second)")
     p.add_argument("--seq", action="store_true", help="a second train loader, after the first each epoch")
     p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps: batches per step")
@@ -272,6 +283,8 @@ def main() -> None:
                     _hang_once(args, accelerator.process_index, step + 1)
                 if args.die:
                     _die_once(args, accelerator, step + 1)
+                if args.nap:
+                    _nap_once(args, step + 1)
                 if args.step_sleep:
                     busy(args.step_sleep)
                 if args.tracker:

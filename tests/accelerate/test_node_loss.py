@@ -103,3 +103,20 @@ def test_a_node_lost_in_a_save_does_not_hold_the_survivor_until_the_commit_timeo
     assert [first[0]["world"], alone[0]["world"]] == [2, 1], "2 -> 1 processes"
     assert min(r["step"] for r in alone) == 3, "resumed from the newest commit"
     assert (tmp_path / "final.pt").exists(), "training completed"
+
+
+def test_a_rank_whose_peer_on_another_node_was_lost_stops_at_once_instead_of_at_its_next_collective(tmp_path):
+    """Node B is lost while A's rank spends a long step outside any collective, as a rank waits in a GPU
+    collective whose peer died (NCCL notices at the process group's timeout, 10 minutes). A's watchdog
+    sees B's beacon close without a farewell within a second, commits what is in flight and exits with
+    87, so that A's agent re-forms the job at world 1 at once, not when the step ends (200 s, past this
+    test's bound) and its collective fails."""
+    args = ("--every", "3", "--epochs", "2", "--elastic", "--die", "6:B:agent", "--nap", "6:A:200",
+            "--step-sleep", "0.15")  # fmt: skip
+    log_a = lose_node_b(JOB, tmp_path, *args, timeout=120)["A"]
+    assert "ended without ending its training" in log_a, log_a[-4000:]
+    assert "exitcode: 87" in log_a, log_a[-4000:]
+    first, alone = _launches(tmp_path)[-2:]
+    assert [first[0]["world"], alone[0]["world"]] == [2, 1], "2 -> 1 processes"
+    assert min(r["step"] for r in alone) == 3, "resumed from the newest commit"
+    assert (tmp_path / "final.pt").exists(), "training completed"

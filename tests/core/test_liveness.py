@@ -13,23 +13,39 @@ import time
 from air_core import liveness, procfs
 from tests.conftest import REPO
 
-# Serves its beacon and prints its Process; at a line on stdin (once watched) forks a child that outlives
-# it by 30 s (a loader worker, forked with the watch's connection open) and prints the child's pid.
+# Serves its beacon and prints its Process, then acts on each line of stdin, answering "ok": "fork" forks
+# a child that outlives it by 30 s (a loader worker, forked with the watches' connections open) and
+# answers its pid; "farewell" says it ended its training well; "serve" serves again (a later session);
+# "exit" exits as a script ends (atexit runs), "raise" with an uncaught exception.
 _PEER = """
 import dataclasses, json, os, sys, time
 from air_core import liveness, procfs
-liveness.serve(procfs.Process.this().hello, toward="127.0.0.1", limit=4)
+me = procfs.Process.this()
+liveness.serve(me.hello, toward="127.0.0.1", limit=4)
 print(json.dumps(dataclasses.asdict(procfs.Process.this())), flush=True)
-sys.stdin.readline()
-parent = os.getpid()
-child = os.fork()
-if child == 0:
-    while os.getppid() == parent:
-        time.sleep(0.05)
-    time.sleep(30)
-    os._exit(0)
-print(child, flush=True)
-time.sleep(60)
+for line in sys.stdin:
+    line = line.strip()
+    if line == "fork":
+        parent = os.getpid()
+        child = os.fork()
+        if child == 0:
+            while os.getppid() == parent:
+                time.sleep(0.05)
+            time.sleep(30)
+            os._exit(0)
+        print(child, flush=True)
+        continue
+    if line == "farewell":
+        liveness.farewell()
+    elif line == "serve":
+        liveness.serve(me.hello, toward="127.0.0.1", limit=4)
+    elif line in ("exit", "raise"):
+        print("ok", flush=True)
+        time.sleep(0.2)
+        if line == "raise":
+            raise RuntimeError("a rank crashed")
+        sys.exit(0)
+    print("ok", flush=True)
 """
 
 
@@ -40,6 +56,18 @@ def _peer(node: str = "elsewhere") -> tuple[subprocess.Popen, procfs.Process]:
     proc = subprocess.Popen([sys.executable, "-c", _PEER], stdin=pipe, stdout=pipe, text=True, env=env)
     assert proc.stdout is not None
     return proc, procfs.Process(**json.loads(proc.stdout.readline()))
+
+
+def _say(proc: subprocess.Popen, line: str) -> str:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().strip()
+
+
+def _watched(peer: procfs.Process) -> None:
+    liveness.watch([(peer.beacon, peer.hello)])
+    _until(lambda: liveness._watches[(peer.beacon, peer.hello.encode())].sock is not None, "watched")
 
 
 def _until(predicate, what: str) -> None:
@@ -54,16 +82,13 @@ def test_a_watched_process_on_another_host_is_gone_once_it_dies_though_its_forke
     child = 0
     try:
         assert peer.space != procfs.pid_space() and peer.beacon.startswith("127.0.0.1:")
-        liveness.watch([(peer.beacon, peer.hello)])
-        _until(lambda: liveness._watches[(peer.beacon, peer.hello.encode())].sock is not None, "watched")
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write("fork\n")
-        proc.stdin.flush()
-        child = int(proc.stdout.readline())
+        _watched(peer)
+        child = int(_say(proc, "fork"))
         time.sleep(0.2)
-        assert not peer.gone(), "it lives"
+        assert not peer.gone() and not peer.lost(), "it lives"
         os.kill(proc.pid, signal.SIGKILL)
         _until(peer.gone, "the watch saw the death (the child closed its copies of the beacon's sockets)")
+        assert peer.lost(), "killed: its training did not end well"
         assert procfs.stat(child)[1][procfs.STATE] not in ("Z", "X"), "the child still runs"
     finally:
         proc.kill()
@@ -89,3 +114,29 @@ def test_a_process_not_watched_or_answered_by_another_is_never_called_gone():
         for p in (proc, other):
             p.kill()
             p.wait()
+
+
+def test_a_process_that_ended_its_training_well_is_gone_but_not_lost():
+    """A farewell (a session closed without a failure, or a script's normal end) makes its end no loss;
+    serving again (its next session) makes a death a loss again; an uncaught exception says no farewell."""
+    ends = {}
+    for how in ("farewell", "exit", "again", "raise"):
+        proc, peer = _peer(f"node-{how}")
+        try:
+            _watched(peer)
+            if how in ("farewell", "again"):
+                assert _say(proc, "farewell") == "ok"
+            if how == "again":
+                assert _say(proc, "serve") == "ok"
+            if how in ("exit", "raise"):
+                assert _say(proc, how) == "ok"
+                proc.wait(timeout=30)
+            else:
+                time.sleep(0.2)  # the words reach the watch before the death
+                os.kill(proc.pid, signal.SIGKILL)
+            _until(peer.gone, f"{how}: the watch saw the end")
+            ends[how] = peer.lost()
+        finally:
+            proc.kill()
+            proc.wait()
+    assert ends == {"farewell": False, "exit": False, "again": True, "raise": True}, ends

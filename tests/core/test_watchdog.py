@@ -4,6 +4,7 @@ the report it leaves beside the checkpoints, and the exit that nothing can stop.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import platform
@@ -144,6 +145,35 @@ def test_the_watch_thread_calls_on_hang_once_and_not_while_paused():
         assert len(calls) == 1 and calls[0].step == 7, f"fired once, after step 7: {calls}"
     finally:
         dog.close()
+
+
+def test_a_lost_peer_fires_at_once_but_not_while_paused_and_its_report_flushes_before_the_exit(caplog):
+    """A peer lost (``lost`` names it) is reported within the watch thread's second however long the limit,
+    never while paused (a save, a SIGTERM's flush); the report names the peer, and the saves in flight
+    are flushed before the exit, which a hang's is not."""
+    lost, hangs = [""], []
+    dog = Watchdog(600.0, on_hang=hangs.append, clock=Clock(), lost=lambda: lost[0])
+    dog.arm()
+    try:
+        dog.beat(4)
+        assert dog.check() is None, "nothing lost, no hang"
+        lost[0] = "rank 3 (pid 12 on host b)"
+        with dog.paused():
+            assert dog.check() is None, "paused: a flush or a save under way goes on"
+        hang = dog.check()
+        assert hang is not None and hang.lost == lost[0] and hang.step == 4, hang
+    finally:
+        dog.close()
+    done: list[str] = []
+    handler = ExitOnHang(who="Test", rank=0, launch_id="L" * 32, flush=lambda: done.append("flush"),
+                         exit=lambda code: done.append(f"exit {code}"))  # fmt: skip
+    with caplog.at_level(logging.ERROR, logger="air_core.health.watchdog"):
+        handler(hang)
+        handler(dataclasses.replace(hang, lost=""))
+    assert done == ["flush", f"exit {HANG_EXIT_CODE}", f"exit {HANG_EXIT_CODE}"], "a hang flushes nothing"
+    lost_line, hang_line = (r.getMessage().split("\n", 1)[0] for r in caplog.records)
+    assert "rank 0 on" in lost_line and "lost rank 3 (pid 12 on host b)" in lost_line, lost_line
+    assert "made no progress" in hang_line and "lost" not in hang_line, hang_line
 
 
 def _sleeping_in_a_training_step(stop: threading.Event) -> None:
