@@ -133,6 +133,11 @@ class FlushOnSigterm:
             self._installed = True
             _installed.add(self)
 
+    @property
+    def stopping(self) -> bool:
+        """A SIGTERM reached this rank and its stop is under way (waiting for the vote, or flushing)."""
+        return self._flushing is not None
+
     def flush(self, why: str) -> None:
         """Commit what is in flight; failures are logged, not raised (the caller is already failing)."""
         ckpt = self._checkpointer()

@@ -598,7 +598,11 @@ class TrainingSession:
             )
 
     def _lost_peer(self) -> str:  # the watchdog's thread, once a second
-        """A rank this one watches (``commit.gather_peers``) that ended without ending its training."""
+        """A rank this one watches (``commit.gather_peers``) that ended without ending its training; none
+        once a SIGTERM is stopping this rank (the launcher or scheduler stops every rank: their ends are
+        no loss to act on)."""
+        if self._preemption.stopping:
+            return ""
         return next((f"rank {r} ({p.describe()})" for r, p in enumerate(self.peers) if p.lost()), "")
 
     def _stopped_by_sigterm(self) -> None:  # the air-sigterm thread, the flush done: the process ends now

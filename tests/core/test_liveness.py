@@ -140,3 +140,22 @@ def test_a_process_that_ended_its_training_well_is_gone_but_not_lost():
             proc.kill()
             proc.wait()
     assert ends == {"farewell": False, "exit": False, "again": True, "raise": True}, ends
+
+
+def test_a_session_names_the_watched_peer_it_lost(tmp_path):
+    """What the session's watchdog asks once a second: a peer on another host, watched, killed."""
+    from air_core.session import SessionConfig, TrainingSession
+
+    session = TrainingSession(SessionConfig(mlflow=False, preflight=False), rank=0, world_size=1)
+    proc, peer = _peer()
+    try:
+        _watched(peer)
+        session.peers = (procfs.Process.this(), peer)
+        assert session._lost_peer() == ""
+        os.kill(proc.pid, signal.SIGKILL)
+        _until(peer.gone, "the watch saw the death")
+        assert session._lost_peer() == f"rank 1 ({peer.describe()})"
+    finally:
+        proc.kill()
+        proc.wait()
+        session.close(0)
