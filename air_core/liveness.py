@@ -6,10 +6,11 @@ or one that a rank of its host writes for it, which a lost node has none left to
 a save in flight held the survivors (and their restart by torchrun) for ``commit_timeout_seconds``.
 
 So each rank of a session listens on a TCP port (``serve``) and holds every connection made to it open,
-saying only a hello that names its process and its words (below). A rank connects to the ranks its waits depend on at
-the session's start (``watch``); such a connection reads end-of-file as soon as that process ends,
-however it ends (its kernel closes its sockets, SIGKILL included), and fails when its host stops answering
-TCP keep-alives (``KEEPALIVE``: about 15 s), as gloo's own connections fail. ``closed`` says so.
+saying only a hello that names its process and its words (below). A rank connects to the ranks its
+waits depend on at the session's start (``watch``); such a connection reads end-of-file as soon as that
+process ends, however it ends (its kernel closes its sockets, SIGKILL included), and fails when its host
+stops answering TCP keep-alives (``KEEPALIVE``: about 15 s), as gloo's own connections fail. ``closed``
+says so.
 
 Only a connection that was made, answered by the process named, and then closed counts as a death: an
 address that cannot be reached, or another process behind it, leaves that peer unwatched (logged once),

@@ -473,8 +473,9 @@ def per_launch(launches: list[list[dict[str, Any]]]) -> list[LaunchTime]:
             restored = sum(e["seconds"] for e in events if e["e"] == "restore" and e["t"] <= first)
             t["restore"] = min(restored, before)
             t["startup"] = before - t["restore"]
-        # A hang: from the stopped rank's last progress to its exit (ranks that fired together, once).
-        stopped = [e["since"] for e in events if e["e"] == "hang"]
+        # A hang: from the stopped rank's last progress to its exit (ranks that fired together, once). A
+        # rank stopped for a lost peer (``lost``) did not hang: that time goes with the failure, in other.
+        stopped = [e["since"] for e in events if e["e"] == "hang" and not e.get("lost")]
         if stopped:
             t["hangs"], t["hung"] = max(stopped), True
         productive = stalls = waits = recomputed = 0.0

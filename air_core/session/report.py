@@ -1,6 +1,6 @@
 """What ``air report`` shows besides goodput and accounting: checkpoint latencies, fetch_seconds,
-restores, pre-flights, stragglers and hangs of every launch, from the goodput log (``goodput.py``), as
-one JSON-able object and as its text, and the report's plot."""
+restores, pre-flights, stragglers, hangs and ranks stopped for a lost peer of every launch, from the
+goodput log (``goodput.py``), as one JSON-able object and as its text, and the report's plot."""
 
 from __future__ import annotations
 
@@ -35,7 +35,13 @@ def measures(launches: list[list[dict[str, Any]]]) -> dict[str, Any]:
         | {"limit_seconds": e["limit"], "stacks": hang_stacks_path(e["launch"], e["rank"])}
         for i, events in enumerate(launches, 1)
         for e in events
-        if e["e"] == "hang"
+        if e["e"] == "hang" and not e.get("lost")
+    ]
+    lost = [
+        {"launch": i, "rank": e["rank"], "host": e["host"], "step": e["s"], "lost": e["lost"]}
+        for i, events in enumerate(launches, 1)
+        for e in events
+        if e["e"] == "hang" and e.get("lost")
     ]
     return {
         "checkpoints": {
@@ -48,6 +54,7 @@ def measures(launches: list[list[dict[str, Any]]]) -> dict[str, Any]:
         "preflight": preflights,
         "stragglers": _stragglers([e for events in launches for e in events if e["e"] == "straggler"]),
         "hangs": hangs,
+        "lost_peers": lost,
     }
 
 
@@ -86,6 +93,11 @@ def measure_lines(measured: dict[str, Any]) -> list[str]:
         f"hang (launch {h['launch']}): rank {h['rank']} on {h['host']} after step {h['step']}, no progress "
         f"for {h['since_seconds']:.1f} s (limit {h['limit_seconds']:.1f} s); stacks in {h['stacks']}"
         for h in measured["hangs"]
+    ]
+    out += [
+        f"stopped (launch {s['launch']}): rank {s['rank']} on {s['host']} after step {s['step']}, having "
+        f"lost {s['lost']} (ended without ending its training)"
+        for s in measured["lost_peers"]
     ]
     return out
 

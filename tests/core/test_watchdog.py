@@ -21,6 +21,7 @@ from air_core.health.loader_workers import loader_workers
 from air_core.health.watchdog import HANG_EXIT_CODE, ExitOnHang, Hang, Watchdog, dump_stacks, restart_hazard
 from air_core.session import SessionConfig
 from air_core.session.goodput import analyze, read_events
+from air_core.session.report import measure_lines, measures
 from air_core.storage import Storage
 from tests.conftest import run_python
 from tests.zygote import python
@@ -352,6 +353,23 @@ def test_a_hang_is_its_own_badput_line_and_a_logless_launch_still_counts(tmp_pat
     assert "lost to hangs (2)" in g.report() and g.as_metrics()["goodput_hangs_seconds"] == 18.0
     parts = g.productive + g.checkpoint_stalls + g.data_waits + g.startup + g.restore + g.recomputed
     assert parts + g.hangs + g.other == pytest.approx(g.wall), "the hang is carved out of the wall time"
+
+
+def test_a_rank_stopped_for_a_lost_peer_is_reported_as_such_and_not_as_a_hang(tmp_path):
+    storage = Storage(str(tmp_path), storage_options={}, retries=0, retry_backoff_seconds=0.0)
+    events = [{"e": "start", "t": 0.0, "launch": "a" * 32}]
+    events += [{"e": "step", "s": s, "t": float(s), "d": 1.0, "f": 0.0} for s in (1, 2, 3)]
+    storage.write_bytes(".air-events/19700101T000000-aaaaaaaa/rank-00000-000000.jsonl", _jsonl(events))
+    stop = {"e": "hang", "launch": "a" * 32, "rank": 0, "host": "h", "s": 3, "t": 4.5, "since": 1.5}
+    stop |= {"limit": 300.0, "lost": "rank 1 (pid 7 on host b)"}
+    storage.write_bytes(f".air-events/hang-{'a' * 32}-rank00000.json", json.dumps(stop).encode())
+    launches = read_events(storage)
+    g = analyze(launches)
+    assert (g.hang_count, g.hangs) == (0, 0.0), f"no hang: {g}"
+    measured = measures(launches)
+    assert measured["hangs"] == [] and [s["lost"] for s in measured["lost_peers"]] == [stop["lost"]]
+    line = measure_lines(measured)[-1]
+    assert line.startswith("stopped (launch 1): rank 0 on h after step 3, having lost rank 1"), line
 
 
 def _jsonl(events: list[dict]) -> bytes:
