@@ -1,17 +1,18 @@
 """One rank of a 2-process gloo job that saves through AsyncCheckpointer (run as a script by tests).
 
 Usage: python tests/dist_worker.py RANK WORLD ROOT INIT_FILE SCENARIO
-SCENARIO: ``ok`` (two saves), ``slow`` (rank 1 uploads its part late), ``die`` (rank 1 is SIGKILLed
-before its part of the second save), ``die0`` (rank 0 is SIGKILLed as it commits the second save: rank 1
-has its part written), ``witness`` (as ``die``, every rank given the ``peers``: run with rank 1 and another
-rank on one "node" and rank 0 on another, ``AIR_NODE_NAME``), ``far``/``far0`` (as ``die``/``die0``,
-every rank given the ``peers``: run with each rank on a "node" of its own), ``fail0``/``fail1`` (rank 0's or
-rank 1's part of the second save fails: a folder stands where its file goes; then both save it again,
-without it).
+SCENARIO: ``ok`` (two saves), ``slow`` (rank 1 uploads its part late), ``die`` (rank 1 is SIGKILLed before its
+part of the second save), ``die0`` (rank 0 is SIGKILLed as it commits the second save: rank 1 has its part
+written), ``witness`` (as ``die``, every rank given the ``peers``: run with rank 1 and another rank on one
+"node" and rank 0 on another, ``AIR_NODE_NAME``; rank 1's beacon unreachable from rank 0), ``far``/``far0``
+(as ``die``/``die0``, every rank given the ``peers``: run with each rank on a "node" of its own),
+``fail0``/``fail1`` (rank 0's or rank 1's part of the second save fails: a folder stands where its file goes;
+then both save it again, without it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -58,6 +59,8 @@ def main() -> None:
     if scenario in ("witness", "far", "far0"):  # as a session gathers them
 
         def gather(mine: procfs.Process) -> list[procfs.Process]:
+            if scenario == "witness" and rank == 1:  # rank 0 cannot reach its beacon: only its host sees it
+                mine = dataclasses.replace(mine, beacon="127.0.0.1:1")
             every = [None] * world
             dist.all_gather_object(every, mine)
             return every

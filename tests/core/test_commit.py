@@ -107,8 +107,9 @@ def test_a_rank_killed_in_a_save_fails_it_on_the_other_at_once(tmp_path, dead, f
 @pytest.mark.slow
 def test_a_rank_killed_before_its_part_is_reported_by_its_host_to_rank_0_on_another(tmp_path):
     """Ranks 1 and 2 on node b, rank 0 on node a (``AIR_NODE_NAME``: a pid of b means nothing on a). Rank 1
-    is killed before its part; rank 2 sees it gone and records its death, which rank 0 reads as rank 1's
-    failure instead of waiting for its commit timeout (120 s; the result is awaited 60 s)."""
+    is killed before its part; rank 0 cannot reach its liveness beacon (as across a firewall), so rank 2
+    sees it gone and records its death, which rank 0 reads as rank 1's failure instead of waiting for its
+    commit timeout (120 s; the result is awaited 60 s)."""
     root = str(tmp_path / "root")
     outs = _launch(root, tmp_path, "witness", nodes="abb", world=3)
     assert outs[1].returncode == -9, "rank 1 was SIGKILLed"
