@@ -2,8 +2,10 @@
 ``--nnodes 1:N``, or ``N:N`` for a job that waits for a replacement node; ``--max-restarts``) with its own
 name (``AIR_NODE_NAME``) and node-local folder.
 
-The first agent started hosts the rendezvous store, so tests lose a later one. A lost node is dropped
-from the rendezvous after 3 missed keep-alives of 1 s. torchrun starts its
+The test hosts the rendezvous store (``rendezvous_store``), as a dedicated host would: it outlives every
+node, and it opens only once nodes A and B are both about to join, so that the job's first round holds
+both (under load, a node starting late would miss it, and the job would start at world 1). A lost node is
+dropped from the rendezvous after 3 missed keep-alives of 1 s. torchrun starts its
 workers in their own sessions: a node is lost by killing its agent and its workers by id (the job's
 ``--die ...:agent`` does it from inside the worker, at a chosen step).
 """
@@ -15,7 +17,10 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+
+from torch.distributed import TCPStore
 
 from tests.conftest import REPO
 from tests.zygote import python
@@ -41,8 +46,8 @@ def agent(
     runs on ``min_nodes`` to ``max_nodes`` nodes (a job of fixed size waits for a replacement node)."""
     command = [
         python(),  # the agent, and the workers it starts with its sys.executable: tests/zygote.py
-        "-m",
-        "torch.distributed.run",
+        str(Path(REPO) / "tests" / "node_agent.py"),
+        str(workdir / f"agent-{name}.started"),
         "--nnodes",
         f"{min_nodes}:{max_nodes}",
         "--nproc-per-node",
@@ -56,7 +61,7 @@ def agent(
         "--rdzv-conf",
         # A lost node leaves the rendezvous when it missed 3 keep-alives of 1 s (torch's default: 3 of 5 s,
         # which the survivor's restart would wait out: ~10 s more per node loss).
-        "last_call_timeout=2,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3",
+        "is_host=false,last_call_timeout=2,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3",
         "--max-restarts",
         str(restarts),
         "--monitor-interval",
@@ -72,6 +77,16 @@ def agent(
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
 
+def rendezvous_store(port: int, workdir: Path, names: str) -> TCPStore:
+    """Host the rendezvous store at ``port`` once the agents of nodes ``names`` have started and wait for
+    it (``tests/node_agent.py``): each then joins the first round within its ``last_call_timeout``."""
+    deadline = time.monotonic() + 120
+    while not all((workdir / f"agent-{n}.started").exists() for n in names):
+        assert time.monotonic() < deadline, f"the agents of nodes {names} did not start in 120 s"
+        time.sleep(0.05)
+    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+
+
 def lose_node_b(
     script: str,
     workdir: Path,
@@ -85,14 +100,17 @@ def lose_node_b(
     alone, or with ``replace_when`` (polled with B's agent) a node C joins once it holds and both finish
     it. Returns each node's agent log by name."""
     port = free_port()
-    nodes = {"A": agent("A", port, script, str(workdir), *args, workdir=workdir, min_nodes=min_nodes)}
-    time.sleep(1.0)  # A hosts the rendezvous store
-    b = nodes["B"] = agent("B", port, script, str(workdir), *args, workdir=workdir, min_nodes=min_nodes)
+    nodes = {
+        n: agent(n, port, script, str(workdir), *args, workdir=workdir, min_nodes=min_nodes) for n in "AB"
+    }
+    b = nodes["B"]
 
     def logs() -> dict[str, str]:
         return {n: (workdir / f"agent-{n}.log").read_text() for n in nodes}
 
+    store = None
     try:
+        store = rendezvous_store(port, workdir, "AB")
         if replace_when is not None:
             deadline = time.monotonic() + 180
             while not replace_when(b):
@@ -112,6 +130,7 @@ def lose_node_b(
         for p in nodes.values():
             if p.poll() is None:
                 p.kill()
+        del store  # the rendezvous ends with the test
     assert b.wait(timeout=10) != 0, "node B was lost"
     return logs()
 
