@@ -2,7 +2,7 @@
 ``--nnodes 1:N``, or ``N:N`` for a job that waits for a replacement node; ``--max-restarts``) with its own
 name (``AIR_NODE_NAME``) and node-local folder.
 
-The test hosts the rendezvous store (``rendezvous_store``), as a dedicated host would: it outlives every
+The test hosts the rendezvous store (``start_nodes``), as a dedicated host would: it outlives every
 node, and it opens only once nodes A and B are both about to join, so that the job's first round holds
 both (under load, a node starting late would miss it, and the job would start at world 1). A lost node is
 dropped from the rendezvous after 3 missed keep-alives of 1 s. torchrun starts its
@@ -60,8 +60,10 @@ def agent(
         "air-node-loss",
         "--rdzv-conf",
         # A lost node leaves the rendezvous when it missed 3 keep-alives of 1 s (torch's default: 3 of 5 s,
-        # which the survivor's restart would wait out: ~10 s more per node loss).
-        "is_host=false,last_call_timeout=2,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3",
+        # which the survivor's restart would wait out: ~10 s more per node loss). A round closes 5 s after
+        # its first node joined (torch's default: 30 s): a joining agent polls the round once a second,
+        # and under load a 2 s last call closed rounds before the other node got in.
+        "is_host=false,last_call_timeout=5,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3",
         "--max-restarts",
         str(restarts),
         "--monitor-interval",
@@ -77,14 +79,23 @@ def agent(
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
 
-def rendezvous_store(port: int, workdir: Path, names: str) -> TCPStore:
-    """Host the rendezvous store at ``port`` once the agents of nodes ``names`` have started and wait for
-    it (``tests/node_agent.py``): each then joins the first round within its ``last_call_timeout``."""
+def start_nodes(
+    port: int, script: str, *args: str, workdir: Path, min_nodes: int = 1
+) -> tuple[dict[str, subprocess.Popen], TCPStore]:
+    """Start nodes A and B (``agent``) and host their rendezvous store at ``port`` once both agents have
+    started and wait for it (``tests/node_agent.py``): each then joins the first round well within its
+    ``last_call_timeout``. Keep the store as long as any agent runs."""
+    nodes = {n: agent(n, port, script, *args, workdir=workdir, min_nodes=min_nodes) for n in "AB"}
     deadline = time.monotonic() + 120
-    while not all((workdir / f"agent-{n}.started").exists() for n in names):
-        assert time.monotonic() < deadline, f"the agents of nodes {names} did not start in 120 s"
+    while not all((workdir / f"agent-{n}.started").exists() for n in nodes):
+        if time.monotonic() > deadline:
+            for p in nodes.values():
+                p.kill()
+            raise AssertionError("the agents of nodes A and B did not start in 120 s")
         time.sleep(0.05)
-    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    return nodes, TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
 
 
 def lose_node_b(
@@ -100,17 +111,13 @@ def lose_node_b(
     alone, or with ``replace_when`` (polled with B's agent) a node C joins once it holds and both finish
     it. Returns each node's agent log by name."""
     port = free_port()
-    nodes = {
-        n: agent(n, port, script, str(workdir), *args, workdir=workdir, min_nodes=min_nodes) for n in "AB"
-    }
+    nodes, store = start_nodes(port, script, str(workdir), *args, workdir=workdir, min_nodes=min_nodes)
     b = nodes["B"]
 
     def logs() -> dict[str, str]:
         return {n: (workdir / f"agent-{n}.log").read_text() for n in nodes}
 
-    store = None
     try:
-        store = rendezvous_store(port, workdir, "AB")
         if replace_when is not None:
             deadline = time.monotonic() + 180
             while not replace_when(b):

@@ -34,7 +34,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 from lightning_air import NEWEST, AirCallback, AirCheckpointIO, latest_checkpoint
 from tests import stalls
-from tests.kill_at import Journal, KillAt, die
+from tests.kill_at import Journal, KillAt, busy, die
 from tests.lightning.model import ManualModel, Model, NumberedData, ValidatedModel, make_loader
 
 
@@ -74,6 +74,22 @@ class HangOnce(pl.Callback):
         if here == (self.step, self.rank) and not os.path.exists(self.marker):
             open(self.marker, "w").close()
             sleep_forever_in_a_step()
+
+
+class NapOnce(pl.Callback):
+    """--nap STEP:NODE:SECONDS: in step STEP (1-based) the rank of node NODE (``AIR_NODE_NAME``) spends
+    SECONDS outside any collective (a long step: as a rank waits in a GPU collective), first launch only."""
+
+    def __init__(self, workdir: str, spec: str) -> None:
+        self.marker = os.path.join(workdir, "napped-once")
+        step, self.node, seconds = spec.split(":")
+        self.step, self.seconds = int(step), float(seconds)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *_: object) -> None:
+        here = trainer.global_step + 1 == self.step and os.environ.get("AIR_NODE_NAME") == self.node
+        if here and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            busy(self.seconds)
 
 
 def main() -> None:
@@ -120,6 +136,7 @@ def main() -> None:
         default="",
         help="STEP[:NODE]: SIGKILL before that step, once (NODE: that node, and its torchrun agent)",
     )
+    p.add_argument("--nap", default="", help="STEP:NODE:SECONDS: that node's rank naps in that step, once")
     args = p.parse_args()
     stalls.arm(args.workdir)
     logging.basicConfig(format="%(name)s %(levelname)s %(message)s")
@@ -177,6 +194,7 @@ def main() -> None:
             ),
             *([LearningRateFinder(num_training_steps=4)] if args.lr_finder else []),
             *([HangOnce(args.workdir, args.hang)] if args.hang else []),
+            *([NapOnce(args.workdir, args.nap)] if args.nap else []),
         ],
         default_root_dir=args.workdir,  # what Lightning writes beside the checkpoints (the finders')
         logger=MLFlowLogger(args.experiment, tracking_uri=args.mlflow) if args.mlflow_logger else False,

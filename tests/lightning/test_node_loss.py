@@ -51,3 +51,15 @@ def test_a_lost_node_resumes_the_fit_from_the_replica_on_the_survivor_each_sampl
     assert {i for r in later if r["epoch"] == 1 for i in r["ids"]} == set(range(N_SAMPLES)), "epoch 1 whole"
     assert (tmp_path / "final.pt").exists(), "training completed on the survivor"
     assert_tier_read_in_place(tmp_path)
+
+
+def test_a_rank_whose_peer_on_another_node_was_lost_stops_at_once_instead_of_at_its_next_collective(tmp_path):
+    """As ``tests/accelerate/test_node_loss.py``'s test of the same name, through ``AirCallback``: node B is
+    lost while A's rank spends 200 s in a step outside any collective; A's watchdog sees B's beacon close
+    without a farewell, and A exits with 87 at once, then resumes at world 1 and finishes the fit, instead
+    of waiting out its step (past this test's bound) for its collective to fail."""
+    args = ("--every", "3", "--epochs", "2", "--elastic", "--devices", "1", "--die", "6:B",
+            "--nap", "6:A:200")  # fmt: skip
+    log = lose_node_b(JOB, tmp_path, *args, timeout=120)["A"]
+    assert "ended without ending its training" in log and "exitcode: 87" in log, log[-4000:]
+    assert (tmp_path / "final.pt").exists(), "the fit completed"
