@@ -10,6 +10,7 @@ deletes manifest first. A committed location is never written again. It writes n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -44,8 +45,9 @@ def gather_peers(
     """Every rank's process (``CheckpointerConfig.peers``), through ``gather`` (a collective: every rank
     calls it), each with its liveness beacon; then this rank watches those on other hosts that its waits
     depend on: rank 0 every rank (their parts), the others rank 0 (its manifest)."""
-    liveness.serve(procfs.Process.this().hello, toward=os.environ.get("MASTER_ADDR", ""), limit=world_size)
-    peers = tuple(gather(procfs.Process.this()))
+    me = procfs.Process.this()
+    beacon = liveness.serve(me.hello, toward=os.environ.get("MASTER_ADDR", ""), limit=world_size)
+    peers = tuple(gather(dataclasses.replace(me, beacon=beacon)))
     mine = peers[rank]
     liveness.watch(
         (p.beacon, p.hello)

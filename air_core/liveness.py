@@ -217,14 +217,18 @@ def _connect(watches: list[_Watch]) -> None:
 
 def closed(address: str, hello: str) -> bool:
     """Whether the process that answered ``hello`` at ``address`` has ended since it was watched."""
-    found = _watches.get((address, hello.encode()))
-    return found is not None and found.closed()
+    return _ended(address, hello) is not None
 
 
 def lost(address: str, hello: str) -> bool:
     """Whether it ended without a ``farewell`` since it was watched: killed, crashed, or its host gone."""
+    found = _ended(address, hello)
+    return found is not None and found.word != ENDED_WELL
+
+
+def _ended(address: str, hello: str) -> _Watch | None:
     found = _watches.get((address, hello.encode()))
-    return found is not None and found.closed() and found.word != ENDED_WELL
+    return found if found is not None and found.closed() else None
 
 
 def _route_to(host: str) -> str:
