@@ -29,11 +29,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _BATCH = 1000  # MLflow's limit of metrics per log_batch
 RUN_KEY_TAG = "air.run_key"
+"""The tag naming a run the sink created, by a key known before the run exists (``MlflowSink.run_key``)."""
 _NEVER_REACHED_SECONDS = 5.0
 """How long ``close`` waits for a tracking server (http) that the whole launch never reached: MLflow's
 client retries a refused connection for minutes, so the full bound made every launch end a minute late
 while the server was down (a local sqlite store, whose first migration can take long, gets the full one)."""
-"""The tag naming a run the sink created, by a key known before the run exists (``MlflowSink.run_key``)."""
 
 
 def default_tracking_uri() -> str:
