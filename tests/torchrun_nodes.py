@@ -5,7 +5,7 @@ name (``AIR_NODE_NAME``) and node-local folder.
 The test hosts the rendezvous store (``start_nodes``), as a dedicated host would: it outlives every
 node, and it opens only once nodes A and B are both about to join, so that the job's first round holds
 both (under load, a node starting late would miss it, and the job would start at world 1). A lost node is
-dropped from the rendezvous after 3 missed keep-alives of 1 s. torchrun starts its
+dropped from the rendezvous after 3 missed keep-alives of 2 s. torchrun starts its
 workers in their own sessions: a node is lost by killing its agent and its workers by id (the job's
 ``--die ...:agent`` does it from inside the worker, at a chosen step).
 """
@@ -59,11 +59,12 @@ def agent(
         "--rdzv-id",
         "air-node-loss",
         "--rdzv-conf",
-        # A lost node leaves the rendezvous when it missed 3 keep-alives of 1 s (torch's default: 3 of 5 s,
-        # which the survivor's restart would wait out: ~10 s more per node loss). A round closes 5 s after
-        # its first node joined (torch's default: 30 s): a joining agent polls the round once a second,
-        # and under load a 2 s last call closed rounds before the other node got in.
-        "is_host=false,last_call_timeout=5,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3",
+        # A lost node leaves the rendezvous when it missed 3 keep-alives of 2 s (torch's default: 3 of 5 s,
+        # which the survivor's restart would wait out: ~9 s more per node loss; each keep-alive rewrites the
+        # whole state, and at 1 s a joining node's writes lost to them 10 times in a row under load). A
+        # round closes 5 s after its first node joined (torch's default: 30 s): a joining agent polls the
+        # round once a second, and under load a 2 s last call closed rounds before the other node got in.
+        "is_host=false,last_call_timeout=5,join_timeout=60,keep_alive_interval=2,keep_alive_max_attempt=3",
         "--max-restarts",
         str(restarts),
         "--monitor-interval",
