@@ -121,6 +121,17 @@ def read_journal(workdir: str, rank: int = 0) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def nap_once(workdir: str, spec: str, step: int) -> None:
+    """``--nap STEP:NODE:SECONDS`` of the test jobs, called at each step (1-based): in step STEP the rank of
+    node NODE (``AIR_NODE_NAME``) spends SECONDS outside any collective (a long step: as a rank waits in a
+    GPU collective), first launch only (a marker file)."""
+    at, node, seconds = spec.split(":")
+    marker = os.path.join(workdir, "napped-once")
+    if step == int(at) and node == os.environ.get("AIR_NODE_NAME") and not os.path.exists(marker):
+        open(marker, "w").close()
+        busy(float(seconds))
+
+
 def busy(seconds: float) -> None:
     """Spend ``seconds`` inside a step as training would: the main thread runs Python between short waits,
     so a process-directed signal that the kernel gave another thread (the writer's, which sent it) reaches

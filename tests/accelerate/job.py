@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.utils.data import DataLoader, Dataset
 
 from tests import stalls, zygote
-from tests.kill_at import Journal, KillAt, busy, die
+from tests.kill_at import Journal, KillAt, busy, die, nap_once
 
 N_SAMPLES, DIM, BATCH = 64, 16, 4
 
@@ -169,16 +169,6 @@ def _die_once(args, accelerator, step: int) -> None:
     die(agent=bool(agent))
 
 
-def _nap_once(args, step: int) -> None:
-    """--nap STEP:NODE:SECONDS: in step STEP (1-based) the rank of node NODE (``AIR_NODE_NAME``) spends
-    SECONDS outside any collective (a long step: as a rank waits in a GPU collective), first launch only."""
-    at, node, seconds = args.nap.split(":")
-    marker = os.path.join(args.workdir, "napped-once")
-    if step == int(at) and node == os.environ.get("AIR_NODE_NAME") and not os.path.exists(marker):
-        open(marker, "w").close()
-        busy(float(seconds))
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("workdir")
@@ -284,7 +274,7 @@ def main() -> None:
                 if args.die:
                     _die_once(args, accelerator, step + 1)
                 if args.nap:
-                    _nap_once(args, step + 1)
+                    nap_once(args.workdir, args.nap, step + 1)
                 if args.step_sleep:
                     busy(args.step_sleep)
                 if args.tracker:

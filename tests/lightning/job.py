@@ -34,7 +34,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 from lightning_air import NEWEST, AirCallback, AirCheckpointIO, latest_checkpoint
 from tests import stalls
-from tests.kill_at import Journal, KillAt, busy, die
+from tests.kill_at import Journal, KillAt, die, nap_once
 from tests.lightning.model import ManualModel, Model, NumberedData, ValidatedModel, make_loader
 
 
@@ -77,19 +77,13 @@ class HangOnce(pl.Callback):
 
 
 class NapOnce(pl.Callback):
-    """--nap STEP:NODE:SECONDS: in step STEP (1-based) the rank of node NODE (``AIR_NODE_NAME``) spends
-    SECONDS outside any collective (a long step: as a rank waits in a GPU collective), first launch only."""
+    """--nap STEP:NODE:SECONDS (``tests.kill_at.nap_once``)."""
 
     def __init__(self, workdir: str, spec: str) -> None:
-        self.marker = os.path.join(workdir, "napped-once")
-        step, self.node, seconds = spec.split(":")
-        self.step, self.seconds = int(step), float(seconds)
+        self.workdir, self.spec = workdir, spec
 
     def on_train_batch_start(self, trainer: pl.Trainer, *_: object) -> None:
-        here = trainer.global_step + 1 == self.step and os.environ.get("AIR_NODE_NAME") == self.node
-        if here and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            busy(self.seconds)
+        nap_once(self.workdir, self.spec, trainer.global_step + 1)
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
         [--kill STEP:PHASE[:RANK][+MS]] [--sigterm STEP:PHASE[+MS]] [--root URL --endpoint URL] [--stock]
         [--sigterm-before-save STEP:RANK]
         [--eval-every K] [--limit N] [--best] [--local-every K --die STEP[:NODE]] [--draw-in HOOK]
-        [--step-sleep S]
+        [--step-sleep S] [--nap STEP:NODE:SECONDS]
 
 Trains a 2-layer GPT-2 (32 dimensions, built from a config: no download; dropout on) on token ids made
 here: sample i is 16 ids drawn from a generator seeded with i, and one of them is replaced by a token
@@ -18,6 +18,7 @@ plain ``Trainer`` (stock checkpoints in WORKDIR/stock, resumed with resume_from_
 and resumes with ``resume_from_checkpoint=NEWEST``; --die STEP[:NODE] SIGKILLs every process (or node
 NODE) before step STEP (1-based) of the first launch. --step-sleep S: each training micro-batch spends S
 more seconds once its record is written (``kill_at.busy``: a step that outlasts a SIGTERM's flush).
+--nap STEP:NODE:SECONDS: that node's rank spends SECONDS in step STEP, once (``kill_at.nap_once``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from tests import stalls
-from tests.kill_at import Journal, KillAt, busy, die
+from tests.kill_at import Journal, KillAt, busy, die, nap_once
 
 N_SAMPLES, LENGTH, VOCAB = 48, 16, 96
 
@@ -110,6 +111,16 @@ class DieOnce(TrainerCallback):
             die(agent=bool(self.node))
 
 
+class NapOnce(TrainerCallback):
+    """--nap STEP:NODE:SECONDS (``tests.kill_at.nap_once``)."""
+
+    def __init__(self, workdir: str, spec: str) -> None:
+        self.workdir, self.spec = workdir, spec
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        nap_once(self.workdir, self.spec, state.global_step + 1)
+
+
 class SigtermBeforeSave(TrainerCallback):
     """--sigterm-before-save STEP:RANK: that process sends itself SIGTERM at the end of step STEP, before
     Trainer saves it (registered after ``AirTrainerCallback``), as a scheduler's SIGTERM lands on one rank
@@ -153,6 +164,7 @@ def main() -> None:
     p.add_argument("--mlflow", default="", help="tracking URI: report_to mlflow as well")
     p.add_argument("--local-every", type=int, default=0, help="AirTrainerCallback(local_every_n_steps=...)")
     p.add_argument("--die", default="", help="STEP[:NODE]: SIGKILL before this step of the first launch")
+    p.add_argument("--nap", default="", help="STEP:NODE:SECONDS: that node's rank naps in that step, once")
     p.add_argument("--draw-in", default="", help="HOOK: a user's callback draws from the RNG in that hook")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each training micro-batch sleeps")
     args = p.parse_args()
@@ -213,6 +225,8 @@ def main() -> None:
         if args.sigterm:
             air.add_listener(KillAt.parse(args.sigterm, signal.SIGTERM))
         callbacks = [air, *([DieOnce(args.workdir, args.die)] if args.die else [])]
+        if args.nap:
+            callbacks.append(NapOnce(args.workdir, args.nap))
         if args.draw_in:
             callbacks.append(DrawIn(args.draw_in))
         if args.sigterm_before_save:

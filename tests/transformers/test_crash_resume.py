@@ -254,3 +254,19 @@ def test_a_lost_node_replaced_by_a_new_one_resumes_from_the_partner_copy_exactly
     assert "from node A, rank 1: from node A" in log, "the new node received both parts from A"
     assert stats(tmp_path)[0]["restores"] == [["local-s000000015-w2", "local", "replica"]]
     assert_same_run(tmp_path, reference("--workers", "2", processes=2), ranks=2)
+
+
+def test_a_rank_whose_peer_on_another_node_was_lost_stops_at_once_and_a_new_node_takes_its_place(
+    tmp_path, reference
+):
+    """As ``tests/accelerate/test_node_loss.py``'s lost-peer test, through ``AirTrainer`` in a job of fixed
+    size: node B is lost while A's process spends 200 s in a step outside any collective. A's watchdog sees
+    B's liveness beacon close without a farewell and exits with 87 at once, not when the step ends (past
+    this test's bound) and its collective fails; A's agent then waits for node C, and the job resumes from
+    the local tier and ends bitwise equal to an uninterrupted two-process run."""
+    args = (*TIER, "--die", "18:B", "--nap", "18:A:200")
+    logs = lose_node_b(JOB, tmp_path, *args, timeout=150, min_nodes=2, replace_when=_gone)
+    log = logs["A"]
+    assert "ended without ending its training" in log and "exitcode: 87" in log, log[-4000:]
+    assert "resuming from local tier step 15" in log + logs["C"], log[-4000:]
+    assert_same_run(tmp_path, reference("--workers", "2", processes=2), ranks=2)
