@@ -88,15 +88,18 @@ def start_nodes(
     ``last_call_timeout``. Keep the store as long as any agent runs."""
     nodes = {n: agent(n, port, script, *args, workdir=workdir, min_nodes=min_nodes) for n in "AB"}
     deadline = time.monotonic() + 120
-    while not all((workdir / f"agent-{n}.started").exists() for n in nodes):
-        if time.monotonic() > deadline:
-            for p in nodes.values():
-                p.kill()
-            raise AssertionError("the agents of nodes A and B did not start in 120 s")
-        time.sleep(0.05)
-    return nodes, TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
+    try:
+        while not all((workdir / f"agent-{n}.started").exists() for n in nodes):
+            assert time.monotonic() < deadline, "the agents of nodes A and B did not start in 120 s"
+            time.sleep(0.05)
+        store = TCPStore(
+            "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
+    except BaseException:
+        for p in nodes.values():
+            p.kill()
+        raise
+    return nodes, store
 
 
 def lose_node_b(
