@@ -360,20 +360,13 @@ def with_failures(args: argparse.Namespace, root: Path, local_every: int, kill_a
 
 
 def node_loss(args: argparse.Namespace, root: Path, local_every: int, at: int) -> dict:
-    from tests.torchrun_nodes import free_port, start_nodes
+    from tests.torchrun_nodes import nodes_running
 
     work = root / "node-loss"
     work.mkdir()
-    port = free_port()
     job = ["--worker", str(work), *_job_args(args, local_every, [at]), "--node-loss", "B"]
-    nodes, store = start_nodes(port, __file__, *job, workdir=work)
-    try:
+    with nodes_running(__file__, *job, workdir=work) as (nodes, _):
         code = nodes["A"].wait(timeout=900)
-    finally:
-        for p in nodes.values():
-            if p.poll() is None:
-                p.kill()
-        del store  # the rendezvous ends with the job
     log = (work / "agent-A.log").read_text()
     if code != 0:
         raise SystemExit(f"the node-loss job failed on node A:\n{log[-4000:]}")

@@ -2,7 +2,7 @@
 ``--nnodes 1:N``, or ``N:N`` for a job that waits for a replacement node; ``--max-restarts``) with its own
 name (``AIR_NODE_NAME``) and node-local folder.
 
-The test hosts the rendezvous store (``start_nodes``), as a dedicated host would: it outlives every
+The test hosts the rendezvous store (``nodes_running``), as a dedicated host would: it outlives every
 node, and it opens only once nodes A and B are both about to join, so that the job's first round holds
 both (under load, a node starting late would miss it, and the job would start at world 1). A lost node is
 dropped from the rendezvous after 3 missed keep-alives of 2 s. torchrun starts its
@@ -12,11 +12,12 @@ workers in their own sessions: a node is lost by killing its agent and its worke
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -80,12 +81,15 @@ def agent(
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
 
 
-def start_nodes(
-    port: int, script: str, *args: str, workdir: Path, min_nodes: int = 1
-) -> tuple[dict[str, subprocess.Popen], TCPStore]:
-    """Start nodes A and B (``agent``) and host their rendezvous store at ``port`` once both agents have
-    started and wait for it (``tests/node_agent.py``): each then joins the first round well within its
-    ``last_call_timeout``. Keep the store as long as any agent runs."""
+@contextlib.contextmanager
+def nodes_running(
+    script: str, *args: str, workdir: Path, min_nodes: int = 1
+) -> Iterator[tuple[dict[str, subprocess.Popen], int]]:
+    """Start nodes A and B (``agent``) and host their rendezvous store once both agents have started and
+    wait for it (``tests/node_agent.py``): each then joins the first round well within its
+    ``last_call_timeout``. Yields the nodes by name (add a later one to kill it at the end too) and the
+    store's port; at the end, kills every node still running, then closes the store."""
+    port = free_port()
     nodes = {n: agent(n, port, script, *args, workdir=workdir, min_nodes=min_nodes) for n in "AB"}
     deadline = time.monotonic() + 120
     try:
@@ -95,11 +99,11 @@ def start_nodes(
         store = TCPStore(
             "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
         )
-    except BaseException:
+        yield nodes, store.port  # the store lives, and serves the rendezvous, until the nodes are gone
+    finally:
         for p in nodes.values():
-            p.kill()
-        raise
-    return nodes, store
+            if p.poll() is None:
+                p.kill()
 
 
 def lose_node_b(
@@ -114,14 +118,12 @@ def lose_node_b(
     ``args`` make node B lose itself (its agent and worker, ``--die ...:B``). Node A finishes the job
     alone, or with ``replace_when`` (polled with B's agent) a node C joins once it holds and both finish
     it. Returns each node's agent log by name."""
-    port = free_port()
-    nodes, store = start_nodes(port, script, str(workdir), *args, workdir=workdir, min_nodes=min_nodes)
-    b = nodes["B"]
+    with nodes_running(script, str(workdir), *args, workdir=workdir, min_nodes=min_nodes) as (nodes, port):
+        b = nodes["B"]
 
-    def logs() -> dict[str, str]:
-        return {n: (workdir / f"agent-{n}.log").read_text() for n in nodes}
+        def logs() -> dict[str, str]:
+            return {n: (workdir / f"agent-{n}.log").read_text() for n in nodes}
 
-    try:
         if replace_when is not None:
             deadline = time.monotonic() + 180
             while not replace_when(b):
@@ -137,11 +139,6 @@ def lose_node_b(
                 shown = logs() if code is None else {name: logs()[name]}
                 said = "\n".join(f"--- node {n}:\n{log[-4000:]}" for n, log in shown.items())
                 assert code == 0, f"node {name}: exit {code} (None: still running)\n{said}"
-    finally:
-        for p in nodes.values():
-            if p.poll() is None:
-                p.kill()
-        del store  # the rendezvous ends with the test
     assert b.wait(timeout=10) != 0, "node B was lost"
     return logs()
 
