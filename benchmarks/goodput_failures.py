@@ -395,7 +395,7 @@ def _transfer_worker(rank: int, size_mib: int, port: int, folder: str, result: o
     import torch.distributed as dist
 
     from air_core import AsyncCheckpointer
-    from air_core.tiers.partners import side_group
+    from air_core.side_groups import side_group
     from air_core.tiers.transfer import (
         EMPTY,
         RESTORE_THREADS,

@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from air_core.session.stop_vote import StopVote  # noqa: E402
+from air_core.side_groups import side_group  # noqa: E402
 
 
 def _steps(n: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor,
@@ -49,7 +50,7 @@ def _steps(n: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
 def _rank(rank: int, init: str, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    vote = StopVote.of(60)
+    vote = StopVote(side_group(60))
     results = {}
     for width in args.widths:
         model = torch.nn.parallel.DistributedDataParallel(

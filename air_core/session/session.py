@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import commit, dcp, liveness, procfs
+from .. import commit, dcp, liveness, procfs, side_groups
 from ..checkpointer import AsyncCheckpointer, SaveHandle
 from ..compat import check_fits
 from ..config import CheckpointerConfig
@@ -160,11 +160,17 @@ class TrainingSession:
         self._stepped = False  # a step of this launch ended
         self._made: str | None = None  # the outermost local folder the root's first touch made
         self._tier_unsettled: int | None = None
-        self._tier_group: Any = None
         self._resumed: Resume | None = None  # the last ``recover``'s
+        wanted = []  # the gloo groups beside training's this session talks on (``side_groups.py``)
         if config.local_every_n_steps and world_size > 1 and measure:
-            # a collective, on every rank at construction: the tier's copies never use training's group
-            self._tier_group = tier_partners.side_group(config.flush_timeout_seconds)
+            wanted.append(side_groups.TIER)
+        if stop_vote and world_size > 1 and measure and dist.is_available() and dist.is_initialized():
+            wanted.append(side_groups.VOTE)
+        # a collective, on every rank at construction
+        groups = side_groups.take(wanted, config.flush_timeout_seconds) if wanted else {}
+        self._tier_group: Any = groups.get(side_groups.TIER)
+        self._tier_clean = True  # nothing on the tier's group failed, nothing is left pending on it
+        self._vote = StopVote(groups[side_groups.VOTE]) if side_groups.VOTE in groups else None
         self._goodput_log: GoodputLog | None = None
         self._sink: MlflowSink | None = None
         self._models: list[torch.nn.Module] = []
@@ -172,15 +178,12 @@ class TrainingSession:
         self._ungated: list[SaveHandle] = []
         self._failed: BaseException | None = None
         self._closed = False
-        vote = None
-        if stop_vote and world_size > 1 and measure and dist.is_available() and dist.is_initialized():
-            vote = StopVote.of(config.flush_timeout_seconds)  # a collective, as the tier's group
         self._preemption = FlushOnSigterm(
             self._flushable,
             timeout_seconds=config.flush_timeout_seconds,
             who=config.owner,
             log=logger,
-            vote=vote,
+            vote=self._vote,
             on_stop=self._stopped_by_sigterm,
         )
 
@@ -546,14 +549,18 @@ class TrainingSession:
         if not self.config.local_every_n_steps or self._ckpt is None:
             return None
         with self.watchdog_paused():
-            self._resumed = recover(
-                self._tier_base(),
-                rank=self.rank,
-                world_size=self.world_size,
-                newer_than=newer_than,
-                group=self._tier_group,
-                node=tier_partners.node_name(),
-            )
+            try:
+                self._resumed = recover(
+                    self._tier_base(),
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    newer_than=newer_than,
+                    group=self._tier_group,
+                    node=tier_partners.node_name(),
+                )
+            except BaseException:
+                self._tier_clean = False  # its exchanges may have stopped halfway
+                raise
         return self._resumed
 
     # -- per-rank state -------------------------------------------------------------------------------
@@ -696,7 +703,7 @@ class TrainingSession:
         with self.watchdog_paused():
             tier, self._tier = self._tier, None
             if tier is not None:
-                tier.close(self.config.flush_timeout_seconds)
+                self._tier_clean &= tier.close(self.config.flush_timeout_seconds)
             for other in others:  # saves outside the root first: the main root's events come last
                 self._close_one(other)
             ckpt, self._ckpt = self._ckpt, None
@@ -723,6 +730,7 @@ class TrainingSession:
             self.close_checkpointer()
         finally:
             self._preemption.uninstall()
+            self._hand_back_groups()
             if self._failed is None:
                 self.records.close_window(step, reduce=False)
             self.records.log_summary()
@@ -738,6 +746,14 @@ class TrainingSession:
                     min(self.config.flush_timeout_seconds, _SINK_CLOSE_SECONDS),
                     status="FAILED" if self._failed is not None else "FINISHED",
                 )
+
+    def _hand_back_groups(self) -> None:
+        """This session's side groups, to the process's next session (``side_groups.py``)."""
+        if self._tier_group is not None:
+            clean = self._tier_clean and self._failed is None  # a failed load may have left a transfer
+            side_groups.hand_back(side_groups.TIER, self._tier_group, clean=clean)
+        if self._vote is not None:
+            self._vote.hand_back()
 
     def _left_nothing(self) -> bool:
         """This launch saved and restored nothing, and took no step (a fit that failed at once: a

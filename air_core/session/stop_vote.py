@@ -13,8 +13,9 @@ collective, never for waiting on it. Each vote also carries how many fetches apa
 so that votes come about every ``EVERY_SECONDS`` of training, at most one per fetch: a collective per
 step of a few milliseconds would cost it a tenth on a busy host (``benchmarks/stop_vote.py``). Every rank
 reads the same result, so every rank votes, and stops, at the same fetch: after a SIGTERM, within two
-votes. The group is made by ``StopVote.of`` on every rank at the same point (a collective), as the local
-tier's is, and never carries the tier's copies: two threads must not share one group.
+votes. The group is the session's (``side_groups.VOTE``), never the one the tier's copies travel on: two
+threads must not share one group. The last vote is never read; ``hand_back`` says how many were issued,
+so that the process's next session reuses the group only if every rank issued as many.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..tiers.partners import side_group
+from .. import side_groups
 
 logger = logging.getLogger(__name__)
 EVERY_SECONDS = 0.05
@@ -40,6 +41,9 @@ class StopVote:
     """A vote every few training fetches; ``decide`` answers, at each, whether every rank stops there."""
 
     def __init__(self, group: Any) -> None:
+        """``group``: a gloo group of every rank for the vote alone (``side_groups``). Its timeout bounds a
+        vote: past it a peer is gone (one rank's work between two fetches, such as an evaluation on the
+        main process alone, must take less)."""
         self._group = group
         self._max = dist.AllreduceOptions()
         self._max.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
@@ -48,13 +52,7 @@ class StopVote:
         self._since = 0  # fetches since the last vote
         self._voted_at = 0.0
         self._broken = False
-
-    @classmethod
-    def of(cls, timeout_seconds: float) -> StopVote:
-        """A vote over every rank of the default group (a collective: every rank calls it at one point).
-        ``timeout_seconds`` bounds a vote: past it a peer is gone (one rank's work between two fetches,
-        such as an evaluation on the main process alone, must take less)."""
-        return cls(side_group(timeout_seconds))
+        self._issued = 0  # votes issued on the group
 
     def decide(self, asked: bool) -> bool:
         """Called on every rank before each training fetch, ``asked`` once a SIGTERM reached this rank:
@@ -84,5 +82,10 @@ class StopVote:
         vote = torch.tensor([int(asked), max(every, 1)], dtype=torch.int32)
         # the group's own call: ``dist.all_reduce``'s checks and logging cost a quarter more per call
         self._open = (self._group.allreduce([vote], self._max), vote)
+        self._issued += 1
         self._since, self._voted_at = 0, now
         return False
+
+    def hand_back(self) -> None:
+        """The session is over: its group goes back for the process's next session (``side_groups``)."""
+        side_groups.hand_back(side_groups.VOTE, self._group, clean=not self._broken, issued=self._issued)

@@ -101,7 +101,7 @@ class LocalTier:
         base: the job's folder on this node (``job_folder``).
         template: the session's checkpointer settings (buffers, writer); root, ranks and retention are the
             tier's.
-        group: the tier's gloo group (``partners.side_group``), or None with one rank.
+        group: the tier's gloo group (``side_groups.TIER``), or None with one rank.
         send_to / receive_from: the ranks that keep copies of this rank's checkpoints / whose it keeps.
     """
 
@@ -256,13 +256,16 @@ class LocalTier:
                     "rank %d: the copy of rank %d's %s was not kept: %s", self.rank, src, copy.name, exc
                 )
 
-    def close(self, timeout: float | None = None) -> None:
-        """Commit and replicate what is in flight, then close (bounded by ``timeout`` per part)."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Commit and replicate what is in flight, then close (bounded by ``timeout`` per part). Returns
+        whether the tier's group is left as it was found: every exchange on it ended, none failed."""
         self._queue.put(None)
         self._thread.join(timeout)
-        if self._thread.is_alive():
+        ended = not self._thread.is_alive()
+        if not ended:
             logger.warning("rank %d: the local tier's replication did not finish in %ss", self.rank, timeout)
         else:
             for replica in self._replicas.values():  # the copies' spares (the own root's go with its writer)
                 spares.clear(replica)
         self.checkpointer.close()
+        return ended and not self.broken

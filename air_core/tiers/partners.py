@@ -1,21 +1,18 @@
-"""Who keeps a copy of whose local checkpoint, and the process group the copies travel over.
+"""Who keeps a copy of whose local checkpoint.
 
 A rank's partners are ``rank + j x local_world_size`` (j = 1 .. replication_factor - 1, modulo the
 world): the same local rank on the next nodes, so a copy never shares its original's node, and a node
 loss (all ``local_world_size`` ranks of one node) leaves every lost rank's state on another node as
 long as ``replication_factor`` is at most the number of nodes (NVIDIA's resiliency extension chooses
-its replication groups the same way). The group is a gloo group of every rank made for the tier, so
-copies move over TCP from host memory, whatever the training's backend, and never on its group.
+its replication groups the same way). The copies travel on a gloo group of every rank kept for the tier
+(``side_groups.TIER``), so they move over TCP from host memory, whatever the training's backend, and
+never on its group.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
-from typing import Any
-
-import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +51,6 @@ def partners(rank: int, world_size: int, per_node: int, n: int) -> list[int]:
 def sources(rank: int, world_size: int, per_node: int, n: int) -> list[int]:
     """The ranks whose local checkpoints ``rank`` keeps copies of."""
     return [(rank - j * per_node) % world_size for j in range(1, n + 1)]
-
-
-def side_group(timeout_seconds: float) -> Any:
-    """A gloo group of every rank, apart from training's (a collective: every rank calls it at the same
-    point): the tier's copies, the session's stop vote (``session/stop_vote.py``), each its own."""
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
 
 
 def node_name() -> str:

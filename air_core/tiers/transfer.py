@@ -1,7 +1,7 @@
 """Moving committed checkpoints between ranks: a ``Package`` (one commit of a local root) sent over a gloo
 process group, each file streamed into a ``Sink`` as it arrives, checked against the manifest, placed.
 
-The group is the tier's own (``partners.side_group``), never the training's, so a replication running on
+The group is the tier's own (``side_groups.TIER``), never the training's, so a replication running on
 a background thread issues no collective on the group the training thread uses. An exchange is three
 rounds of point-to-point messages: sizes, headers, then the bytes. In the last round every sender posts
 all its sends at once, from its files mapped into memory (copy-on-write, nothing copied before gloo reads

@@ -25,6 +25,7 @@ import torch, torch.distributed as dist
 from air_core.session import preemption
 from air_core.session.preemption import FlushOnSigterm
 from air_core.session.stop_vote import StopVote
+from air_core.side_groups import side_group
 
 rank, init, out, scenario = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -34,7 +35,8 @@ ckpt = None
 if scenario == "ended":  # rank 1 saves, rank 0 never does: the save waits for rank 0's part
     from air_core.checkpointer import AsyncCheckpointer
     ckpt = AsyncCheckpointer(os.path.dirname(out) + "/ckpts", rank=rank, world_size=2, launch_id="x")
-guard = FlushOnSigterm(lambda: ckpt, timeout_seconds=2, who=f"rank{rank}", vote=StopVote.of(30))
+vote = StopVote(side_group(30))
+guard = FlushOnSigterm(lambda: ckpt, timeout_seconds=2, who=f"rank{rank}", vote=vote)
 guard.install()
 for fetch in range(500):
     guard.between_steps()
@@ -58,12 +60,12 @@ for fetch in range(500):
 """
 
 
-def _start_pair(tmp_path, scenario: str) -> list[subprocess.Popen]:
+def _start_pair(tmp_path, scenario: str, script: str = LOOP) -> list[subprocess.Popen]:
     init = tmp_path / "init"
     env = {**os.environ, "PYTHONPATH": REPO}
     return [
         subprocess.Popen(
-            [python(), "-c", LOOP, str(r), str(init), str(tmp_path / f"fetches-{r}"), scenario],
+            [python(), "-c", script, str(r), str(init), str(tmp_path / f"fetches-{r}"), scenario],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -73,9 +75,9 @@ def _start_pair(tmp_path, scenario: str) -> list[subprocess.Popen]:
     ]
 
 
-def _run_pair(tmp_path, scenario: str) -> tuple[list[subprocess.Popen], list[str], float]:
+def _run_pair(tmp_path, scenario: str, script: str = LOOP) -> tuple[list[subprocess.Popen], list[str], float]:
     started = time.monotonic()
-    ranks = _start_pair(tmp_path, scenario)
+    ranks = _start_pair(tmp_path, scenario, script)
     outputs = [p.communicate(timeout=120)[0] for p in ranks]
     return ranks, outputs, time.monotonic() - started
 
@@ -121,3 +123,57 @@ def test_a_sigterm_after_training_ended_stops_at_once_without_waiting_for_a_vote
     assert "did not agree to stop" not in output, output
     flushed = "flushing on SIGTERM failed: checkpoint 'step-000000003' (step 3) still in flight after 2"
     assert flushed in output, output
+
+
+SESSIONS = """
+import os, signal, sys, time
+import torch, torch.distributed as dist
+from air_core import side_groups
+from air_core.session import preemption
+from air_core.session.preemption import FlushOnSigterm
+from air_core.session.stop_vote import StopVote
+
+rank, init, out, uneven = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "uneven"
+preemption.STOP_TOGETHER_SECONDS = 5.0
+dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2)
+
+
+def session(fetches, extra, before=None):
+    # a session as ``TrainingSession`` runs one: its group taken at the start, handed back at the end
+    group = side_groups.take([side_groups.VOTE], 30)[side_groups.VOTE]
+    if before is not None:
+        print("the vote group:", "reused" if group is before else "new", flush=True)
+    vote = StopVote(group)
+    guard = FlushOnSigterm(lambda: None, timeout_seconds=2, who=f"rank{rank}", vote=vote)
+    guard.install()
+    for fetch in range(fetches + extra):
+        guard.between_steps()  # each fetch takes longer than the votes' pace: a vote at every one
+        with open(out, "a") as f:
+            f.write(f"{fetch}\\n")
+        if fetches == 500 and rank == 1 and fetch == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.06)
+        if fetch < fetches:
+            dist.all_reduce(torch.ones(1))  # the training's own collective: the ranks go in step
+    guard.uninstall()
+    vote.hand_back()
+    return group
+
+
+first = session(6, 1 if uneven and rank == 0 else 0)  # uneven: rank 0 fetched (and voted) once more
+session(500, 0, before=first)
+"""
+
+
+@pytest.mark.parametrize("uneven", [False, True], ids=["even", "uneven"])
+def test_a_later_session_stops_every_rank_together_whether_it_reuses_the_vote_group_or_not(tmp_path, uneven):
+    """Two sessions in one process (a k-fold loop): the second reuses the first's vote group only when
+    every rank issued as many votes on it; after a rank voted once more (a last fetch of its own), a
+    reused group would pair each rank's votes with the other's previous ones, and the ranks would stop
+    at different fetches. Either way a SIGTERM to rank 1 stops both before the same fetch."""
+    ranks, outputs, _ = _run_pair(tmp_path, "uneven" if uneven else "even", SESSIONS)
+    assert [p.returncode for p in ranks] == [-signal.SIGTERM] * 2, outputs
+    assert all(f"the vote group: {'new' if uneven else 'reused'}" in o for o in outputs), outputs
+    assert all("did not agree to stop" not in o for o in outputs), outputs
+    last = _last_fetch(tmp_path, 0)
+    assert _last_fetch(tmp_path, 1) == last and 5 <= last < 20, outputs

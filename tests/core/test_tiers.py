@@ -23,9 +23,10 @@ from air_core import dcp as air_dcp
 from air_core.catalog import read_catalog
 from air_core.manifest import FileEntry
 from air_core.session import SessionConfig
+from air_core.side_groups import side_group
 from air_core.staging import matches
 from air_core.tiers import Held, choose, holdings, recover, tier_name
-from air_core.tiers.partners import partners, side_group, sources
+from air_core.tiers.partners import partners, sources
 from air_core.tiers.recover import _bring_plan, _plan, _receivers, _rounds
 from air_core.tiers.transfer import EMPTY, Package, StagedFiles, exchange, local_storage, read_package
 from tests.conftest import spawn_ranks

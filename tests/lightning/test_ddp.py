@@ -1,12 +1,20 @@
-"""Two gloo processes under Lightning's DDP: per-rank exact resume, and a rank lost before the commit."""
+"""Two gloo processes under Lightning's DDP: per-rank exact resume, a rank lost before the commit, and
+folds fitted one after another."""
 
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from lightning_air import latest_checkpoint
+from tests.conftest import REPO
 from tests.lightning.test_crash_resume import run_job
 from tests.sameness import assert_same_run
+from tests.zygote import python
 
 pytestmark = pytest.mark.slow
 DDP = ["--devices", "2", "--every", "5"]
@@ -27,3 +35,27 @@ def test_rank_killed_before_commit_leaves_previous_checkpoint_newest(tmp_path):
     run_job(tmp_path, *DDP, "--kill", "10:upload_start:1", lost_peer=True)
     newest = latest_checkpoint(str(tmp_path / "ckpts"))
     assert newest is not None and newest.endswith("step=5.ckpt"), f"step 10 must not commit: {newest}"
+
+
+def test_folds_fitted_one_after_another_in_the_same_processes_hold_no_more_files_or_threads(tmp_path):
+    """A ``Trainer`` per fold in the same DDP processes: every fold's session reuses the gloo group its
+    local tier talks on (``side_groups.py``); making one per fold cost each rank 5 files and 3 threads
+    more at every fold."""
+    out = subprocess.run(
+        [python(), str(Path(__file__).with_name("folds.py")), str(tmp_path), "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    held = {
+        (int(m[1]), int(m[2])): (int(m[3]), int(m[4]))
+        for m in re.finditer(r"rank (\d) fold (\d): (\d+) files, (\d+) threads", out.stdout)
+    }
+    assert len(held) == 8, out.stdout
+    for rank in (0, 1):
+        files = [held[rank, fold][0] for fold in range(4)]
+        threads = [held[rank, fold][1] for fold in range(4)]
+        assert files[3] <= files[1], f"rank {rank}'s open files by fold: {files}"
+        assert threads[3] <= threads[1] + 1, f"rank {rank}'s threads by fold: {threads}"
