@@ -53,10 +53,11 @@ TRAINING, ENDED_WELL = b"+", b"-"
 class _Server:
     """The listening socket and the connections it holds, on the ``air-beacon`` thread."""
 
-    def __init__(self, hello: bytes, host: str, limit: int) -> None:
+    def __init__(self, hello: bytes, toward: str, limit: int) -> None:
         self.hello, self.limit = hello, limit
         self.word = TRAINING
-        self.sock = socket.create_server((host, 0), backlog=max(limit, 128))  # every watcher at once
+        family, host = _route_to(toward)
+        self.sock = socket.create_server((host, 0), family=family, backlog=max(limit, 128))  # every watcher
         self.address = f"{host}:{self.sock.getsockname()[1]}"
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.sock, selectors.EVENT_READ)
@@ -179,7 +180,7 @@ def serve(hello: str, *, toward: str, limit: int) -> str:
         _server.say(TRAINING)
         return _server.address
     try:
-        _server = _Server(hello.encode(), _route_to(toward or socket.gethostname()), limit)
+        _server = _Server(hello.encode(), toward or socket.gethostname(), limit)
     except OSError as exc:
         logger.info("no liveness beacon (%s): this rank's death is seen only by its host", exc)
         return ""
@@ -231,11 +232,13 @@ def _ended(address: str, hello: str) -> _Watch | None:
     return found if found is not None and found.closed() else None
 
 
-def _route_to(host: str) -> str:
-    """This host's address on its route to ``host`` (a UDP socket's connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))
-        return str(probe.getsockname()[0])
+def _route_to(host: str) -> tuple[socket.AddressFamily, str]:
+    """This host's address on its route to ``host``, IPv4 or IPv6 as ``host`` resolves first (a UDP
+    socket's connect sends nothing). An address's port is after its last colon: IPv6 needs no brackets."""
+    family, _, _, _, where = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(where)
+        return family, str(probe.getsockname()[0])
 
 
 def _forget() -> None:

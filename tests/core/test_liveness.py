@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from air_core import liveness, procfs
 from tests.conftest import REPO
 
@@ -21,7 +23,7 @@ _PEER = """
 import dataclasses, json, os, sys, time
 from air_core import liveness, procfs
 me = procfs.Process.this()
-liveness.serve(me.hello, toward="127.0.0.1", limit=4)
+liveness.serve(me.hello, toward=os.environ["TOWARD"], limit=4)
 print(json.dumps(dataclasses.asdict(procfs.Process.this())), flush=True)
 for line in sys.stdin:
     line = line.strip()
@@ -38,7 +40,7 @@ for line in sys.stdin:
     if line == "farewell":
         liveness.farewell()
     elif line == "serve":
-        liveness.serve(me.hello, toward="127.0.0.1", limit=4)
+        liveness.serve(me.hello, toward=os.environ["TOWARD"], limit=4)
     elif line in ("exit", "raise"):
         print("ok", flush=True)
         time.sleep(0.2)
@@ -49,9 +51,9 @@ for line in sys.stdin:
 """
 
 
-def _peer(node: str = "elsewhere") -> tuple[subprocess.Popen, procfs.Process]:
-    """A process of another "host"."""
-    env = {**os.environ, "PYTHONPATH": REPO, "AIR_NODE_NAME": node}
+def _peer(node: str = "elsewhere", toward: str = "127.0.0.1") -> tuple[subprocess.Popen, procfs.Process]:
+    """A process of another "host", its beacon on the route to ``toward`` (its ``MASTER_ADDR``)."""
+    env = {**os.environ, "PYTHONPATH": REPO, "AIR_NODE_NAME": node, "TOWARD": toward}
     pipe = subprocess.PIPE
     proc = subprocess.Popen([sys.executable, "-c", _PEER], stdin=pipe, stdout=pipe, text=True, env=env)
     assert proc.stdout is not None
@@ -77,11 +79,12 @@ def _until(predicate, what: str) -> None:
         time.sleep(0.01)
 
 
-def test_a_watched_process_on_another_host_is_gone_once_it_dies_though_its_forked_child_lives():
-    proc, peer = _peer()
+@pytest.mark.parametrize("toward", ["127.0.0.1", "::1"], ids=["ipv4", "ipv6"])
+def test_a_watched_process_on_another_host_is_gone_once_it_dies_though_its_forked_child_lives(toward):
+    proc, peer = _peer(toward=toward)
     child = 0
     try:
-        assert peer.space != procfs.pid_space() and peer.beacon.startswith("127.0.0.1:")
+        assert peer.space != procfs.pid_space() and peer.beacon.startswith(f"{toward}:")
         _watched(peer)
         child = int(_say(proc, "fork"))
         time.sleep(0.2)
