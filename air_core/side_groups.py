@@ -16,19 +16,29 @@ has its match, and ends soon); otherwise every rank makes a new one, and the old
 Every rank decides from every rank's report (a collective on the default group), so the ranks never
 disagree: ``new_group`` is a collective too. A group is never reused with another timeout, or under
 another default group (after ``destroy_process_group`` and a new ``init_process_group``).
+
+A rank whose limit on open files (``ulimit -n``; 1024 by default on many hosts) leaves no room for the new
+groups' connections would fail inside gloo's connect while the others wait on it until the timeout: with
+a large world the full meshes alone can pass that limit. So each rank raises its soft limit as far as
+its hard limit allows first, and reports whether it has the room; if one has not, every rank raises
+``ConfigError`` at once.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
+from .errors import ConfigError
 from .health.collective import gather_objects
 
+logger = logging.getLogger(__name__)
 TIER = "tier"
 """The local tier's copies, and its resume's exchanges (``tiers/``)."""
 VOTE = "stop-vote"
@@ -47,6 +57,10 @@ class _Kept:
     """Operations issued on it over its life, where some were left pending (equal on every rank: aligned)."""
 
 
+_FILES_PER_GROUP_BEYOND_WORLD = 3
+"""A gloo group's files per rank beyond one per rank (measured: 5, 11 and 19 at worlds 2, 8 and 16)."""
+_HEADROOM = 256
+"""Files left for the job's own use beyond the groups' (checkpoint files, loader workers' pipes)."""
 _kept: dict[str, _Kept] = {}
 _lock = threading.Lock()
 
@@ -59,13 +73,27 @@ def side_group(timeout_seconds: float) -> Any:
 def take(purposes: list[str], timeout_seconds: float) -> dict[str, Any]:
     """Every rank, at the same point (collectives on the default group): a group of every rank for each
     of ``purposes``, the one a session of this process handed back when every rank's came back clean and
-    aligned, else a new one. ``timeout_seconds`` bounds each operation on it (past it a peer is gone)."""
+    aligned, else a new one. ``timeout_seconds`` bounds each operation on it (past it a peer is gone).
+
+    Raises:
+        ConfigError: on every rank, when a rank may not open the files the new groups take.
+    """
+    world = dist.get_world_size()
     with _lock:
         mine = {p: _reusable(_kept.get(p), timeout_seconds) for p in purposes}
-    reports = gather_objects(mine, dist.get_world_size())
+    short = _room_for(sum(mark is None for mark in mine.values()) * (world + _FILES_PER_GROUP_BEYOND_WORLD))
+    reports = gather_objects((mine, short), world)
+    short_ranks = [f"rank {r}: {problem}" for r, (_, problem) in enumerate(reports) if problem]
+    if short_ranks:
+        more = f"; and {len(short_ranks) - 4} more ranks" if len(short_ranks) > 4 else ""
+        raise ConfigError(
+            "too few open files allowed for the gloo groups a session talks on beside training's (each "
+            f"takes world size + 3 per rank): {'; '.join(short_ranks[:4])}{more}. Raise the limit for the "
+            "job (`ulimit -n` in its launch script, or the scheduler's setting)."
+        )
     groups = {}
     for purpose in purposes:
-        marks = {report[purpose] for report in reports}
+        marks = {report[purpose] for report, _ in reports}
         if None in marks or len(marks) > 1:
             made = _Kept(side_group(timeout_seconds), dist.group.WORLD, timeout_seconds)
             with _lock:
@@ -85,6 +113,25 @@ def hand_back(purpose: str, group: Any, *, clean: bool, issued: int = 0) -> None
         if kept is not None and kept.group is group:
             kept.returned = clean
             kept.issued += issued
+
+
+def _room_for(files: int) -> str:
+    """What keeps this process from opening ``files`` more files (beyond those open, and ``_HEADROOM``
+    for the job's own), or "" when nothing does: its soft limit raised to what it needs if the hard
+    one allows. Linux only (elsewhere ""): the open files are counted in ``/proc/self/fd``."""
+    if not files or not os.path.isdir("/proc/self/fd"):
+        return ""
+    import resource
+
+    needed = len(os.listdir("/proc/self/fd")) + files + _HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return ""
+    if hard == resource.RLIM_INFINITY or hard >= needed:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+        logger.info("raised this process's limit on open files from %d to %d (gloo groups)", soft, needed)
+        return ""
+    return f"{needed} files needed, at most {hard} allowed (ulimit -Hn)"
 
 
 def _reusable(kept: _Kept | None, timeout_seconds: float) -> int | None:
