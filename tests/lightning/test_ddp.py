@@ -4,7 +4,6 @@ folds fitted one after another."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 
 from lightning_air import latest_checkpoint
 from tests.conftest import REPO
+from tests.held import assert_no_more_held
 from tests.lightning.test_crash_resume import run_job
 from tests.sameness import assert_same_run
 from tests.zygote import python
@@ -49,13 +49,4 @@ def test_folds_fitted_one_after_another_in_the_same_processes_hold_no_more_files
         env={**os.environ, "PYTHONPATH": REPO},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    held = {
-        (int(m[1]), int(m[2])): (int(m[3]), int(m[4]))
-        for m in re.finditer(r"rank (\d) fold (\d): (\d+) files, (\d+) threads", out.stdout)
-    }
-    assert len(held) == 8, out.stdout
-    for rank in (0, 1):
-        files = [held[rank, fold][0] for fold in range(4)]
-        threads = [held[rank, fold][1] for fold in range(4)]
-        assert files[3] <= files[1], f"rank {rank}'s open files by fold: {files}"
-        assert threads[3] <= threads[1] + 1, f"rank {rank}'s threads by fold: {threads}"
+    assert_no_more_held(out.stdout, "fold", 4)

@@ -14,6 +14,7 @@ import sys
 
 from transformers import TrainingArguments
 
+from tests import held
 from tests.transformers.job import Tokens, tiny_gpt2
 from transformers_air import AirTrainer, AirTrainerCallback
 
@@ -40,5 +41,4 @@ if __name__ == "__main__":
             local_dir=os.path.join(workdir, f"local{rank}"),
         )
         AirTrainer(tiny_gpt2(), args, callbacks=[air], train_dataset=Tokens()).train()
-        files, threads = len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
-        print(f"rank {rank} trial {trial}: {files} files, {threads} threads", flush=True)
+        held.report(rank, "trial", trial)
