@@ -21,7 +21,8 @@ on CPU through tests/accelerate/fsdp_on_cpu.py; rank 0 then also writes the full
 state at each save (saved-<step>.pt) and the full state a resume loaded (loaded.pt, with
 --dump-loaded), and final.pt holds the full weights. --samples sets the training set's size (default 64,
 a whole number of batches; another size makes each epoch's last batch short). --direct passes no
-staging_dir: the local root is written in place.
+staging_dir: the local root is written in place. --stop-together S: after a SIGTERM this rank waits S
+seconds (not 10) for the ranks to agree to stop before it stops on its own.
 """
 
 from __future__ import annotations
@@ -209,6 +210,7 @@ def main() -> None:
     p.add_argument("--die", default="", help="STEP[:RANK][:agent]: SIGKILL before that step, once")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps")
     p.add_argument("--nap", default="", help="STEP:NODE:SECONDS: that node's rank naps in that step, once")
+    p.add_argument("--stop-together", type=float, help="after a SIGTERM, seconds to wait for the ranks' vote")
     p.add_argument("--zip", action="store_true", help="a second train loader: zip(loader, second)")
     p.add_argument("--seq", action="store_true", help="a second train loader, after the first each epoch")
     p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps: batches per step")
@@ -223,6 +225,10 @@ def main() -> None:
     set_seed(0)
     if args.mlflow:
         os.environ["MLFLOW_TRACKING_URI"] = args.mlflow
+    if args.stop_together is not None:
+        from air_core.session import preemption
+
+        preemption.STOP_TOGETHER_SECONDS = args.stop_together
     accelerator = build(args)
     if args.tracker:
         accelerator.init_trackers(args.experiment)

@@ -14,11 +14,16 @@ save every 5 steps (8 steps an epoch at world 2, 16 at world 1):
 3. The job finishes at world 2.
 
 Each interrupted epoch's samples are consumed once across the world changes (growing may pad the
-epoch's last step, as Accelerate pads an epoch).
+epoch's last step, as Accelerate pads an epoch). The last test is the converse: a peer that ended by a
+SIGTERM's stop while this rank was stopping too is no lost node.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
 from collections import Counter
 from itertools import pairwise
 from pathlib import Path
@@ -27,8 +32,10 @@ import pytest
 
 from tests.accelerate.job import BATCH, N_SAMPLES
 from tests.accelerate.runs import JOB
+from tests.conftest import REPO
 from tests.sameness import records
-from tests.torchrun_nodes import lose_node_b
+from tests.torchrun_nodes import free_port, lose_node_b
+from tests.zygote import python
 
 pytestmark = pytest.mark.slow
 LOCAL_EVERY, ROOT_EVERY, DIE_BEFORE, RESUMED = 2, 5, 8, 6
@@ -129,3 +136,50 @@ def test_a_rank_whose_peer_on_another_node_was_lost_stops_at_once_instead_of_at_
     assert [first[0]["world"], alone[0]["world"]] == [2, 1], "2 -> 1 processes"
     assert min(r["step"] for r in alone) == 3, "resumed from the newest commit"
     assert (tmp_path / "final.pt").exists(), "training completed"
+
+
+def test_a_rank_stopping_on_a_sigterm_takes_a_peer_that_stopped_first_for_no_lost_peer(tmp_path):
+    """A scheduler's SIGTERM reaches both ranks of a job on two hosts (``AIR_NODE_NAME``) while each spends
+    a long step outside any collective (a handler runs between bytecodes, never inside a collective's
+    wait). No vote can come: B's rank stops on its own after its 2 s and dies of the signal, with no
+    farewell. A's rank, stopping too (it waits 10 s for the vote), must not take that end for a lost peer
+    and exit 87 (a hang in the job's goodput): it ends by its SIGTERM. The two processes are started by
+    hand, with torchrun's variables (the hang watchdog is on under torchrun), so that no agent stops one
+    when the other ends."""
+    port = free_port()
+    ranks, workdirs = [], [tmp_path / "A", tmp_path / "B"]
+    for rank, (node, wait) in enumerate((("A", "10"), ("B", "2"))):
+        env = {
+            **os.environ,
+            "PYTHONPATH": REPO,
+            "AIR_NODE_NAME": node,
+            "ACCELERATE_USE_CPU": "true",
+            "TORCHELASTIC_RUN_ID": "by-hand",
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        command = [python(), JOB, str(workdirs[rank]), "--root", str(tmp_path / "ckpts"), "--every", "3",
+                   "--nap", f"4:{node}:60", "--stop-together", wait]  # fmt: skip
+        ranks.append(
+            subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not all((w / "napped-once").exists() for w in workdirs):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ranks), "no nap came"
+            time.sleep(0.05)
+        for p in ranks:
+            p.send_signal(signal.SIGTERM)
+        outputs = [p.communicate(timeout=60)[0] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert "did not agree to stop within 2 s" in outputs[1], outputs[1][-3000:]
+    assert ranks[1].returncode == -signal.SIGTERM, outputs[1][-3000:]
+    assert "did not agree to stop within 10 s" in outputs[0], outputs[0][-3000:]
+    assert "ended without ending its training" not in outputs[0], outputs[0][-3000:]
+    assert ranks[0].returncode == -signal.SIGTERM, outputs[0][-3000:]
