@@ -81,7 +81,10 @@ def take(purposes: list[str], timeout_seconds: float) -> dict[str, Any]:
     world = dist.get_world_size()
     with _lock:
         mine = {p: _reusable(_kept.get(p), timeout_seconds) for p in purposes}
-    short = _room_for(sum(mark is None for mark in mine.values()) * (world + _FILES_PER_GROUP_BEYOND_WORLD))
+    # the groups this rank cannot reuse (a first session: all; a later one: none, unless one failed, when
+    # another rank's report may also make new the ones this rank could reuse, unchecked here)
+    new = sum(mark is None for mark in mine.values())
+    short = _room_for(new * (world + _FILES_PER_GROUP_BEYOND_WORLD))
     reports = gather_objects((mine, short), world)
     short_ranks = [f"rank {r}: {problem}" for r, (_, problem) in enumerate(reports) if problem]
     if short_ranks:
