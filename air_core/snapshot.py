@@ -125,12 +125,20 @@ class HostBuffer:
         """Move ``tensor`` into shared memory (/dev/shm), or, when that is full, make this buffer hold
         nothing from now on: its snapshots spill to the staging folder (``spill_warning`` says why), and
         /dev/shm stays to the loader workers, which pass every batch through it (one that cannot drops
-        the batch, and its loader waits forever)."""
+        the batch, and its loader waits forever).
+
+        The free space is checked first: torch before 2.9 sizes its shared file without reserving it, and
+        the copy into a full /dev/shm killed the process with SIGBUS instead of raising."""
+        want = f"no room in /dev/shm for a {tensor.numel() >> 20} MiB buffer"
+        free = _shm_free_bytes()
+        if free is not None and free < tensor.numel():
+            self.no_shared_memory = f"{want} ({free >> 20} MiB free)"
+            return False
         try:
             tensor.share_memory_()
             return True
         except RuntimeError as exc:  # PyTorch's message for ENOSPC / EFBIG from its shm allocator
-            self.no_shared_memory = f"no room in /dev/shm for a {tensor.numel() >> 20} MiB buffer ({exc})"
+            self.no_shared_memory = f"{want} ({exc})"
             return False
 
     def release(self) -> None:
@@ -138,6 +146,15 @@ class HostBuffer:
             _cuda_check(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr()), "unpin")
             self.pinned = False
         self.tensor = torch.empty(0, dtype=torch.uint8)
+
+
+def _shm_free_bytes() -> int | None:
+    """Bytes free in /dev/shm, where torch's shared memory lives on Linux (None where there is none)."""
+    try:
+        info = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return info.f_bavail * info.f_frsize
 
 
 class BufferPool:

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -208,11 +207,24 @@ def merge_parts(folder: str, shares: list[bytes]) -> bytes:
     return _complete(metadata, storage_data, folder)
 
 
+def _format_version() -> dict[str, Any]:
+    """DCP's format version for ``Metadata.version`` (torch 2.9+; older torch has neither the field nor
+    the constant, and its readers assume the one format they know)."""
+    try:
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+    except ImportError:
+        return {}
+    return {"version": CURRENT_DCP_VERSION}
+
+
+_FORMAT_VERSION = _format_version()
+
+
 def _complete(metadata: Metadata, storage_data: dict[Any, Any], folder: str) -> bytes:
     metadata = dataclasses.replace(  # a copy: a caching planner hands every save the same object
         metadata,
         storage_data=storage_data,
-        version=CURRENT_DCP_VERSION,
+        **_FORMAT_VERSION,
         storage_meta=StorageMeta(checkpoint_id=folder, save_id=uuid.uuid4().hex),
     )
     return pickle.dumps(metadata)
