@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # torch is installed first, on its own, so that CI and local machines can choose the build:
 #   make test TORCH_SPEC='torch'          # whatever pip resolves (a CUDA build on Linux from PyPI)
 #   make test TORCH_SPEC='torch==2.13.0'  # the default; on this project's machines a CPU wheel on local disk
-# The package itself only asks for torch>=2.4, so an installed build is kept.
+# The package itself only asks for torch>=2.8, so an installed build is kept.
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 

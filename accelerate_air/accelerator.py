@@ -591,11 +591,8 @@ class AirAccelerator(Accelerator):
 
 def _mapped_loads() -> contextlib.AbstractContextManager[object]:
     """``torch.load`` memory-maps by default inside: torch's documented default for ``mmap``
-    (``torch.utils.serialization.config.load.mmap``, thread-local while patched). Torch before 2.7 has no
-    such setting; loads there read the files into memory, as Accelerate does."""
-    try:
-        from torch.utils.serialization import config
-    except ImportError:
-        return contextlib.nullcontext()
+    (``torch.utils.serialization.config.load.mmap``, thread-local while patched)."""
+    from torch.utils.serialization import config
+
     patched: contextlib.AbstractContextManager[object] = config.patch("load.mmap", True)  # type: ignore[attr-defined]
     return patched

@@ -8,7 +8,7 @@ renames one fails with ``AirError`` naming the attribute, the installed and the 
 not with an ``AttributeError`` from deep inside a save; ``tests/*/test_internals.py`` checks each
 touch against the installed releases.
 
-This module's touches, checked against torch 2.13.0 and torchdata 0.11.0 (numpy 2.4.6 and fsspec
+This module's touches, checked against torch 2.8.0 to 2.14.1 and torchdata 0.11.0 (numpy 2.4.6 and fsspec
 2026.9.0 need none: ``np.random.get_bit_generator`` and ``fsspec.core.strip_protocol`` are public):
 
 - ``STORAGE_INFO``: DCP's ``_StorageInfo``, each item's extent in a ``.metadata`` (``dcp/``);
@@ -87,7 +87,7 @@ class Touch:
             raise self.broken(str(exc)) from exc
 
 
-_TORCH = "2.13.0"
+_TORCH = "2.8.0 to 2.14.1"
 _TORCHDATA = "0.11.0"
 
 STORAGE_INFO = Touch(
