@@ -127,8 +127,8 @@ class HostBuffer:
         /dev/shm stays to the loader workers, which pass every batch through it (one that cannot drops
         the batch, and its loader waits forever).
 
-        The free space is checked first: torch before 2.9 sizes its shared file without reserving it, and
-        the copy into a full /dev/shm killed the process with SIGBUS instead of raising."""
+        The free space is checked first: on torch 2.8 (and 2.6) the copy into a full /dev/shm killed the
+        process with SIGBUS instead of raising, as 2.13 does."""
         want = f"no room in /dev/shm for a {tensor.numel() >> 20} MiB buffer"
         free = _shm_free_bytes()
         if free is not None and free < tensor.numel():
