@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .health.checks import shared_memory_free
 from .internals import STORAGE_ID
 from .leftovers import from_before_this_process
 
@@ -130,7 +131,7 @@ class HostBuffer:
         The free space is checked first: on torch 2.8 (and 2.6) the copy into a full /dev/shm killed the
         process with SIGBUS instead of raising, as 2.13 does."""
         want = f"no room in /dev/shm for a {tensor.numel() >> 20} MiB buffer"
-        free = _shm_free_bytes()
+        free = shared_memory_free()  # torch's shared memory lives there too
         if free is not None and free < tensor.numel():
             self.no_shared_memory = f"{want} ({free >> 20} MiB free)"
             return False
@@ -146,15 +147,6 @@ class HostBuffer:
             _cuda_check(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr()), "unpin")
             self.pinned = False
         self.tensor = torch.empty(0, dtype=torch.uint8)
-
-
-def _shm_free_bytes() -> int | None:
-    """Bytes free in /dev/shm, where torch's shared memory lives on Linux (None where there is none)."""
-    try:
-        info = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return info.f_bavail * info.f_frsize
 
 
 class BufferPool:
