@@ -602,8 +602,14 @@ def main(argv: list[str] | None = None) -> int:
                         "k": args.k,
                         **{
                             k: result[k]
-                            for k in ("counts", "rows", "regressions", "documented", "metadata_hidden")
-                            + ("parallel_only",)
+                            for k in (
+                                "counts",
+                                "rows",
+                                "regressions",
+                                "documented",
+                                "metadata_hidden",
+                                "parallel_only",
+                            )
                         },
                         "ours_failures": {
                             t: {k: ours[t][k] for k in ("outcome", "message", "longrepr")}
