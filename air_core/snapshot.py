@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
-from .health.checks import shared_memory_free
+from .health.checks import MORE_SHARED_MEMORY, shared_memory_free
 from .internals import STORAGE_ID
 from .leftovers import from_before_this_process
 
@@ -270,8 +270,8 @@ class Snapshot:
         if self.buffer.no_shared_memory:
             return (
                 f"writer='process': {self.buffer.no_shared_memory}: every save spills to staging_dir "
-                "instead, and the training thread waits for that disk write. Give /dev/shm more room "
-                "(docker run --shm-size, a Kubernetes emptyDir with medium: Memory), or use writer='thread'."
+                "instead, and the training thread waits for that disk write. Give the job "
+                f"{MORE_SHARED_MEMORY}, or use writer='thread'."
             )
         return (
             f"host_budget_bytes={budget_bytes} is too small for this state ({self.nbytes} bytes; its "
