@@ -3,8 +3,9 @@
 Usage: torchrun --standalone --nproc-per-node N tests/health/preflight_worker.py ROOT OUT FAULT RANK
 
 FAULT (on rank RANK only): ``none``; ``full-staging`` (a 1 MiB file-size quota: the staging probe's
-write fails as on a full disk); ``slow-link`` (each send waits 100 ms first); ``clock-skew`` (the
-process's wall clock runs 5 s ahead). Each rank writes OUT/rank<r>.json: its report or its error.
+write fails as on a full disk); ``slow-link`` (each send waits 100 ms first); ``blip`` (the first 4
+sends wait 100 ms: one link's first timing on a busy host); ``clock-skew`` (the process's wall clock
+runs 5 s ahead). Each rank writes OUT/rank<r>.json: its report (every result) or its error.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ def inject(fault: str) -> None:
             return send(*args, **kwargs)
 
         dist.send = slow_send
+    elif fault == "blip":
+        send, sends = dist.send, iter(range(4))
+
+        def blip_send(*args, **kwargs):
+            if next(sends, None) is not None:
+                time.sleep(0.1)
+            return send(*args, **kwargs)
+
+        dist.send = blip_send
     elif fault == "clock-skew":
         real = time.time
         time.time = lambda: real() + 5.0
@@ -59,6 +69,7 @@ def main() -> int:
         report = session.preflight(root, parameter_bytes=1 << 20)
         assert report is not None
         record |= {"status": report.status, "seconds": report.seconds, "lines": report.lines()}
+        record |= {"results": [r.as_dict() for r in report.results]}
     except HealthCheckError as exc:
         record |= {"error": str(exc), "status": exc.report.status}
         code = 2

@@ -226,6 +226,14 @@ def test_a_slow_link_is_named_by_its_ranks_and_hosts(tmp_path):
     assert links.startswith("WARN") and f"slowest link rank 1 ({HOST}) -> rank 2 ({HOST})" in links
 
 
+def test_a_link_slow_only_at_its_first_timing_is_timed_again_and_passes(tmp_path):
+    done, ranks = _job(tmp_path, 2, "blip")  # rank 1's 4 sends of the first round wait 100 ms each
+    assert done.returncode == 0, done.stderr[-3000:]
+    links = next(r for r in ranks[0]["results"] if r["check"] == "links")
+    assert links["status"] == "ok" and links["data"]["retimed"] is True, links
+    assert links["data"]["link_seconds"]["1->0"] < 0.1, links
+
+
 def test_clock_skew_is_named(tmp_path):
     done, ranks = _job(tmp_path, 2, "clock-skew")
     assert done.returncode == 0, done.stderr[-3000:]
