@@ -11,6 +11,7 @@ It knows nothing of checkpoints or layouts.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -50,6 +51,9 @@ _UNANSWERED = {
     "ServerDisconnectedError",
 }
 """botocore/aiohttp errors of an endpoint that refused the connection or never answered."""
+_TIMEOUTS = (TimeoutError, asyncio.TimeoutError)
+"""Before Python 3.11 asyncio's timeout is not the builtin one, and fsspec's ``FSTimeoutError`` (a
+request that got no answer) derives from asyncio's."""
 PROBE_TIMEOUT_SECONDS = 5.0
 """How long each request of a probe (``Storage.probe``) may take, its backend's retries included."""
 PROBE_ATTEMPTS = 3
@@ -66,7 +70,7 @@ def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` is worth retrying: a timeout, a dropped connection, throttling or a 5xx."""
     if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError)):
         return False
-    if isinstance(exc, (TimeoutError, ConnectionError)):
+    if isinstance(exc, (*_TIMEOUTS, ConnectionError)):
         return True
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
@@ -76,7 +80,7 @@ def is_transient(exc: BaseException) -> bool:
 
 def is_unanswered(exc: BaseException | None) -> bool:
     """Whether ``exc`` says the endpoint refused the connection or did not answer in time."""
-    return isinstance(exc, (TimeoutError, ConnectionError)) or type(exc).__name__ in _UNANSWERED
+    return isinstance(exc, (*_TIMEOUTS, ConnectionError)) or type(exc).__name__ in _UNANSWERED
 
 
 def location(url: str) -> str:
@@ -561,7 +565,7 @@ def _rename_durably(tmp: str, final: str) -> None:
 
 def _describe(exc: BaseException) -> str:
     """``Type: message``; a timeout without a message (fsspec's) says what it means."""
-    text = str(exc) or ("no answer in time" if isinstance(exc, TimeoutError) else "")
+    text = str(exc) or ("no answer in time" if isinstance(exc, _TIMEOUTS) else "")
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

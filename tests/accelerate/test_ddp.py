@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import signal
+from importlib.metadata import version
 
 import pytest
+from packaging.version import Version
 
 from tests.accelerate.runs import run_job, stats, training_args
 from tests.sameness import assert_same_run, assert_tier_read_in_place
@@ -109,7 +111,12 @@ def test_sigterm_to_torchrun_with_loader_workers_stops_every_rank_after_the_save
     sigterm = ("--sigterm-before-save", "10:0:agent")
     out = run_job(tmp_path, *args, *sigterm, processes=2, check=False)
     shown = out.stderr[-3000:]
-    assert out.returncode == 128 + signal.SIGTERM, f"torchrun ends on its SIGTERM: {out.returncode} {shown}"
+    # `accelerate launch` exits 128 + the signal from 1.16 on (it needs Python 3.11); before, torchrun's
+    # SignalException ends it with 1.
+    ends = 128 + signal.SIGTERM if Version(version("accelerate")) >= Version("1.16") else 1
+    assert out.returncode == ends, f"torchrun ends on its SIGTERM: {out.returncode} {shown}"
+    if ends == 1:
+        assert f"got signal: {signal.SIGTERM:d}" in out.stderr, shown
     assert "is killed by signal" not in out.stderr, f"a loader worker died of the SIGTERM: {shown}"
     assert out.stderr.count("flushed the in-flight checkpoint (SIGTERM)") == 2, shown
     assert (tmp_path / "ckpts/.air/step-000000010/manifest.json").exists(), "step 10 committed"

@@ -16,7 +16,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 import tests.faultfs  # noqa: F401  (registers flaky://)
 from air_core import AsyncCheckpointer, ConfigError, SaveError, StorageError, download
-from air_core.storage import Storage, redact
+from air_core.storage import Storage, _describe, is_transient, is_unanswered, redact
 
 
 def _flaky_root() -> str:
@@ -209,3 +209,13 @@ def test_uploads_of_one_save_run_in_parallel_bounded_by_max_transfers(tmp_path):
     assert most == 2, f"5 files with max_transfers=2 must upload 2 at a time, saw {most} at once"
     for rel, state in files.items():
         assert torch.equal(torch.load(local.paths[rel])["w"], state["w"]), f"{rel} must round-trip"
+
+
+def test_fsspecs_timeout_is_a_request_without_an_answer_on_every_python():
+    # FSTimeoutError derives from asyncio's TimeoutError, which is not the builtin one before Python 3.11:
+    # there, an endpoint that never answers was reported without its fix (seen on 3.10).
+    from fsspec.exceptions import FSTimeoutError
+
+    exc = FSTimeoutError()
+    assert is_unanswered(exc) and is_transient(exc)
+    assert _describe(exc) == "FSTimeoutError: no answer in time"
