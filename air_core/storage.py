@@ -70,11 +70,10 @@ def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` is worth retrying: a timeout, a dropped connection, throttling or a 5xx."""
     if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError)):
         return False
-    if isinstance(exc, (*_TIMEOUTS, ConnectionError)):
-        return True
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
-    # aiohttp/botocore errors that fsspec backends let through untranslated.
+    # A timeout or dropped connection (is_unanswered), or aiohttp/botocore errors that fsspec backends let
+    # through untranslated.
     return type(exc).__name__ == "ClientPayloadError" or is_unanswered(exc)
 
 
