@@ -93,6 +93,7 @@ def worker(args: argparse.Namespace) -> None:
         log_every_n_steps=1000,
         flush_timeout_seconds=10,
         hang_timeout_seconds=60,  # a hang (none expected) costs a minute, not the 300 s floor; it is logged
+        hang_floor_seconds=60,  # in a launch's first step too
         local_every_n_steps=args.local_every or None,
         local_dir=os.path.join(args.local_dir or str(work), f"local-{work.name}-{node}")
         if args.local_every
@@ -239,6 +240,7 @@ def trainer_worker(args: argparse.Namespace) -> None:
         straggler_threshold=None,
         flush_timeout_seconds=10,
         hang_timeout_seconds=60,
+        hang_floor_seconds=60,
         local_every_n_steps=args.local_every or None,
         local_dir=os.path.join(args.local_dir or str(work), f"local-{work.name}-node")
         if args.local_every

@@ -132,6 +132,16 @@ def nap_once(workdir: str, spec: str, step: int) -> None:
         busy(float(seconds))
 
 
+def hang_timeout(spec: str, seconds: float) -> float | None:
+    """``hang_timeout_seconds`` for ``--hang STEP:RANK --hang-timeout SECONDS``: SECONDS on that rank in the
+    first launch (where it hangs), else None (the derived limit). The others wait for it in a collective;
+    the restarted launch has nothing to catch, and a stall of a loaded host past the short limit there
+    would stop it with no restart left."""
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    return seconds if int(os.environ.get("RANK", "0")) == int(spec.split(":")[1]) else None
+
+
 def busy(seconds: float) -> None:
     """Spend ``seconds`` inside a step as training would: the main thread runs Python between short waits,
     so a process-directed signal that the kernel gave another thread (the writer's, which sent it) reaches

@@ -2,10 +2,13 @@
 
 The training thread beats once per step (``beat``); a daemon thread watches the time since the last beat
 against a limit: ``timeout_seconds`` when given, else ``factor`` (10) times the 99th percentile of the
-recent step times, never under ``floor_seconds`` (the limit before any step was seen). Time the session
-spends in checkpoint saves, restores and flushes is ``paused()`` and never counts. On a hang the handler
-(``ExitOnHang``) writes every thread's stack to the log and beside the checkpoints, then calls
-``os._exit(HANG_EXIT_CODE)`` so that ``torchrun --max-restarts`` restarts the job from its newest commit.
+recent step times, never under ``floor_seconds``. Until a launch's first step ended the limit is at least
+the floor whatever ``timeout_seconds`` says: that step waits for every rank's restore, compilation and
+loader start-up, and a limit shorter than those would restart the job from the same commit forever.
+Time the session spends in checkpoint saves, restores and flushes is ``paused()`` and never counts. On a
+hang the handler (``ExitOnHang``) writes every thread's stack to the log and beside the checkpoints, then
+calls ``os._exit(HANG_EXIT_CODE)`` so that ``torchrun --max-restarts`` restarts the job from its newest
+commit.
 Key decision: exit rather than raise. A hung thread cannot be interrupted, and the other ranks block in
 their next collective; only a process exit frees them (the launcher stops them when one rank fails).
 
@@ -82,7 +85,7 @@ class Watchdog:
 
     Args:
         timeout_seconds: the limit; None: derived from the step times (see the module docstring).
-        floor_seconds: the shortest derived limit, and the limit before the first step.
+        floor_seconds: the shortest derived limit, and the shortest limit until the first step ended.
         on_hang: called once, on the watch thread, with the ``Hang`` (typically ``ExitOnHang``).
         factor: the derived limit's multiple of the 99th percentile step time.
         clock: monotonic seconds (injectable for tests).
@@ -122,7 +125,7 @@ class Watchdog:
 
     # -- training thread -------------------------------------------------------------------------
     def arm(self) -> None:
-        """Start watching: the first step is next (it gets the floor, or ``timeout_seconds``)."""
+        """Start watching: the first step is next (its limit is at least the floor)."""
         with self._lock:
             if self._armed or self._stop.is_set():
                 return
@@ -177,11 +180,14 @@ class Watchdog:
 
     # -- any thread ------------------------------------------------------------------------------
     def limit_seconds(self) -> float:
-        """The current limit: ``timeout_seconds``, or the one derived from the step times so far."""
-        if self._timeout is not None:
-            return self._timeout
+        """The current limit: ``timeout_seconds``, or the one derived from the step times so far; never
+        under the floor until this launch's first step ended (it waits for every rank's restore and
+        start-up: a rank restored from a local copy meets one still downloading in its first collective)."""
         with self._lock:
-            samples = sorted(self._durations)
+            first = self._step is None
+            samples = sorted(self._durations) if self._timeout is None else []
+        if self._timeout is not None:
+            return max(self._floor, self._timeout) if first else self._timeout
         if not samples:
             return self._floor
         p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]

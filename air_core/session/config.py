@@ -54,9 +54,10 @@ class SessionConfig:
     which can restart it; off in a notebook or a debugger."""
     hang_timeout_seconds: float | None = None
     """Seconds without progress that make a hang; checkpoint saves, restores and flushes never count.
-    None: 10 times the 99th percentile step time, at least ``hang_floor_seconds``."""
+    None: 10 times the 99th percentile step time, at least ``hang_floor_seconds``. A launch's first step
+    gets at least ``hang_floor_seconds`` either way (restores, compilation, loader start-up)."""
     hang_floor_seconds: float = 300.0
-    """The shortest derived hang timeout, and the one before the first step of a launch, in seconds."""
+    """The shortest derived hang timeout, and the shortest limit of a launch's first step, in seconds."""
     local_every_n_steps: int | None = None
     """Write a node-local checkpoint every this many optimizer steps (``air_core.tiers``), not uploaded,
     replicated to ``replication_factor - 1`` partner ranks on other nodes; the optimizer step after a local

@@ -16,9 +16,9 @@ SIGKILLs the process (of RANK, default every rank) when the save of STEP reaches
 workers the noise comes from each worker's RNG (--no-augment: none). --stock runs a plain
 Accelerator (stock save_state into WORKDIR/stock, no resume), for comparisons. --hang makes RANK sleep
 forever inside step STEP on the first launch only (a marker file), with a hang watchdog timeout of S
-seconds on that rank. --fsdp2 shards the model with Accelerate's FSDP2 plugin (sharded state dicts),
-on CPU through tests/accelerate/fsdp_on_cpu.py; rank 0 then also writes the full model and optimizer
-state at each save (saved-<step>.pt) and the full state a resume loaded (loaded.pt, with
+seconds on that rank in that launch. --fsdp2 shards the model with Accelerate's FSDP2 plugin (sharded
+state dicts), on CPU through tests/accelerate/fsdp_on_cpu.py; rank 0 then also writes the full model and
+optimizer state at each save (saved-<step>.pt) and the full state a resume loaded (loaded.pt, with
 --dump-loaded), and final.pt holds the full weights. --samples sets the training set's size (default 64,
 a whole number of batches; another size makes each epoch's last batch short). --direct passes no
 staging_dir: the local root is written in place. --stop-together S: after a SIGTERM this rank waits S
@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.utils.data import DataLoader, Dataset
 
 from tests import stalls, zygote
-from tests.kill_at import Journal, KillAt, busy, die, nap_once
+from tests.kill_at import Journal, KillAt, busy, die, hang_timeout, nap_once
 
 N_SAMPLES, DIM, BATCH = 64, 16, 4
 
@@ -97,7 +97,7 @@ def build(args):
         )
         if args.local_every
         else None,
-        **_hang_settings(args),
+        hang_timeout_seconds=hang_timeout(args.hang, args.hang_timeout),
     )
     plugin.add_listener(Journal(args.workdir))
     if args.kill:
@@ -133,13 +133,6 @@ def full_state(model, optimizer) -> dict:
         model, optimizer, options=StateDictOptions(full_state_dict=True)
     )
     return {"model": model_state, "optim": optim_state}
-
-
-def _hang_settings(args) -> dict:
-    if not args.hang:
-        return {}
-    rank = int(args.hang.split(":")[1])  # the others keep the derived limit: they wait in a collective
-    return {"hang_timeout_seconds": args.hang_timeout if int(os.environ.get("RANK", "0")) == rank else None}
 
 
 def sleep_forever_in_a_step() -> None:

@@ -61,6 +61,7 @@ def test_time_paused_in_a_save_never_counts_and_the_limit_restarts_after_it():
     dog, clock, _ = _watchdog(timeout=10.0)
     dog.arm()
     try:
+        dog.beat(1)
         clock.now += 9.0
         with dog.paused():
             with dog.paused():  # nested: a flush inside a save
@@ -85,6 +86,36 @@ def test_never_fires_before_arm_or_after_close():
     assert dog.check() is None, "closed: the launch ended"
     dog.arm()
     assert dog.check() is None, "a closed watchdog stays closed"
+
+
+def test_a_launchs_first_step_gets_at_least_the_floor_whatever_the_timeout():
+    """It waits for every rank's restore and start-up: a shorter limit would restart from the same commit
+    forever. From the first step's end on, the timeout counts."""
+    dog, clock, _ = _watchdog(timeout=3.0, floor=300.0)
+    dog.arm()
+    try:
+        assert dog.limit_seconds() == 300.0, "before the first step ended: the floor"
+        clock.now += 200.0
+        dog.beat()  # an evaluation batch before any step: progress, still no step ended
+        clock.now += 250.0
+        assert dog.check() is None, "a first step of 450 s with progress inside it is no hang"
+        clock.now += 60.0
+        hang = dog.check()
+        assert hang is not None and hang.step is None and hang.limit_seconds == 300.0, hang
+    finally:
+        dog.close()
+    dog, clock, _ = _watchdog(timeout=3.0, floor=300.0)
+    dog.arm()
+    try:
+        clock.now += 299.0
+        dog.beat(1)
+        assert dog.limit_seconds() == 3.0, "the first step ended: the timeout"
+        clock.now += 3.5
+        assert dog.check() is not None, "the second step is held to the timeout"
+    finally:
+        dog.close()
+    dog, _, _ = _watchdog(timeout=900.0, floor=300.0)
+    assert dog.limit_seconds() == 900.0, "a timeout over the floor holds from the start"
 
 
 def test_derived_limit_is_ten_times_the_p99_step_time_with_a_floor():

@@ -15,7 +15,8 @@ LightningDataModule (datamodule). Each process appends the sample ids and the au
 of every step to WORKDIR/ids-rank<R>.jsonl and, at the end, rank 0 writes the final weights to
 WORKDIR/final.pt. --kill SIGKILLs the process (of RANK, default every rank) when the save of STEP
 reaches PHASE. --hang makes RANK sleep forever inside step STEP on the first launch only (a marker
-file), with a hang watchdog timeout of S on that rank (run it under torchrun, which restarts it).
+file), with a hang watchdog timeout of S on that rank in that launch (run it under torchrun, which
+restarts it).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 from lightning_air import NEWEST, AirCallback, AirCheckpointIO, latest_checkpoint
 from tests import stalls
-from tests.kill_at import Journal, KillAt, die, nap_once
+from tests.kill_at import Journal, KillAt, die, hang_timeout, nap_once
 from tests.lightning.model import ManualModel, Model, NumberedData, ValidatedModel, make_loader
 
 
@@ -171,7 +172,7 @@ def main() -> None:
                 mlflow=bool(args.mlflow),
                 mlflow_experiment=args.experiment,
                 elastic=args.elastic,
-                hang_timeout_seconds=_hang_timeout(args),
+                hang_timeout_seconds=hang_timeout(args.hang, args.hang_timeout),
                 local_every_n_steps=args.local_every or None,
                 local_dir=os.path.join(args.workdir, "local-" + os.environ.get("AIR_NODE_NAME", "node"))
                 if args.local_every
@@ -229,13 +230,6 @@ class DieOnce(pl.Callback):
         if trainer.global_step + 1 == self.step and not os.path.exists(self.marker):
             open(self.marker, "w").close()
             die(agent=bool(self.node), children=together)
-
-
-def _hang_timeout(args: argparse.Namespace) -> float | None:
-    """Only the hanging rank gets the short limit: the others wait for it in a collective."""
-    if not args.hang:
-        return None
-    return args.hang_timeout if int(os.environ.get("RANK", "0")) == int(args.hang.split(":")[1]) else None
 
 
 if __name__ == "__main__":
