@@ -50,8 +50,14 @@ def arm(workdir: str, seconds: float = DEFAULT_SECONDS) -> None:
 
 
 def shown(workdir: str | Path, args: tuple[str, ...], out: subprocess.CompletedProcess) -> str:
-    """A failing job's message: its arguments and exit code, every non-empty stall file in ``workdir``,
-    then the tail of its stderr."""
-    found = [f for f in sorted(Path(workdir).glob("stalled-*.txt")) if f.stat().st_size]
+    """A failing job's message: its arguments and exit code, each rank's exits under torchrun (rank,
+    restart, status), the first line of each hang report (which launch, rank and step stopped), every
+    non-empty stall file in ``workdir``, then the tail of its stderr."""
+    root = Path(workdir)
+    exits = root / "rank-exits.txt"
+    head = f"--- rank restart exit:\n{exits.read_text()}" if exits.exists() else ""
+    head += "".join(f"--- {f.name}: {f.read_text(errors='replace').split(chr(10), 1)[0]}\n"
+                    for f in sorted(root.glob("**/.air-events/hang-*.txt")))  # fmt: skip
+    found = [f for f in sorted(root.glob("stalled-*.txt")) if f.stat().st_size]
     files = "".join(f"--- {f.name}:\n{f.read_text(errors='replace')}\n" for f in found)
-    return f"({args}): rc={out.returncode}\n{files}{out.stderr[-12000:]}"
+    return f"({args}): rc={out.returncode}\n{head}{files}{out.stderr[-12000:]}"
