@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from ..layout import hang_record_path, hang_stacks_path
 from .checks import shared_memory_free
-from .loader_workers import FORK_HINT, loader_workers
+from .loader_workers import fork_hint, loader_workers
 
 logger = logging.getLogger(__name__)
 
@@ -328,8 +328,8 @@ class ExitOnHang:
             workers = loader_workers()
             if workers:
                 header += f" Its loader workers: {'; '.join(w.describe() for w in workers)}."
-            if any(w.syscall == "futex" for w in workers):
-                header += f" {FORK_HINT}"
+            if hint := fork_hint(workers):
+                header += f" {hint}"
         event: dict[str, object] = {"e": "hang", "launch": self._launch_id, "rank": self._rank, "host": host}
         event |= {"s": hang.step, "t": hang.time, "since": hang.seconds, "limit": hang.limit_seconds}
         if hang.lost:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import AirError, ConfigError
+from ..health.loader_workers import warn_of_fork_deadlock
 from . import elastic
 from .config import SessionConfig
 from .elastic import Layout, layout_of
@@ -85,6 +86,8 @@ class Positions:
             training=training,
         )
         self._loaders.append(tracked)
+        if self.rank == 0:
+            warn_of_fork_deadlock(loader, self.config.owner)
         if tracked.counters is not None and tracked.counters not in self.records.counters:
             self.records.counters.append(tracked.counters)  # a data cache's hits, misses, wait, bytes
         if self._pending is not None:

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import platform
 import re
 import threading
@@ -17,9 +18,10 @@ import pytest
 from torch.utils.data import DataLoader, Dataset
 
 from air_core import ConfigError
-from air_core.health.loader_workers import loader_workers
+from air_core.health import loader_workers as workers_module
+from air_core.health.loader_workers import fork_deadlock_fix, forks_workers, loader_workers
 from air_core.health.watchdog import HANG_EXIT_CODE, ExitOnHang, Hang, Watchdog, dump_stacks, restart_hazard
-from air_core.session import SessionConfig
+from air_core.session import SessionConfig, TrainingSession
 from air_core.session.goodput import analyze, read_events
 from air_core.session.report import measure_lines, measures
 from air_core.storage import Storage
@@ -322,6 +324,87 @@ def test_a_loader_worker_stuck_on_a_lock_held_at_its_fork_is_named_with_the_fix(
         for worker in iterator._workers:
             worker.terminate()  # stuck for good: its loader's shutdown would wait 5 s for it first
         iterator._shutdown_workers()
+
+
+_STUCK_IN_FORK = threading.Event()
+
+
+def _stay_in_fork() -> None:
+    """As CPython gh-112275 leaves a forked child: asleep on a lock before any code of its own ran."""
+    if _STUCK_IN_FORK.is_set():
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()
+
+
+os.register_at_fork(after_in_child=_stay_in_fork)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="futex's number not known")
+def test_a_worker_stuck_inside_its_fork_is_named_with_the_python_release_that_fixes_it(caplog, monkeypatch):
+    """Such a worker keeps the training process's name (it never became ``pt_data_worker``): the report
+    lists it, and on a Python with gh-112275 names the release to upgrade to."""
+    _STUCK_IN_FORK.set()
+    try:
+        iterator = iter(DataLoader(range(4), num_workers=1, timeout=5, multiprocessing_context="fork"))
+    finally:
+        _STUCK_IN_FORK.clear()
+    try:
+        (worker,) = iterator._workers
+        deadline = time.monotonic() + 30
+        while not [w for w in loader_workers() if w.pid == worker.pid and w.syscall == "futex"]:
+            assert time.monotonic() < deadline, f"the worker never waited on the lock: {loader_workers()}"
+            time.sleep(0.05)
+        (state,) = [w for w in loader_workers() if w.pid == worker.pid]
+        assert not state.started and "before its loop started" in state.describe(), state
+        fetching = threading.Thread(target=_fetch_until_the_timeout, args=(iterator,))
+        fetching.start()
+        while "_try_get_data" not in dump_stacks():
+            assert time.monotonic() < deadline, "the thread never waited for the batch"
+            time.sleep(0.05)
+        headers = []
+        for fix in ("3.10.15", None):
+            monkeypatch.setattr(workers_module, "fork_deadlock_fix", lambda fix=fix: fix)
+            caplog.clear()
+            with caplog.at_level(logging.ERROR, logger="air_core.health.watchdog"):
+                ExitOnHang(who="Test", rank=0, launch_id="x" * 32, exit=lambda code: None)(
+                    Hang(12.5, 10.0, 3, time.time(), fetching.ident)
+                )
+            headers.append(caplog.records[0].getMessage().split("\n", 1)[0])
+        affected, fixed = headers
+        assert f"{worker.pid} asleep on a lock (futex) before its loop started" in affected, affected
+        assert "gh-112275" in affected and "Use Python 3.10.15 or later" in affected, affected
+        assert "gh-112275" not in fixed and "multiprocessing_context='forkserver'" in fixed, fixed
+        fetching.join()
+    finally:
+        for worker in iterator._workers:
+            worker.kill()  # stuck for good
+        iterator._shutdown_workers()
+
+
+def test_gh_112275_is_named_for_the_pythons_that_have_it_once_per_process_for_forked_workers(
+    caplog, monkeypatch
+):
+    assert fork_deadlock_fix((3, 10, 13)) == "3.10.15" and fork_deadlock_fix((3, 11, 7)) == "3.11.10"
+    assert fork_deadlock_fix((3, 10, 15)) is None and fork_deadlock_fix((3, 11, 10)) is None
+    assert fork_deadlock_fix((3, 12, 0)) is None and fork_deadlock_fix((3, 13, 0)) is None
+    assert forks_workers(DataLoader(range(4), num_workers=2, multiprocessing_context="fork"))
+    assert not forks_workers(DataLoader(range(4), num_workers=2, multiprocessing_context="forkserver"))
+    assert not forks_workers(DataLoader(range(4))), "no workers, no fork"
+    monkeypatch.setattr(workers_module, "fork_deadlock_fix", lambda: "3.10.15")
+    monkeypatch.setattr(workers_module, "_warned", [])
+    session = TrainingSession(SessionConfig(mlflow=False, owner="AirPlugin"))
+    with caplog.at_level(logging.WARNING, logger="air_core.health.loader_workers"):
+        session.positions.track(DataLoader(range(4), num_workers=2, multiprocessing_context="forkserver"),
+                                epoch=lambda: 0)  # fmt: skip
+        assert not caplog.records, "workers started without fork cannot deadlock in it"
+        for _ in range(2):
+            session.positions.track(DataLoader(range(4), num_workers=2, multiprocessing_context="fork"),
+                                    epoch=lambda: 0)  # fmt: skip
+    (warning,) = caplog.records
+    text = warning.getMessage()
+    assert text.startswith("AirPlugin: this Python") and "gh-112275" in text, text
+    assert "Use Python 3.10.15 or later" in text and "multiprocessing_context='forkserver'" in text, text
 
 
 def test_exit_on_hang_exits_even_when_the_storage_hangs():
