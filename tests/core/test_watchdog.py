@@ -295,23 +295,30 @@ def _fetch_until_the_timeout(iterator: Any) -> None:
         next(iterator)
 
 
+def _asleep_and_waited_for(iterator: Any) -> tuple[Any, threading.Thread]:
+    """Once ``iterator``'s one worker sleeps on a lock: its ``WorkerState``, and a thread waiting in the
+    loader for its batch (until the loader's timeout)."""
+    (process,) = iterator._workers
+    deadline = time.monotonic() + 30
+    while not (asleep := [w for w in loader_workers() if w.pid == process.pid and w.syscall == "futex"]):
+        assert time.monotonic() < deadline, f"the worker never waited on the lock: {loader_workers()}"
+        time.sleep(0.05)
+    fetching = threading.Thread(target=_fetch_until_the_timeout, args=(iterator,))
+    fetching.start()
+    while "_try_get_data" not in dump_stacks():
+        assert time.monotonic() < deadline, "the thread never waited for the batch"
+        time.sleep(0.05)
+    return asleep[0], fetching
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="futex's number not known")
 def test_a_loader_worker_stuck_on_a_lock_held_at_its_fork_is_named_with_the_fix(caplog):
     """What hung this suite's loaders: a worker forked while another thread held a lock waits forever."""
     with _HELD_AT_FORK:
         iterator = iter(DataLoader(_Locked(), num_workers=1, timeout=5))
     try:
-        (worker,) = iterator._workers
-        deadline = time.monotonic() + 30
-        while not [w for w in loader_workers() if w.pid == worker.pid and w.syscall == "futex"]:
-            assert time.monotonic() < deadline, f"the worker never waited on the lock: {loader_workers()}"
-            time.sleep(0.05)
+        worker, fetching = _asleep_and_waited_for(iterator)
         assert str(worker.pid) in "".join(w.describe() for w in loader_workers())
-        fetching = threading.Thread(target=_fetch_until_the_timeout, args=(iterator,))
-        fetching.start()
-        while "_try_get_data" not in dump_stacks():
-            assert time.monotonic() < deadline, "the thread never waited for the batch"
-            time.sleep(0.05)
         with caplog.at_level(logging.ERROR, logger="air_core.health.watchdog"):
             ExitOnHang(who="Test", rank=0, launch_id="x" * 32, exit=lambda code: None)(
                 Hang(12.5, 10.0, 3, time.time(), fetching.ident)
@@ -321,8 +328,8 @@ def test_a_loader_worker_stuck_on_a_lock_held_at_its_fork_is_named_with_the_fix(
         assert "multiprocessing_context='forkserver'" in header, "the fix is named"
         fetching.join()
     finally:
-        for worker in iterator._workers:
-            worker.terminate()  # stuck for good: its loader's shutdown would wait 5 s for it first
+        for process in iterator._workers:
+            process.terminate()  # stuck for good: its loader's shutdown would wait 5 s for it first
         iterator._shutdown_workers()
 
 
@@ -350,18 +357,8 @@ def test_a_worker_stuck_inside_its_fork_is_named_with_the_python_release_that_fi
     finally:
         _STUCK_IN_FORK.clear()
     try:
-        (worker,) = iterator._workers
-        deadline = time.monotonic() + 30
-        while not [w for w in loader_workers() if w.pid == worker.pid and w.syscall == "futex"]:
-            assert time.monotonic() < deadline, f"the worker never waited on the lock: {loader_workers()}"
-            time.sleep(0.05)
-        (state,) = [w for w in loader_workers() if w.pid == worker.pid]
-        assert not state.started and "before its loop started" in state.describe(), state
-        fetching = threading.Thread(target=_fetch_until_the_timeout, args=(iterator,))
-        fetching.start()
-        while "_try_get_data" not in dump_stacks():
-            assert time.monotonic() < deadline, "the thread never waited for the batch"
-            time.sleep(0.05)
+        worker, fetching = _asleep_and_waited_for(iterator)
+        assert not worker.started and "before its loop started" in worker.describe(), worker
         headers = []
         for fix in ("3.10.15", None):
             monkeypatch.setattr(workers_module, "fork_deadlock_fix", lambda fix=fix: fix)
@@ -377,8 +374,8 @@ def test_a_worker_stuck_inside_its_fork_is_named_with_the_python_release_that_fi
         assert "gh-112275" not in fixed and "multiprocessing_context='forkserver'" in fixed, fixed
         fetching.join()
     finally:
-        for worker in iterator._workers:
-            worker.kill()  # stuck for good
+        for process in iterator._workers:
+            process.kill()  # stuck for good
         iterator._shutdown_workers()
 
 
