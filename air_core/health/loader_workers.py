@@ -69,8 +69,8 @@ def warn_of_fork_deadlock(loader: Any, owner: str) -> None:
     logger.warning(
         "%s: this Python (%s) can deadlock a DataLoader worker inside its fork (CPython gh-112275): "
         "a collective's thread that enters Python as the worker is forked leaves it asleep for good, and "
-        "its loader waits forever for the batch (the hang watchdog then restarts the job after its "
-        "limit). Use Python %s or later, or DataLoader(multiprocessing_context='forkserver').",
+        "its loader waits forever for the batch (under torchrun the hang watchdog restarts the job after "
+        "its limit). Use Python %s or later, or DataLoader(multiprocessing_context='forkserver').",
         owner,
         platform.python_version(),
         fix,
