@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from . import liveness
 
-STATE, PARENT, USER_TICKS, SYSTEM_TICKS, START_TICKS = 0, 1, 11, 12, 19
-"""Indexes into ``stat``'s fields: state (``R``, ``S``, ...), parent pid, user and system CPU time and the
-start time after boot (clock ticks)."""
+STATE, PARENT, USER_TICKS, SYSTEM_TICKS, THREADS, START_TICKS = 0, 1, 11, 12, 17, 19
+"""Indexes into ``stat``'s fields: state (``R``, ``S``, ...), parent pid, user and system CPU time, the
+number of threads and the start time after boot (clock ticks)."""
 
 
 def stat(pid: int | str = "self") -> tuple[str, list[str]] | None:

@@ -106,8 +106,8 @@ class WorkerState:
 
 def loader_workers(parent: int | None = None) -> list[WorkerState]:
     """The DataLoader workers whose parent is ``parent`` (default: this process), in pid order, with any
-    child still a copy of it (its name and command line: forked, no worker loop yet); empty where
-    ``/proc`` cannot be read."""
+    child still a copy of it (its name and command line, one thread: forked, no worker loop yet); empty
+    where ``/proc`` cannot be read."""
     parent = os.getpid() if parent is None else parent
     ticks = os.sysconf("SC_CLK_TCK")
     own = procfs.stat(parent)
@@ -126,8 +126,9 @@ def loader_workers(parent: int | None = None) -> list[WorkerState]:
         if int(fields[procfs.PARENT]) != parent:
             continue
         started = name == WORKER_NAME
-        if not started and (name != own[0] or _cmdline(pid) != _cmdline(parent)):
-            continue  # another child: a spawned or exec'd process, a renamed one
+        copy = fields[procfs.THREADS] == "1" and name == own[0] and _cmdline(pid) == _cmdline(parent)
+        if not started and not copy:
+            continue  # another child: spawned or exec'd, renamed, or one that started threads of its own
         cpu = (int(fields[procfs.USER_TICKS]) + int(fields[procfs.SYSTEM_TICKS])) / ticks
         found.append(WorkerState(pid, fields[procfs.STATE], _syscall(pid), cpu, started))
     return found

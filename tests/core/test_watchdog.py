@@ -10,6 +10,7 @@ import logging
 import os
 import platform
 import re
+import signal
 import threading
 import time
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader, Dataset
 
-from air_core import ConfigError
+from air_core import ConfigError, procfs
 from air_core.health import loader_workers as workers_module
 from air_core.health.loader_workers import fork_deadlock_fix, forks_workers, loader_workers
 from air_core.health.watchdog import HANG_EXIT_CODE, ExitOnHang, Hang, Watchdog, dump_stacks, restart_hazard
@@ -295,6 +296,19 @@ def _fetch_until_the_timeout(iterator: Any) -> None:
         next(iterator)
 
 
+def _end_stuck_workers(iterator: Any) -> None:
+    """Kill ``iterator``'s workers (stuck for good: its shutdown would wait 5 s for each first) with
+    SIGCHLD held back until it forgot them, or torch's SIGCHLD handler raises in this thread."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        for process in iterator._workers:
+            process.kill()
+            process.join()
+        iterator._shutdown_workers()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+
+
 def _asleep_and_waited_for(iterator: Any) -> tuple[Any, threading.Thread]:
     """Once ``iterator``'s one worker sleeps on a lock: its ``WorkerState``, and a thread waiting in the
     loader for its batch (until the loader's timeout)."""
@@ -328,9 +342,7 @@ def test_a_loader_worker_stuck_on_a_lock_held_at_its_fork_is_named_with_the_fix(
         assert "multiprocessing_context='forkserver'" in header, "the fix is named"
         fetching.join()
     finally:
-        for process in iterator._workers:
-            process.terminate()  # stuck for good: its loader's shutdown would wait 5 s for it first
-        iterator._shutdown_workers()
+        _end_stuck_workers(iterator)
 
 
 _STUCK_IN_FORK = threading.Event()
@@ -374,9 +386,30 @@ def test_a_worker_stuck_inside_its_fork_is_named_with_the_python_release_that_fi
         assert "gh-112275" not in fixed and "multiprocessing_context='forkserver'" in fixed, fixed
         fetching.join()
     finally:
-        for process in iterator._workers:
-            process.kill()  # stuck for good
-        iterator._shutdown_workers()
+        _end_stuck_workers(iterator)
+
+
+def _threads_then_sleep() -> None:
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    time.sleep(60)
+
+
+def test_a_forked_child_that_started_threads_of_its_own_is_no_loader_worker():
+    """A copy of the training process that runs (a rank ``ddp_fork`` started, a pool's worker with
+    threads) is not taken for a loader worker stuck in its fork: that one has the forking thread only."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=_threads_then_sleep, daemon=True)
+    child.start()
+    try:
+        deadline = time.monotonic() + 30
+        while (read := procfs.stat(child.pid)) is None or read[1][procfs.THREADS] != "2":
+            assert time.monotonic() < deadline, f"the child never started its thread: {read}"
+            time.sleep(0.05)
+        assert child.pid not in [w.pid for w in loader_workers()], loader_workers()
+    finally:
+        child.kill()
+        child.join()
 
 
 def test_gh_112275_is_named_for_the_pythons_that_have_it_once_per_process_for_forked_workers(
