@@ -96,7 +96,7 @@ class AirCallback(Callback):
             from its newest commit. None: on when started by torchrun.
         hang_timeout_seconds: seconds without a training batch ending (or a validation batch) that make
             a hang; saves, loads and flushes never count. None: 10 times the 99th percentile step time,
-            at least ``hang_floor_seconds`` (300: also the limit before the first step is seen).
+            at least ``hang_floor_seconds`` (300: also the shortest limit of a launch's first step).
         local_every_n_steps: also checkpoint every this many optimizer steps to ``local_dir`` on this node
             (not uploaded; ``ModelCheckpoint``'s saves are unchanged), copied to ``replication_factor - 1``
             ranks of other nodes before the next optimizer step (at most this many steps lost). Sharded

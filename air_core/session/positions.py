@@ -72,7 +72,8 @@ class Positions:
         ``TrackedLoader``'s.
 
         A position restored before the loader was tracked applies now (the loaders are matched by the
-        order in which they are tracked).
+        order in which they are tracked). Rank 0 warns once when the loader forks its workers on a Python
+        with CPython's fork deadlock (``health.loader_workers.warn_of_fork_deadlock``).
         """
         tracked = TrackedLoader(
             loader,
