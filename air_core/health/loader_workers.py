@@ -62,10 +62,11 @@ def forks_workers(loader: Any) -> bool:
 
 def warn_of_fork_deadlock(loader: Any, owner: str) -> None:
     """Log once per process when ``loader`` forks its workers on a Python with gh-112275."""
+    global _warned
     fix = fork_deadlock_fix()
     if fix is None or _warned or not forks_workers(loader):
         return
-    _warned.append(owner)
+    _warned = True
     logger.warning(
         "%s: this Python (%s) can deadlock a DataLoader worker inside its fork (CPython gh-112275): "
         "a collective's thread that enters Python as the worker is forked leaves it asleep for good, and "
@@ -77,7 +78,8 @@ def warn_of_fork_deadlock(loader: Any, owner: str) -> None:
     )
 
 
-_warned: list[str] = []
+_warned = False
+"""Whether ``warn_of_fork_deadlock`` warned in this process."""
 
 
 @dataclass(frozen=True)
@@ -111,13 +113,14 @@ def loader_workers(parent: int | None = None) -> list[WorkerState]:
     parent = os.getpid() if parent is None else parent
     ticks = os.sysconf("SC_CLK_TCK")
     own = procfs.stat(parent)
-    found: list[WorkerState] = []
     try:
         pids = sorted(int(n) for n in os.listdir("/proc") if n.isdigit())
     except OSError:
         return []
     if own is None:
         return []
+    own_cmdline = _cmdline(parent)
+    found: list[WorkerState] = []
     for pid in pids:
         read = procfs.stat(pid)
         if read is None:  # gone meanwhile
@@ -126,7 +129,7 @@ def loader_workers(parent: int | None = None) -> list[WorkerState]:
         if int(fields[procfs.PARENT]) != parent:
             continue
         started = name == WORKER_NAME
-        copy = fields[procfs.THREADS] == "1" and name == own[0] and _cmdline(pid) == _cmdline(parent)
+        copy = fields[procfs.THREADS] == "1" and name == own[0] and _cmdline(pid) == own_cmdline
         if not started and not copy:
             continue  # another child: spawned or exec'd, renamed, or one that started threads of its own
         cpu = (int(fields[procfs.USER_TICKS]) + int(fields[procfs.SYSTEM_TICKS])) / ticks

@@ -422,7 +422,7 @@ def test_gh_112275_is_named_for_the_pythons_that_have_it_once_per_process_for_fo
     assert not forks_workers(DataLoader(range(4), num_workers=2, multiprocessing_context="forkserver"))
     assert not forks_workers(DataLoader(range(4))), "no workers, no fork"
     monkeypatch.setattr(workers_module, "fork_deadlock_fix", lambda: "3.10.15")
-    monkeypatch.setattr(workers_module, "_warned", [])
+    monkeypatch.setattr(workers_module, "_warned", False)
     session = TrainingSession(SessionConfig(mlflow=False, owner="AirPlugin"))
     with caplog.at_level(logging.WARNING, logger="air_core.health.loader_workers"):
         session.positions.track(DataLoader(range(4), num_workers=2, multiprocessing_context="forkserver"),
