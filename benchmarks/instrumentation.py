@@ -1,8 +1,9 @@
 """What the per-step instrumentation costs the training thread, in microseconds per step.
 
 Measures, each over many steps in this process: ``Recorder.record_fetch`` + ``record_step`` (a window
-of 50 steps published to ``MlflowSink.log``, whose background thread talks to nobody here),
-``MlflowSink.log`` alone, and the ``TrackedLoader`` proxy against the bare ``DataLoader``: with
+of 50 steps published to a session's journaled ``MlflowSink.log``, whose background thread talks to
+nobody here), ``MlflowSink.log`` alone (with and without the node-local journal a session's sink
+keeps), and the ``TrackedLoader`` proxy against the bare ``DataLoader``: with
 ``num_workers=0`` (lookahead 0 as Lightning, lookahead 1 as Accelerate: the case that also records the
 RNG before each fetch) and with 2 workers (each batch comes back with its worker's RNG state, which the
 proxy unwraps and keeps). Also the cost of one ``position()`` (taken once per save, not per batch).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import pickle
 import socket
+import tempfile
 import time
 
 import torch
@@ -37,7 +39,12 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens: the sink's thread retries, the loop must not notice
-    sink = MlflowSink(tracking_uri=f"http://127.0.0.1:{port}", retries=0)
+    import mlflow  # noqa: F401  (here, first: the sinks' threads would import it during the measurements)
+
+    journal = tempfile.TemporaryDirectory()
+    uri = f"http://127.0.0.1:{port}"
+    sink = MlflowSink(tracking_uri=uri, retries=0, journal_dir=journal.name)  # as a session's
+    unjournaled = MlflowSink(tracking_uri=uri, retries=0)
 
     def recorder(n: int) -> None:
         r = Recorder(log_every_n_steps=50)
@@ -46,9 +53,12 @@ def main() -> None:
             r.record_fetch(1e-4)
             r.record_step(step)
 
-    def sink_only(n: int) -> None:
+    def sink_only(n: int, sink: MlflowSink = unjournaled) -> None:
         for step in range(n):
             sink.log({"fetch_seconds": 1e-4}, step)
+
+    def journaled(n: int) -> None:
+        sink_only(n, sink)
 
     data = TensorDataset(torch.arange(args.steps))
 
@@ -77,6 +87,7 @@ def main() -> None:
     rows = {
         "Recorder (fetch + step, windows to MLflow)": best(recorder),
         "MlflowSink.log, one metric": best(sink_only),
+        "  journaled (a session's sink)": best(journaled),
     }
     overhead = {}
     for workers, lookahead in ((0, 0), (0, 1), (2, 0)):
@@ -85,6 +96,8 @@ def main() -> None:
         rows[f"  in TrackedLoader (workers {workers}, lookahead {lookahead})"] = wrapped
         overhead[f"TrackedLoader overhead, workers {workers}, lookahead {lookahead}"] = wrapped - plain
     sink.close(timeout_seconds=1)
+    unjournaled.close(timeout_seconds=1)
+    journal.cleanup()
     tracked_loader = TrackedLoader(loader(2), epoch=lambda: 0)
     it = iter(tracked_loader)
     for _ in range(100):
@@ -107,11 +120,10 @@ def main() -> None:
     with_state = pickle.dumps(Carried(batch, 0, _worker_rng()), protocol=pickle.HIGHEST_PROTOCOL)
     alone = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
     keeper = TrackedLoader(loader(2), epoch=lambda: 0)
-    keeper._by_worker = {0: None, 1: None}  # type: ignore[dict-item]
 
     def carried(n: int) -> None:
         for _ in range(n):
-            keeper._took_from_worker(pickle.loads(with_state))
+            keeper._unwrap(pickle.loads(with_state))
 
     def plain(n: int) -> None:
         for _ in range(n):

@@ -28,8 +28,6 @@ goodput = productive / wall.
 from __future__ import annotations
 
 import bisect
-import contextlib
-import errno
 import json
 import logging
 import os
@@ -41,9 +39,12 @@ from typing import Any
 from .. import procfs
 from ..events import DeleteRecord, RestoreRecord, SaveRecord
 from ..layout import EVENTS_DIR, is_hang_record
-from ..storage import Storage, remove_emptied
+from ..storage import Storage
+from .journal import Journal, take_up
 
 logger = logging.getLogger(__name__)
+_SUFFIX = ".jsonl"
+"""A launch's node-local journal is ``<journal_dir>/<launch>.jsonl``."""
 JOURNAL = "rank-00000-journal.jsonl"
 """A launch's whole log, put at the root from its node-local journal after the launch died (read instead
 of the launch's segments)."""
@@ -101,7 +102,9 @@ class GoodputLog:
         self._closing = threading.Event()
         self._wake = threading.Event()
         self._warned = False
-        self._journal = Journal.start(journal_dir, self._name) if journal_dir else None
+        self._journal = (
+            Journal.start(journal_dir, self._name + _SUFFIX, what="goodput log") if journal_dir else None
+        )
         self._append({"e": "start", "t": started, "launch": launch_id, "world": world_size})
         self._thread = threading.Thread(target=self._run, name="air-goodput", daemon=True)
         self._thread.start()
@@ -234,98 +237,18 @@ class GoodputLog:
                 )
 
 
-class Journal:
-    """Rank 0's node-local copy of its launch's log: every event appended as it happens, locked while the
-    launch lives, removed once the log is all at the root (``GoodputLog``)."""
-
-    _live: set[str] = set()
-    """This process's open journals (a POSIX lock does not keep out the process that holds it)."""
-
-    def __init__(self, path: str, fd: int) -> None:
-        self.path, self._fd = path, fd
-        Journal._live.add(path)
-
-    @classmethod
-    def start(cls, folder: str, name: str) -> Journal | None:
-        """The journal of launch ``name`` in ``folder`` (None, logged, where it cannot be written; None on
-        a system without POSIX locks)."""
-        try:
-            import fcntl
-        except ImportError:
-            return None
-        path = os.path.join(folder, f"{name}.jsonl")
-        fd = -1
-        try:
-            os.makedirs(folder, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
-            # A POSIX lock: released when this process dies, and not held by its forks (loader workers).
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if fd >= 0:
-                os.close(fd)
-            logger.warning(
-                "goodput log: no journal at %s (%s): a killed launch loses its last events", path, exc
-            )
-            return None
-        return cls(path, fd)
-
-    def append(self, line: str) -> bool:
-        """Append one event; False (the journal removed, logged) where the write failed: a journal with a
-        gap would be read instead of the segments."""
-        try:
-            os.write(self._fd, (line + "\n").encode())
-            return True
-        except OSError as exc:
-            logger.warning("goodput log: the journal %s stopped (%s)", self.path, exc)
-            self.close(remove=True)
-            return False
-
-    def close(self, *, remove: bool) -> None:
-        """Close it; with ``remove``, delete it, then its folder and the node's folder of this root above
-        it where they are left empty (each launch of a root made them: one pair per root on the node
-        for good, thousands in a test run's temp folder)."""
-        Journal._live.discard(self.path)
-        if remove:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
-            folder = os.path.dirname(self.path)  # not removed where another launch's journal, a cache or
-            remove_emptied(folder, below=os.path.dirname(os.path.dirname(folder)))  # spill files stay
-        os.close(self._fd)
-
-
 def put_journals(storage: Storage, folder: str) -> int:
     """Put at the root the journal of every dead launch of this root in ``folder`` (this node's), as its
-    launch's ``JOURNAL``, and remove it; return how many are still locked (a live launch's, or one whose
-    process is still exiting). One whose launch has no segment at the root is not this root's (the root
-    was removed since) and is dropped."""
-    import fcntl  # journals exist only where ``Journal.start`` could import it
+    launch's ``JOURNAL``, and remove it; return how many are still locked (``journal.take_up``). One whose
+    launch has no segment at the root is not this root's (the root was removed since) and is dropped."""
 
-    try:
-        names = sorted(n for n in os.listdir(folder) if n.endswith(".jsonl"))
-    except OSError:
-        return 0
-    locked = 0
-    for name in names:
-        path = os.path.join(folder, name)
-        if path in Journal._live:
-            continue
-        try:
-            with open(path, "r+b") as f:
-                try:
-                    fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as exc:
-                    if exc.errno in (errno.EACCES, errno.EAGAIN):
-                        locked += 1
-                        continue
-                    raise
-                launch = f"{EVENTS_DIR}/{name.removesuffix('.jsonl')}"
-                if storage.sizes(launch):
-                    storage.write_bytes(f"{launch}/{JOURNAL}", f.read())
-                    logger.info("goodput log: put %s's events from this node's journal", launch)
-                os.unlink(path)
-        except Exception as exc:  # the next launch tries again
-            logger.warning("goodput log: could not put the journal %s at the root: %s", path, exc)
-    return locked
+    def put(name: str, data: bytes) -> None:
+        launch = f"{EVENTS_DIR}/{name.removesuffix(_SUFFIX)}"
+        if storage.sizes(launch):
+            storage.write_bytes(f"{launch}/{JOURNAL}", data)
+            logger.info("goodput log: put %s's events from this node's journal", launch)
+
+    return take_up(folder, _SUFFIX, put, what="goodput log")
 
 
 def read_events(storage: Storage) -> list[list[dict[str, Any]]]:

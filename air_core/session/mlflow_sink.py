@@ -9,12 +9,20 @@ is full the newest metrics are dropped, also with one warning. ``tag()`` keeps t
 each tag (a few: one per straggling host) for the next send. Nothing raises into the loop.
 ``close()`` sends what is left within a bound and abandons the thread after it.
 
+With ``journal_dir`` (the session's node-local folder of the root), what ``log()`` queues is also
+appended to a journal there (``journal.py``: no fsync, a killed process's lines survive), one file per
+send: once its metrics are sent, or given up on, the sender removes it. So a launch that is SIGKILLed,
+runs out of memory or crashes in C code loses none of the metrics it logged, not the last
+``flush_every_seconds`` of them, which tell what happened just before: the next launch whose rank 0 runs
+on that node sends them to their run (``_take_up``), as the goodput log's journal does for its events.
+
 MLflow is imported lazily, on the sender thread. Without ``MLFLOW_TRACKING_URI`` the default is a
 local sqlite database (``sqlite:///<cwd>/mlflow.db``), never MLflow's ``./mlruns`` file store.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -25,9 +33,14 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .journal import Journal, take_up
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _BATCH = 1000  # MLflow's limit of metrics per log_batch
+_SUFFIX = ".mlflow"
+"""A sink's journals are ``<journal_dir>/<start time>-<id>-<send>.mlflow``: a header line naming the run,
+then a line per ``log`` call, the list of its metrics as ``[key, value, timestamp ms, step]``."""
 RUN_KEY_TAG = "air.run_key"
 """The tag naming a run the sink created, by a key known before the run exists (``MlflowSink.run_key``)."""
 _NEVER_REACHED_SECONDS = 5.0
@@ -42,8 +55,10 @@ def default_tracking_uri() -> str:
 
 def active_run_id() -> str | None:
     """The caller's active MLflow run, if MLflow is already in use in this process (no import)."""
-    mlflow = sys.modules.get("mlflow")
-    run = mlflow.active_run() if mlflow is not None else None
+    # ``getattr``: another thread (a sink's sender) may be importing mlflow this very moment, and a module
+    # half imported has no ``active_run`` yet (no run is active then: nothing could have started one).
+    active_run = getattr(sys.modules.get("mlflow"), "active_run", None)
+    run = active_run() if active_run is not None else None
     return run.info.run_id if run is not None else None
 
 
@@ -65,6 +80,8 @@ class MlflowSink:
         retries: attempts per batch before it is dropped.
         end_run: mark the run finished (or failed) at ``close``: set when the caller owns the run (not a
             framework logger's), so a finished job's run does not stay RUNNING.
+        journal_dir: a node-local folder for the journal of what is not sent yet (None: none); the
+            journals that dead sinks left there are sent to their runs first.
     """
 
     def __init__(
@@ -80,6 +97,7 @@ class MlflowSink:
         max_queued: int = 200_000,
         retries: int = 3,
         end_run: bool = False,
+        journal_dir: str | None = None,
     ) -> None:
         self._run_id = run_id or active_run_id()
         self._known = self._run_id is not None
@@ -102,6 +120,15 @@ class MlflowSink:
         self._warned: set[str] = set()
         self.sent = 0
         self.dropped = 0
+        self.taken_up = 0
+        """Metrics sent from the journals of sinks that died before they sent them."""
+        self._journal_dir = journal_dir
+        self._journal_name = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
+        self._journals = 0
+        self._journal_lock = threading.Lock()
+        """Held by ``log`` around a queue put and its journal line, and by the sender to swap journals:
+        what one drain takes is exactly what the journal it swaps out holds."""
+        self._journal = self._next_journal()
         self._thread = threading.Thread(target=self._run, name="air-mlflow", daemon=True)
         self._thread.start()
 
@@ -113,14 +140,21 @@ class MlflowSink:
         return self._run_id if self._known or self._ready.is_set() else None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Queue ``metrics`` at ``step``; never blocks, never raises."""
+        """Queue ``metrics`` at ``step`` (and journal them); never waits on MLflow, never raises."""
         now = int(time.time() * 1000)
-        for key, value in metrics.items():
-            try:
-                self._queue.put_nowait((key, float(value), now, step))
-            except queue.Full:
-                self.dropped += 1
-                self._warn_once("full", "MLflow is not keeping up: dropping new metrics until it does")
+        queued = []
+        with self._journal_lock:
+            for key, value in metrics.items():
+                item = (key, float(value), now, step)
+                try:
+                    self._queue.put_nowait(item)
+                except queue.Full:
+                    self.dropped += 1
+                    self._warn_once("full", "MLflow is not keeping up: dropping new metrics until it does")
+                    continue
+                queued.append(item)
+            if queued and self._journal is not None and not self._journal.append(json.dumps(queued)):
+                self._journal = None
 
     def tag(self, key: str, value: str) -> None:
         """Set the run's tag ``key`` to ``value`` with the next batch; never blocks, never raises."""
@@ -148,9 +182,11 @@ class MlflowSink:
     # -- the sender thread ---------------------------------------------------------------------
     def _run(self) -> None:
         client = self._connect()
+        if client is not None and self._journal_dir is not None:
+            take_up(self._journal_dir, _SUFFIX, lambda name, data: self._take_up(client, data), what="MLflow")
         while True:
             closing = self._closing.wait(self._every)
-            batch = self._drain()
+            batch, journal = self._swap(closing)
             with self._tags_lock:
                 tags, self._tags = self._tags, {}
             if tags and client is not None:
@@ -160,6 +196,8 @@ class MlflowSink:
                 if client is None or not self._send(client, chunk):
                     self.dropped += len(chunk) + len(batch)
                     break
+            if journal is not None:  # its metrics are sent, or given up on
+                journal.close(remove=True)
             if closing:
                 if client is not None and self._end_run:
                     self._retrying(
@@ -206,20 +244,81 @@ class MlflowSink:
 
         return self._retrying(connect, f"cannot reach MLflow at {self._tracking_uri}")
 
-    def _keyed_run(self, client: Any, exp_id: str) -> str | None:
-        """The id of the run created under ``run_key`` by an earlier launch, if there is one."""
+    def _keyed_run(self, client: Any, exp_id: str, run_key: str | None = None) -> str | None:
+        """The id of the run created under ``run_key`` (this sink's) by an earlier launch, if there is one."""
         runs = client.search_runs(
-            [exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self.run_key}'", max_results=1
+            [exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key or self.run_key}'", max_results=1
         )
         return runs[0].info.run_id if runs else None
 
-    def _drain(self) -> list[tuple[str, float, int, int]]:
-        items = []
-        while True:
+    def _next_journal(self) -> Journal | None:
+        """A new journal file, its header naming the run (None without a journal folder)."""
+        if self._journal_dir is None:
+            return None
+        name = f"{self._journal_name}-{self._journals:06d}{_SUFFIX}"
+        self._journals += 1
+        journal = Journal.start(self._journal_dir, name, what="MLflow")
+        header = {"run_id": self.run_id, "run_key": self.run_key, "experiment": self._experiment}
+        header |= {"run_name": self._run_name, "tracking_uri": self._tracking_uri}
+        return journal if journal is not None and journal.append(json.dumps(header)) else None
+
+    def _swap(self, closing: bool) -> tuple[list[tuple[str, float, int, int]], Journal | None]:
+        """Everything queued, and the journal that holds exactly that, to remove once it is sent: a fresh
+        journal takes its place (none once ``closing``). No journal to remove where none could be opened,
+        or a metric came in after the check: the journal stays, sent lines and all, until the next swap
+        (a metric sent twice is stored once)."""
+        fresh = None if closing or self._queue.empty() else self._next_journal()
+        with self._journal_lock:
+            items = []
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if fresh is None and not closing:
+                return items, None
+            old, self._journal = self._journal, fresh
+        return items, old
+
+    def _take_up(self, client: Any, data: bytes) -> None:
+        """Send the metrics of a dead sink's journal to its run (the rest of ``take_up``'s contract)."""
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric
+
+        head, *lines = data.decode().splitlines()
+        header = json.loads(head)
+        metrics: list[Metric] = []
+        for n, line in enumerate(lines):
             try:
-                items.append(self._queue.get_nowait())
-            except queue.Empty:
-                return items
+                metrics.extend(Metric(*item) for item in json.loads(line))
+            except (ValueError, TypeError):
+                if n < len(lines) - 1:
+                    raise
+                logger.debug("MLflow journal: the last line was cut short: %r", line)
+        if header["tracking_uri"] != self._tracking_uri:
+            client = MlflowClient(tracking_uri=header["tracking_uri"])
+        run_id = self._run_of(client, header)
+        for start in range(0, len(metrics), _BATCH):
+            client.log_batch(run_id, metrics=metrics[start : start + _BATCH], synchronous=True)
+        self.taken_up += len(metrics)
+        logger.info(
+            "MLflow: sent %d metric(s) that a killed launch had logged to run %s", len(metrics), run_id
+        )
+
+    def _run_of(self, client: Any, header: dict[str, Any]) -> str:
+        """The run a journal's metrics go to: the one its header names, the one made under its key (this
+        sink's, or an earlier launch's), else a new one under its key (the dead sink never made it)."""
+        if header["run_id"]:
+            return str(header["run_id"])
+        if header["run_key"] == self.run_key and self._run_id is not None:
+            return self._run_id
+        found = client.get_experiment_by_name(header["experiment"])
+        exp_id = found.experiment_id if found else client.create_experiment(header["experiment"])
+        return self._keyed_run(client, exp_id, header["run_key"]) or str(
+            client.create_run(
+                exp_id, run_name=header["run_name"], tags={RUN_KEY_TAG: header["run_key"]}
+            ).info.run_id
+        )
 
     def _send(self, client: Any, chunk: list[tuple[str, float, int, int]]) -> bool:
         from mlflow.entities import Metric

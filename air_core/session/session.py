@@ -587,11 +587,13 @@ class TrainingSession:
         self.positions.start()
         if self.rank == 0 and self._measure and self.config.mlflow and self._sink is None:
             run_id = mlflow_run_id or self.positions.resumed_run
+            journal = os.path.join(self._ckpt.local_dir, JOURNAL_DIR) if self._ckpt is not None else None
             self._sink = MlflowSink(
                 run_id=run_id,
                 run_key=self.positions.resumed_run_key,
                 experiment=self.config.mlflow_experiment,
                 end_run=run_is_ours,
+                journal_dir=journal,
             )
             self.records.attach(self._sink.log, self._sink.tag)
             self.health.log_preflight(self._sink)

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import logging
+import signal
 import socket
+import subprocess
 import time
+import uuid
+
+import pytest
 
 from air_core.session import MlflowSink, SessionConfig, TrainingSession
 from air_core.session.mlflow_sink import RUN_KEY_TAG
+from tests.conftest import REPO
+from tests.zygote import python
 
 
 def test_metrics_and_params_land_with_their_steps(mlflow_server):
@@ -163,3 +170,90 @@ def test_tags_land_with_the_latest_value_of_each_key(mlflow_server):
     sink.close(timeout_seconds=60)
     tags = MlflowClient(tracking_uri=mlflow_server.uri).get_run(sink.run_id).data.tags
     assert tags["straggler.node-a"] == "step 16: rank 1" and tags["straggler.node-b"] == "step 16: rank 3"
+
+
+_KILLED_SINK = """
+import os, signal, sys, time
+from air_core.session import MlflowSink
+uri, journal, run_key, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+sink = MlflowSink(tracking_uri=uri, experiment="sink-journal", run_key=run_key, journal_dir=journal,
+                  flush_every_seconds=600)  # nothing is sent before the kill
+for step in range(1, steps + 1):
+    sink.log({"loss": 1.0 / step, "fetch_seconds": 0.001 * step}, step)
+print("ready", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _killed_sink(uri: str, journal, run_key: str, steps: int) -> None:
+    argv = [python(), "-c", _KILLED_SINK, uri, str(journal), run_key, str(steps)]
+    p = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    assert p.wait(60) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("resumed", [True, False], ids=["resumed-same-run", "new-run"])
+def test_a_killed_sinks_metrics_reach_its_run_through_the_next_sink_on_the_node(
+    mlflow_server, tmp_path, resumed
+):
+    """SIGKILLed before its sender sent anything, a sink's metrics are in its node-local journal; the next
+    sink given that folder sends them to the run they were logged for: its own run when it resumed the
+    killed one (the checkpoint's key), else the killed sink's run, made under its key."""
+    from mlflow import MlflowClient
+
+    journal = tmp_path / "node" / ".air-journal"
+    killed_key = uuid.uuid4().hex
+    _killed_sink(mlflow_server.uri, journal, killed_key, steps=30)
+    assert [p.suffix for p in journal.iterdir()] == [".mlflow"]
+    sink = MlflowSink(
+        tracking_uri=mlflow_server.uri,
+        experiment="sink-journal",
+        run_key=killed_key if resumed else None,
+        journal_dir=str(journal),
+    )
+    sink.log({"loss": 0.5}, 31)
+    sink.close(timeout_seconds=60)
+    assert sink.taken_up == 60 and sink.dropped == 0
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    exp = client.get_experiment_by_name("sink-journal")
+    (killed_run,) = client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{killed_key}'"
+    )
+    loss = sorted((m.step, m.value) for m in client.get_metric_history(killed_run.info.run_id, "loss"))
+    fetch = sorted(
+        (m.step, m.value) for m in client.get_metric_history(killed_run.info.run_id, "fetch_seconds")
+    )
+    assert fetch == [(s, 0.001 * s) for s in range(1, 31)]
+    assert loss == [(s, 1.0 / s) for s in range(1, 31)] + ([(31, 0.5)] if resumed else [])
+    assert (sink.run_id == killed_run.info.run_id) is resumed
+    assert not journal.exists(), "each journal goes once its metrics are sent, the emptied folder with them"
+
+
+def test_a_live_sink_keeps_only_what_it_has_not_sent_in_its_journal(mlflow_server, tmp_path):
+    """One journal file per send: a sent one is removed, so the node-local folder holds at most the
+    metrics since the last send, and nothing once the sink closed."""
+    journal = tmp_path / ".air-journal"
+    sink = MlflowSink(tracking_uri=mlflow_server.uri, journal_dir=str(journal), flush_every_seconds=0.05)
+    for step in range(1, 201):
+        sink.log({"x": float(step)}, step)
+        time.sleep(0.002)
+    deadline = time.monotonic() + 60
+    while sink.sent < 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    files = list(journal.iterdir())
+    lines = sum(len(p.read_text().splitlines()) - 1 for p in files)  # less each one's header
+    assert sink.sent == 200 and len(files) <= 1 and lines == 0, [p.read_text() for p in files]
+    sink.close(timeout_seconds=60)
+    assert not journal.exists()
+
+
+def test_a_sink_made_while_another_thread_imports_mlflow_does_not_raise(monkeypatch):
+    """A sink's sender imports mlflow on its own thread; a second sink made meanwhile (a notebook's next
+    ``fit``) looked for the caller's active run in the half-imported module and raised AttributeError."""
+    import sys
+    import types
+
+    from air_core.session.mlflow_sink import active_run_id
+
+    monkeypatch.setitem(sys.modules, "mlflow", types.ModuleType("mlflow"))  # as a half-done import leaves it
+    assert active_run_id() is None

@@ -28,6 +28,9 @@ def test_metrics_land_in_the_mlflow_loggers_run_and_a_resumed_fit_continues_it(t
     run_id = live[0].info.run_id
     assert _steps(client, run_id, "loss"), "the MLFlowLogger logs into the same run"
     assert set(range(6, 49)) <= set(_steps(client, run_id, "fetch_seconds")), "every step of the relaunch"
+    # The killed launch's steps (1-10) too: SIGKILLed before its sender's next send, it left them in its
+    # node-local journal, which the relaunch's sink sent to the run.
+    assert set(range(1, 11)) <= set(_steps(client, run_id, "fetch_seconds")), "the killed launch's steps"
     assert _steps(client, run_id, "fetch_seconds_p95")[-1] == 48, "the last, partial window is published"
     assert set(_steps(client, run_id, "checkpoint_blocking_seconds")) >= set(range(10, 46, 5))
     assert _steps(client, run_id, "restore_seconds") == [5]
