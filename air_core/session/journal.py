@@ -82,8 +82,10 @@ def take_up(folder: str, suffix: str, take: Callable[[str, bytes], None], *, wha
     """Hand every dead journal of ``folder`` whose name ends with ``suffix`` to ``take(name, contents)``,
     in name order, and remove it once ``take`` returned; return how many are still locked (a live
     launch's, or one whose process is still exiting). One that ``take`` fails on stays for a later try."""
-    import fcntl  # journals exist only where ``Journal.start`` could import it
-
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks: ``Journal.start`` made no journal
+        return 0
     try:
         names = sorted(n for n in os.listdir(folder) if n.endswith(suffix))
     except OSError:

@@ -14,6 +14,7 @@ import pytest
 from air_core.session import MlflowSink, SessionConfig, TrainingSession
 from air_core.session.mlflow_sink import RUN_KEY_TAG
 from tests.conftest import REPO
+from tests.core.test_goodput import _wait_unlocked
 from tests.zygote import python
 
 
@@ -190,6 +191,8 @@ def _killed_sink(uri: str, journal, run_key: str, steps: int) -> None:
     p = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stdout.readline() == "ready\n"
     assert p.wait(60) == -signal.SIGKILL
+    for dead in journal.iterdir():
+        _wait_unlocked(dead)  # the launcher may return before the child's exit has closed every file
 
 
 @pytest.mark.parametrize("resumed", [True, False], ids=["resumed-same-run", "new-run"])
@@ -237,12 +240,15 @@ def test_a_live_sink_keeps_only_what_it_has_not_sent_in_its_journal(mlflow_serve
     for step in range(1, 201):
         sink.log({"x": float(step)}, step)
         time.sleep(0.002)
-    deadline = time.monotonic() + 60
-    while sink.sent < 200 and time.monotonic() < deadline:
+
+    def unsent() -> tuple[int, list[str]]:  # the journal files, and the metric lines they hold
+        files = [p.read_text() for p in journal.iterdir()]
+        return len(files), [line for text in files for line in text.splitlines()[1:]]  # less each header
+
+    deadline = time.monotonic() + 60  # the sender removes a file just after its send counted
+    while (sink.sent < 200 or unsent()[0] > 1 or unsent()[1]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    files = list(journal.iterdir())
-    lines = sum(len(p.read_text().splitlines()) - 1 for p in files)  # less each one's header
-    assert sink.sent == 200 and len(files) <= 1 and lines == 0, [p.read_text() for p in files]
+    assert sink.sent == 200 and unsent()[0] <= 1 and unsent()[1] == [], unsent()
     sink.close(timeout_seconds=60)
     assert not journal.exists()
 
