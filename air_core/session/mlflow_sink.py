@@ -284,6 +284,7 @@ class MlflowSink:
         """Send the metrics of a dead sink's journal to its run (the rest of ``take_up``'s contract)."""
         from mlflow import MlflowClient
         from mlflow.entities import Metric
+        from mlflow.exceptions import MlflowException
 
         head, *lines = data.decode().splitlines()
         header = json.loads(head)
@@ -298,8 +299,14 @@ class MlflowSink:
         if header["tracking_uri"] != self._tracking_uri:
             client = MlflowClient(tracking_uri=header["tracking_uri"])
         run_id = self._run_of(client, header)
-        for start in range(0, len(metrics), _BATCH):
-            client.log_batch(run_id, metrics=metrics[start : start + _BATCH], synchronous=True)
+        try:
+            for start in range(0, len(metrics), _BATCH):
+                client.log_batch(run_id, metrics=metrics[start : start + _BATCH], synchronous=True)
+        except MlflowException as exc:  # a run deleted since, or not there: no later try can do better
+            if exc.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                raise  # a server down or busy: the journal stays for the next launch
+            logger.warning("MLflow: dropped %d metric(s) a killed launch had logged: %s", len(metrics), exc)
+            return
         self.taken_up += len(metrics)
         logger.info(
             "MLflow: sent %d metric(s) that a killed launch had logged to run %s", len(metrics), run_id

@@ -176,9 +176,9 @@ def test_tags_land_with_the_latest_value_of_each_key(mlflow_server):
 _KILLED_SINK = """
 import os, signal, sys, time
 from air_core.session import MlflowSink
-uri, journal, run_key, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+uri, journal, run_key, steps, run_id = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 sink = MlflowSink(tracking_uri=uri, experiment="sink-journal", run_key=run_key, journal_dir=journal,
-                  flush_every_seconds=600)  # nothing is sent before the kill
+                  run_id=run_id or None, flush_every_seconds=600)  # nothing is sent before the kill
 for step in range(1, steps + 1):
     sink.log({"loss": 1.0 / step, "fetch_seconds": 0.001 * step}, step)
 print("ready", flush=True)
@@ -186,8 +186,8 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def _killed_sink(uri: str, journal, run_key: str, steps: int) -> None:
-    argv = [python(), "-c", _KILLED_SINK, uri, str(journal), run_key, str(steps)]
+def _killed_sink(uri: str, journal, run_key: str, steps: int, run_id: str = "") -> None:
+    argv = [python(), "-c", _KILLED_SINK, uri, str(journal), run_key, str(steps), run_id]
     p = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stdout.readline() == "ready\n"
     assert p.wait(60) == -signal.SIGKILL
@@ -230,6 +230,27 @@ def test_a_killed_sinks_metrics_reach_its_run_through_the_next_sink_on_the_node(
     assert loss == [(s, 1.0 / s) for s in range(1, 31)] + ([(31, 0.5)] if resumed else [])
     assert (sink.run_id == killed_run.info.run_id) is resumed
     assert not journal.exists(), "each journal goes once its metrics are sent, the emptied folder with them"
+
+
+def test_a_killed_sinks_metrics_for_a_run_deleted_since_are_dropped_once_with_a_warning(
+    mlflow_server, tmp_path, caplog
+):
+    """A journal whose run is gone can never be sent: it is dropped, not warned about at every launch."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    exp = client.get_experiment_by_name("sink-journal") or client.get_experiment(
+        client.create_experiment("sink-journal")
+    )
+    run_id = client.create_run(exp.experiment_id).info.run_id
+    journal = tmp_path / ".air-journal"
+    _killed_sink(mlflow_server.uri, journal, uuid.uuid4().hex, steps=3, run_id=run_id)
+    client.delete_run(run_id)
+    with caplog.at_level(logging.WARNING, logger="air_core.session.mlflow_sink"):
+        sink = MlflowSink(tracking_uri=mlflow_server.uri, experiment="sink-journal", journal_dir=str(journal))
+        sink.close(timeout_seconds=60)
+    assert sink.taken_up == 0 and not journal.exists()
+    assert any("dropped 6 metric(s)" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_a_live_sink_keeps_only_what_it_has_not_sent_in_its_journal(mlflow_server, tmp_path):
