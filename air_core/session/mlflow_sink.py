@@ -182,10 +182,11 @@ class MlflowSink:
     # -- the sender thread ---------------------------------------------------------------------
     def _run(self) -> None:
         client = self._connect()
-        if client is not None and self._journal_dir is not None:
-            take_up(self._journal_dir, _SUFFIX, lambda name, data: self._take_up(client, data), what="MLflow")
+        locked = self._take_up_dead(client)
         while True:
             closing = self._closing.wait(self._every)
+            if locked:  # a launch still ending (its lock goes when its process is gone)
+                locked = self._take_up_dead(client)
             batch, journal = self._swap(closing)
             with self._tags_lock:
                 tags, self._tags = self._tags, {}
@@ -279,6 +280,12 @@ class MlflowSink:
                 return items, None
             old, self._journal = self._journal, fresh
         return items, old
+
+    def _take_up_dead(self, client: Any) -> int:
+        """Send what the dead sinks' journals in this sink's folder hold; how many are still locked."""
+        if client is None or self._journal_dir is None:
+            return 0
+        return take_up(self._journal_dir, _SUFFIX, lambda _, data: self._take_up(client, data), what="MLflow")
 
     def _take_up(self, client: Any, data: bytes) -> None:
         """Send the metrics of a dead sink's journal to its run (the rest of ``take_up``'s contract)."""

@@ -182,17 +182,25 @@ sink = MlflowSink(tracking_uri=uri, experiment="sink-journal", run_key=run_key, 
 for step in range(1, steps + 1):
     sink.log({"loss": 1.0 / step, "fetch_seconds": 0.001 * step}, step)
 print("ready", flush=True)
+if sys.argv[6:] == ["stay"]:
+    time.sleep(600)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def _killed_sink(uri: str, journal, run_key: str, steps: int, run_id: str = "") -> None:
-    argv = [python(), "-c", _KILLED_SINK, uri, str(journal), run_key, str(steps), run_id]
+def _killed_sink(
+    uri: str, journal, run_key: str, steps: int, run_id: str = "", *, stay: bool = False
+) -> subprocess.Popen:
+    """A sink in another process that logged ``steps`` steps and was SIGKILLed (``stay``: still lives)."""
+    argv = [python(), "-c", _KILLED_SINK, uri, str(journal), run_key, str(steps), run_id, *(["stay"] * stay)]
     p = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    if stay:
+        return p
     assert p.wait(60) == -signal.SIGKILL
     for dead in journal.iterdir():
         _wait_unlocked(dead)  # the launcher may return before the child's exit has closed every file
+    return p
 
 
 @pytest.mark.parametrize("resumed", [True, False], ids=["resumed-same-run", "new-run"])
@@ -230,6 +238,33 @@ def test_a_killed_sinks_metrics_reach_its_run_through_the_next_sink_on_the_node(
     assert loss == [(s, 1.0 / s) for s in range(1, 31)] + ([(31, 0.5)] if resumed else [])
     assert (sink.run_id == killed_run.info.run_id) is resumed
     assert not journal.exists(), "each journal goes once its metrics are sent, the emptied folder with them"
+
+
+def test_a_live_sinks_journal_is_left_to_it_and_taken_up_once_its_process_is_gone(mlflow_server, tmp_path):
+    """A journal is locked while its process lives: another sink on the node leaves it alone, and takes it
+    up at a later send once that process has died (a launch still ending when the next one started)."""
+    journal = tmp_path / ".air-journal"
+    live = _killed_sink(mlflow_server.uri, journal, uuid.uuid4().hex, steps=5, stay=True)
+    try:
+        sink = MlflowSink(
+            tracking_uri=mlflow_server.uri,
+            experiment="sink-journal",
+            journal_dir=str(journal),
+            flush_every_seconds=0.1,
+        )
+        sink.log({"x": 1.0}, 1)
+        deadline = time.monotonic() + 60
+        while sink.sent < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sink.sent == 1 and sink.taken_up == 0, "a live process's journal is its own"
+    finally:
+        live.kill()
+        live.wait()
+    deadline = time.monotonic() + 60
+    while sink.taken_up < 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sink.close(timeout_seconds=60)
+    assert sink.taken_up == 10 and not journal.exists()
 
 
 def test_a_killed_sinks_metrics_for_a_run_deleted_since_are_dropped_once_with_a_warning(
