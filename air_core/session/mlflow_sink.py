@@ -62,6 +62,17 @@ def active_run_id() -> str | None:
     return run.info.run_id if run is not None else None
 
 
+def _keyed_run(client: Any, experiment: str, run_key: str, run_name: str | None) -> str:
+    """The id of the run made under ``run_key`` in ``experiment`` (by an earlier launch), else of a new one
+    made under it now (the experiment too, if it is new)."""
+    found = client.get_experiment_by_name(experiment)
+    exp_id = found.experiment_id if found else client.create_experiment(experiment)
+    runs = client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
+    if runs:
+        return str(runs[0].info.run_id)
+    return str(client.create_run(exp_id, run_name=run_name, tags={RUN_KEY_TAG: run_key}).info.run_id)
+
+
 class MlflowSink:
     """Non-blocking MLflow logging for one run (rank 0 only).
 
@@ -225,14 +236,7 @@ class MlflowSink:
 
             client = MlflowClient(tracking_uri=self._tracking_uri)
             if self._run_id is None:
-                found = client.get_experiment_by_name(self._experiment)
-                exp_id = found.experiment_id if found else client.create_experiment(self._experiment)
-                self._run_id = (
-                    self._keyed_run(client, exp_id)
-                    or client.create_run(
-                        exp_id, run_name=self._run_name, tags={RUN_KEY_TAG: self.run_key}
-                    ).info.run_id
-                )
+                self._run_id = _keyed_run(client, self._experiment, self.run_key, self._run_name)
             else:
                 client.get_run(self._run_id)  # it must exist
             if self._params:
@@ -244,13 +248,6 @@ class MlflowSink:
             return client
 
         return self._retrying(connect, f"cannot reach MLflow at {self._tracking_uri}")
-
-    def _keyed_run(self, client: Any, exp_id: str, run_key: str | None = None) -> str | None:
-        """The id of the run created under ``run_key`` (this sink's) by an earlier launch, if there is one."""
-        runs = client.search_runs(
-            [exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key or self.run_key}'", max_results=1
-        )
-        return runs[0].info.run_id if runs else None
 
     def _next_journal(self) -> Journal | None:
         """A new journal file, its header naming the run (None without a journal folder)."""
@@ -326,13 +323,7 @@ class MlflowSink:
             return str(header["run_id"])
         if header["run_key"] == self.run_key and self._run_id is not None:
             return self._run_id
-        found = client.get_experiment_by_name(header["experiment"])
-        exp_id = found.experiment_id if found else client.create_experiment(header["experiment"])
-        return self._keyed_run(client, exp_id, header["run_key"]) or str(
-            client.create_run(
-                exp_id, run_name=header["run_name"], tags={RUN_KEY_TAG: header["run_key"]}
-            ).info.run_id
-        )
+        return _keyed_run(client, header["experiment"], header["run_key"], header["run_name"])
 
     def _send(self, client: Any, chunk: list[tuple[str, float, int, int]]) -> bool:
         from mlflow.entities import Metric
